@@ -1,0 +1,55 @@
+#include "cross_entropy.h"
+
+#include <limits>
+
+#include "../kernels/activation.h"
+
+namespace dpcuda {
+namespace cpu {
+
+template <typename T>
+void cross_entropy_rows(const T* logits, const int64_t* labels, T* loss, T* grad,
+                        int64_t row_begin, int64_t row_end, int64_t classes, double scale,
+                        double label_smoothing, int64_t ignore_index) {
+  const T s = static_cast<T>(scale);
+  const T eps = static_cast<T>(label_smoothing);
+  const T eps_per_class = eps / static_cast<T>(classes);
+  for (int64_t r = row_begin; r < row_end; ++r) {
+    const T* z = logits + r * classes;
+    T* g = grad ? grad + r * classes : nullptr;
+    const int64_t y = labels[r];
+    if (y == ignore_index) {
+      loss[r] = T(0);
+      if (g) {
+        for (int64_t c = 0; c < classes; ++c) g[c] = T(0);
+      }
+      continue;
+    }
+    // One pass for the max and the sum of the logits, one for the sum of exponentials.
+    T zmax = -std::numeric_limits<T>::infinity();
+    T zsum = T(0);
+    for (int64_t c = 0; c < classes; ++c) {
+      zmax = z[c] > zmax ? z[c] : zmax;
+      zsum += z[c];
+    }
+    T sumexp = T(0);
+    for (int64_t c = 0; c < classes; ++c) sumexp += math_exp(z[c] - zmax);
+    const T lse = zmax + math_log(sumexp);
+    loss[r] = s * (lse - (T(1) - eps) * z[y] - eps_per_class * zsum);
+    if (g) {
+      const T inv = T(1) / sumexp;
+      for (int64_t c = 0; c < classes; ++c) {
+        g[c] = s * (math_exp(z[c] - zmax) * inv - eps_per_class);
+      }
+      g[y] -= s * (T(1) - eps);
+    }
+  }
+}
+
+template void cross_entropy_rows<float>(const float*, const int64_t*, float*, float*, int64_t,
+                                        int64_t, int64_t, double, double, int64_t);
+template void cross_entropy_rows<double>(const double*, const int64_t*, double*, double*,
+                                         int64_t, int64_t, int64_t, double, double, int64_t);
+
+}  // namespace cpu
+}  // namespace dpcuda

@@ -1,0 +1,83 @@
+#include "fused_linear.h"
+
+namespace dpcuda {
+namespace cpu {
+namespace {
+
+template <typename T, Activation A>
+void forward_rows(T* out, T* pre, const T* bias, int64_t row_begin, int64_t row_end,
+                  int64_t cols) {
+  for (int64_t r = row_begin; r < row_end; ++r) {
+    T* row = out + r * cols;
+    T* pre_row = pre ? pre + r * cols : nullptr;
+    for (int64_t c = 0; c < cols; ++c) {
+      const T z = bias ? row[c] + bias[c] : row[c];
+      if (pre_row) pre_row[c] = z;
+      row[c] = activate<T>(A, z);
+    }
+  }
+}
+
+template <typename T, Activation A>
+void backward_rows(const T* grad_out, const T* saved, T* grad_pre, T* bias_partial,
+                   int64_t row_begin, int64_t row_end, int64_t cols) {
+  for (int64_t r = row_begin; r < row_end; ++r) {
+    const T* go = grad_out + r * cols;
+    if (grad_pre) {
+      const T* s = saved + r * cols;
+      T* g = grad_pre + r * cols;
+      for (int64_t c = 0; c < cols; ++c) g[c] = go[c] * activation_grad<T>(A, s[c]);
+      if (bias_partial) {
+        for (int64_t c = 0; c < cols; ++c) bias_partial[c] += g[c];
+      }
+    } else if (bias_partial) {
+      for (int64_t c = 0; c < cols; ++c) bias_partial[c] += go[c];
+    }
+  }
+}
+
+}  // namespace
+
+template <typename T>
+void bias_activation_forward(T* out, T* pre, const T* bias, int64_t row_begin, int64_t row_end,
+                             int64_t cols, Activation act) {
+  with_activation(act, [&](auto a) {
+    forward_rows<T, decltype(a)::value>(out, pre, bias, row_begin, row_end, cols);
+  });
+}
+
+template <typename T>
+void activation_backward_rows(const T* grad_out, const T* saved, T* grad_pre, T* bias_partial,
+                              int64_t row_begin, int64_t row_end, int64_t cols, Activation act) {
+  if (bias_partial) {
+    for (int64_t c = 0; c < cols; ++c) bias_partial[c] = T(0);
+  }
+  with_activation(act, [&](auto a) {
+    backward_rows<T, decltype(a)::value>(grad_out, saved, grad_pre, bias_partial, row_begin,
+                                         row_end, cols);
+  });
+}
+
+template <typename T>
+void reduce_column_partials(const T* partials, int64_t chunks, int64_t cols, T* out,
+                            int64_t col_begin, int64_t col_end) {
+  for (int64_t c = col_begin; c < col_end; ++c) out[c] = T(0);
+  for (int64_t k = 0; k < chunks; ++k) {
+    const T* p = partials + k * cols;
+    for (int64_t c = col_begin; c < col_end; ++c) out[c] += p[c];
+  }
+}
+
+#define DPCUDA_INSTANTIATE(T)                                                                  \
+  template void bias_activation_forward<T>(T*, T*, const T*, int64_t, int64_t, int64_t,        \
+                                           Activation);                                        \
+  template void activation_backward_rows<T>(const T*, const T*, T*, T*, int64_t, int64_t,      \
+                                            int64_t, Activation);                              \
+  template void reduce_column_partials<T>(const T*, int64_t, int64_t, T*, int64_t, int64_t);
+
+DPCUDA_INSTANTIATE(float)
+DPCUDA_INSTANTIATE(double)
+#undef DPCUDA_INSTANTIATE
+
+}  // namespace cpu
+}  // namespace dpcuda

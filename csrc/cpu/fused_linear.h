@@ -1,0 +1,40 @@
+// CPU kernels of the fused linear layer: the passes that follow and precede the GEMMs. Torch-free
+// (raw pointers, row ranges) so the CMake build tests them without libtorch; the ATen adapter
+// parallelises them by handing each thread a range of rows.
+#pragma once
+
+#include <cstdint>
+
+#include "../kernels/activation.h"
+
+namespace dpcuda {
+namespace cpu {
+
+// Rows [row_begin, row_end) of a row-major (rows, cols) matrix `out` that holds x @ W^T on entry:
+// z = out + bias (bias may be null), pre = z when pre is not null, out = act(z).
+template <typename T>
+void bias_activation_forward(T* out, T* pre, const T* bias, int64_t row_begin, int64_t row_end,
+                             int64_t cols, Activation act);
+
+// Rows [row_begin, row_end): g = grad_out * act'(saved), written to grad_pre unless it is null
+// (activation "none", where g is grad_out itself), and the column sums of g over these rows
+// written to bias_partial[0, cols) when it is not null.
+template <typename T>
+void activation_backward_rows(const T* grad_out, const T* saved, T* grad_pre, T* bias_partial,
+                              int64_t row_begin, int64_t row_end, int64_t cols, Activation act);
+
+// The bias gradient from per-chunk partial sums: out[c] = sum over chunks k, in order, of
+// partials[k * cols + c], for columns [col_begin, col_end). The fixed order keeps it deterministic.
+template <typename T>
+void reduce_column_partials(const T* partials, int64_t chunks, int64_t cols, T* out,
+                            int64_t col_begin, int64_t col_end);
+
+// How many rows each partial sum of the bias gradient covers. It depends on the shape alone,
+// never on the thread count, so results are identical whatever the machine.
+inline int64_t bias_chunk_rows(int64_t rows) {
+  const int64_t by_count = (rows + 63) / 64;
+  return by_count > 32 ? by_count : 32;
+}
+
+}  // namespace cpu
+}  // namespace dpcuda

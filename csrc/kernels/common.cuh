@@ -1,0 +1,44 @@
+// Shared helpers of the torch-free CUDA kernels: the accumulation type of each storage type and
+// conversions to and from it. Launchers return cudaError_t; the adapters turn errors into
+// exceptions, so nothing here prints and carries on.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace dpcuda {
+namespace cuda {
+
+// Half types accumulate in float; float64 stays in double so gradcheck sees full precision.
+template <typename T> struct AccType { using type = float; };
+template <> struct AccType<double> { using type = double; };
+template <typename T> using acc_t = typename AccType<T>::type;
+
+template <typename T>
+__device__ __forceinline__ acc_t<T> to_acc(T v) { return static_cast<acc_t<T>>(v); }
+template <>
+__device__ __forceinline__ float to_acc<__half>(__half v) { return __half2float(v); }
+template <>
+__device__ __forceinline__ float to_acc<__nv_bfloat16>(__nv_bfloat16 v) {
+  return __bfloat162float(v);
+}
+
+template <typename T>
+__device__ __forceinline__ T from_acc(acc_t<T> v) { return static_cast<T>(v); }
+template <>
+__device__ __forceinline__ __half from_acc<__half>(float v) { return __float2half_rn(v); }
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_acc<__nv_bfloat16>(float v) {
+  return __float2bfloat16_rn(v);
+}
+
+inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Grids are capped so a huge tensor gets a grid-stride loop instead of an invalid launch.
+constexpr int64_t kMaxGridX = 65535LL * 16;
+
+}  // namespace cuda
+}  // namespace dpcuda

@@ -1,0 +1,155 @@
+#include "epilogue.h"
+
+#include <algorithm>
+
+#include "../common.cuh"
+
+namespace dpcuda {
+namespace cuda {
+namespace {
+
+constexpr int kForwardThreads = 256;
+// The backward block is 32 columns wide (one warp reads 32 consecutive elements of a row) and
+// kRowLanes rows deep; the lanes' sums are combined in shared memory in lane order.
+constexpr int kRowLanes = 8;
+
+// z and out may alias (the in-place case), so neither is __restrict__.
+template <typename T, Activation A>
+__global__ void activation_forward_kernel(const T* z, T* out, int64_t n) {
+  using acc = acc_t<T>;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += stride) {
+    out[i] = from_acc<T>(activate<acc>(A, to_acc(z[i])));
+  }
+}
+
+template <typename T, Activation A, bool kWriteGrad, bool kBias>
+__global__ void activation_backward_kernel(const T* __restrict__ grad_out,
+                                           const T* __restrict__ saved, T* __restrict__ grad_pre,
+                                           acc_t<T>* __restrict__ partial, int64_t rows,
+                                           int64_t cols, int64_t chunk_rows) {
+  using acc = acc_t<T>;
+  __shared__ acc lane_sums[kRowLanes][33];
+  const int64_t c = static_cast<int64_t>(blockIdx.x) * 32 + threadIdx.x;
+  const int64_t r0 = static_cast<int64_t>(blockIdx.y) * chunk_rows;
+  const int64_t r1 = r0 + chunk_rows < rows ? r0 + chunk_rows : rows;
+  acc sum = acc(0);
+  if (c < cols) {
+    for (int64_t r = r0 + threadIdx.y; r < r1; r += kRowLanes) {
+      const int64_t i = r * cols + c;
+      acc v = to_acc(grad_out[i]);
+      if (kWriteGrad) {
+        v *= activation_grad<acc>(A, to_acc(saved[i]));
+        grad_pre[i] = from_acc<T>(v);
+      }
+      sum += v;
+    }
+  }
+  if (kBias) {
+    lane_sums[threadIdx.y][threadIdx.x] = sum;
+    __syncthreads();
+    if (threadIdx.y == 0 && c < cols) {
+      acc total = acc(0);
+#pragma unroll
+      for (int k = 0; k < kRowLanes; ++k) total += lane_sums[k][threadIdx.x];
+      partial[static_cast<int64_t>(blockIdx.y) * cols + c] = total;
+    }
+  }
+}
+
+template <typename T>
+__global__ void reduce_partials_kernel(const acc_t<T>* __restrict__ partial, int64_t chunks,
+                                       int64_t cols, T* __restrict__ out) {
+  const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (c >= cols) return;
+  acc_t<T> total = acc_t<T>(0);
+  for (int64_t k = 0; k < chunks; ++k) total += partial[k * cols + c];
+  out[c] = from_acc<T>(total);
+}
+
+// Rows per partial sum: depends on the shape alone, so the summation order never changes.
+int64_t chunk_rows_for(int64_t rows) { return std::max<int64_t>(32, ceil_div(rows, 512)); }
+
+template <typename T, Activation A, bool kWriteGrad, bool kBias>
+cudaError_t launch_backward(const T* grad_out, const T* saved, T* grad_pre, acc_t<T>* partial,
+                            int64_t rows, int64_t cols, cudaStream_t stream) {
+  const int64_t chunk_rows = chunk_rows_for(rows);
+  const dim3 grid(static_cast<unsigned>(ceil_div(cols, 32)),
+                  static_cast<unsigned>(ceil_div(rows, chunk_rows)));
+  const dim3 block(32, kRowLanes);
+  activation_backward_kernel<T, A, kWriteGrad, kBias>
+      <<<grid, block, 0, stream>>>(grad_out, saved, grad_pre, partial, rows, cols, chunk_rows);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+template <typename T>
+cudaError_t activation_forward(const T* z, T* out, int64_t n, Activation act,
+                               cudaStream_t stream) {
+  if (n == 0) return cudaSuccess;
+  const int64_t blocks = std::min<int64_t>(ceil_div(n, kForwardThreads), kMaxGridX);
+  cudaError_t err = cudaSuccess;
+  with_activation(act, [&](auto a) {
+    activation_forward_kernel<T, decltype(a)::value>
+        <<<static_cast<unsigned>(blocks), kForwardThreads, 0, stream>>>(z, out, n);
+    err = cudaGetLastError();
+  });
+  return err;
+}
+
+int64_t activation_backward_workspace(int64_t rows, int64_t cols) {
+  if (rows == 0) return 0;
+  return ceil_div(rows, chunk_rows_for(rows)) * cols;
+}
+
+template <typename T>
+cudaError_t activation_backward(const T* grad_out, const T* saved, T* grad_pre, T* grad_bias,
+                                void* workspace, int64_t rows, int64_t cols, Activation act,
+                                cudaStream_t stream) {
+  using acc = acc_t<T>;
+  if (cols == 0) return cudaSuccess;
+  acc* partial = static_cast<acc*>(workspace);
+  if (rows > 0) {
+    const bool write_grad = grad_pre != nullptr && act != Activation::kNone;
+    const bool bias = grad_bias != nullptr;
+    cudaError_t err = cudaSuccess;
+    with_activation(act, [&](auto a) {
+      constexpr Activation A = decltype(a)::value;
+      if (write_grad && bias) {
+        err = launch_backward<T, A, true, true>(grad_out, saved, grad_pre, partial, rows, cols,
+                                                stream);
+      } else if (write_grad) {
+        err = launch_backward<T, A, true, false>(grad_out, saved, grad_pre, partial, rows, cols,
+                                                 stream);
+      } else if (bias) {
+        err = launch_backward<T, A, false, true>(grad_out, saved, grad_pre, partial, rows, cols,
+                                                 stream);
+      }
+    });
+    if (err != cudaSuccess) return err;
+  }
+  if (grad_bias != nullptr) {
+    // With no rows there are no partials: the kernel then writes zeros.
+    const int64_t chunks = rows == 0 ? 0 : ceil_div(rows, chunk_rows_for(rows));
+    reduce_partials_kernel<T><<<static_cast<unsigned>(ceil_div(cols, 256)), 256, 0, stream>>>(
+        partial, chunks, cols, grad_bias);
+    return cudaGetLastError();
+  }
+  return cudaSuccess;
+}
+
+#define DPCUDA_INSTANTIATE(T)                                                                  \
+  template cudaError_t activation_forward<T>(const T*, T*, int64_t, Activation, cudaStream_t); \
+  template cudaError_t activation_backward<T>(const T*, const T*, T*, T*, void*, int64_t,      \
+                                              int64_t, Activation, cudaStream_t);
+
+DPCUDA_INSTANTIATE(float)
+DPCUDA_INSTANTIATE(double)
+DPCUDA_INSTANTIATE(__half)
+DPCUDA_INSTANTIATE(__nv_bfloat16)
+#undef DPCUDA_INSTANTIATE
+
+}  // namespace cuda
+}  // namespace dpcuda

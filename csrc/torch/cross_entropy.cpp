@@ -1,0 +1,108 @@
+// ATen adapters of loss_grad, the fused softmax cross-entropy: loss per row and gradient of the
+// logits from one kernel. Registration for the CPU and CUDA keys.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include "../cpu/cross_entropy.h"
+#include "checks.h"
+
+#ifdef DPCUDA_WITH_CUDA
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include "../kernels/cross_entropy/cross_entropy.h"
+#include "cuda_types.h"
+#endif
+
+namespace dpcuda {
+namespace {
+
+using at::Tensor;
+
+// Per-row losses are kept in the accumulation type (float for the half types).
+at::ScalarType loss_dtype(const Tensor& logits) {
+  return logits.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+}
+
+void raise_bad_label(int64_t position, int64_t label, int64_t classes, int64_t ignore_index) {
+  TORCH_CHECK_VALUE(false, "labels must be class indices in [0, ", classes,
+                    ") or ignore_index (", ignore_index, "); got ", label, " at position ",
+                    position);
+}
+
+std::tuple<Tensor, Tensor> loss_grad_cpu(const Tensor& logits, const Tensor& labels,
+                                         double scale, double label_smoothing,
+                                         int64_t ignore_index, bool compute_grad) {
+  const LossShape s = check_loss(logits, labels, label_smoothing);
+  check_cpu_dtype(logits, "logits");
+  const Tensor z = logits.contiguous();
+  const Tensor y = labels.contiguous();
+  const int64_t* yp = y.data_ptr<int64_t>();
+  for (int64_t r = 0; r < s.rows; ++r) {
+    if (yp[r] != ignore_index && (yp[r] < 0 || yp[r] >= s.classes)) {
+      raise_bad_label(r, yp[r], s.classes, ignore_index);
+    }
+  }
+  Tensor loss = at::empty({s.rows}, z.options());
+  Tensor grad = compute_grad ? at::empty_like(z) : at::empty({0}, z.options());
+  const int64_t grain = std::max<int64_t>(1, 16384 / s.classes);
+  AT_DISPATCH_FLOATING_TYPES(z.scalar_type(), "loss_grad_cpu", [&] {
+    const scalar_t* zp = z.data_ptr<scalar_t>();
+    scalar_t* lp = loss.data_ptr<scalar_t>();
+    scalar_t* gp = compute_grad ? grad.data_ptr<scalar_t>() : nullptr;
+    at::parallel_for(0, s.rows, grain, [&](int64_t begin, int64_t end) {
+      cpu::cross_entropy_rows<scalar_t>(zp, yp, lp, gp, begin, end, s.classes, scale,
+                                        label_smoothing, ignore_index);
+    });
+  });
+  return {loss, grad};
+}
+
+#ifdef DPCUDA_WITH_CUDA
+
+std::tuple<Tensor, Tensor> loss_grad_cuda(const Tensor& logits, const Tensor& labels,
+                                          double scale, double label_smoothing,
+                                          int64_t ignore_index, bool compute_grad) {
+  const LossShape s = check_loss(logits, labels, label_smoothing);
+  check_cuda_dtype(logits, "logits");
+  const c10::cuda::CUDAGuard guard(logits.device());
+  const Tensor z = logits.contiguous();
+  const Tensor y = labels.contiguous();
+  // A label out of range must raise, not crash the context with a device-side assert as
+  // F.cross_entropy does; finding one costs a reduction and one synchronisation.
+  if (s.rows > 0) {
+    const Tensor bad = (y != ignore_index) & ((y < 0) | (y >= s.classes));
+    if (bad.any().item<bool>()) {
+      const int64_t position = bad.nonzero()[0][0].item<int64_t>();
+      raise_bad_label(position, y[position].item<int64_t>(), s.classes, ignore_index);
+    }
+  }
+  Tensor loss = at::empty({s.rows}, z.options().dtype(loss_dtype(z)));
+  Tensor grad = compute_grad ? at::empty_like(z) : at::empty({0}, z.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, z.scalar_type(), "loss_grad_cuda",
+                                  [&] {
+    using cuda_t = typename CudaType<scalar_t>::type;
+    using acc = std::conditional_t<std::is_same<scalar_t, double>::value, double, float>;
+    const cudaError_t err = cuda::cross_entropy_forward_backward<cuda_t, acc>(
+        reinterpret_cast<const cuda_t*>(z.data_ptr<scalar_t>()), y.data_ptr<int64_t>(),
+        loss.data_ptr<acc>(),
+        compute_grad ? reinterpret_cast<cuda_t*>(grad.data_ptr<scalar_t>()) : nullptr, s.rows,
+        s.classes, scale, label_smoothing, ignore_index, at::cuda::getCurrentCUDAStream());
+    TORCH_CHECK(err == cudaSuccess, "dpcuda: cross_entropy launch failed: ",
+                cudaGetErrorString(err));
+  });
+  return {loss, grad};
+}
+
+#endif  // DPCUDA_WITH_CUDA
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(dpcuda, CPU, m) { m.impl("loss_grad", &loss_grad_cpu); }
+
+#ifdef DPCUDA_WITH_CUDA
+TORCH_LIBRARY_IMPL(dpcuda, CUDA, m) { m.impl("loss_grad", &loss_grad_cuda); }
+#endif
+
+}  // namespace dpcuda

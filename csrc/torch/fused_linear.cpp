@@ -1,0 +1,206 @@
+// ATen adapters of full_forward and full_backward: checks, dtype dispatch, allocation and
+// registration for the CPU and CUDA keys. The GEMMs go through ATen (MKL/oneDNN on the CPU,
+// cuBLAS/cuBLASLt on CUDA); the passes around them are dpcuda's own kernels.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+
+#include "../cpu/fused_linear.h"
+#include "checks.h"
+
+#ifdef DPCUDA_WITH_CUDA
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include "../kernels/fused_linear/epilogue.h"
+#include "cuda_types.h"
+#endif
+
+namespace dpcuda {
+namespace {
+
+using at::Tensor;
+
+Tensor empty_like_options(const Tensor& t) { return at::empty({0}, t.options()); }
+
+// The flattened (rows, in) view of the input that the GEMMs read.
+Tensor as_matrix(const Tensor& input, const LinearShape& s) {
+  return input.reshape({s.rows, s.in_features});
+}
+
+std::tuple<Tensor, Tensor> full_forward_cpu(const Tensor& input, const Tensor& weight,
+                                            const c10::optional<Tensor>& bias,
+                                            c10::string_view activation) {
+  const Activation act = check_activation(activation);
+  const LinearShape s = check_linear(input, weight, bias);
+  check_cpu_dtype(input, "input");
+  Tensor out = at::mm(as_matrix(input, s), weight.t());
+  const bool keep_pre = saved_for_backward(act) == Saved::kPreActivation;
+  Tensor pre = keep_pre ? at::empty_like(out) : empty_like_options(out);
+  const bool has_bias = bias.has_value() && bias->defined();
+  const Tensor b = has_bias ? bias->contiguous() : Tensor();
+  if (act != Activation::kNone || has_bias) {
+    const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, s.out_features));
+    AT_DISPATCH_FLOATING_TYPES(out.scalar_type(), "full_forward_cpu", [&] {
+      scalar_t* out_ptr = out.data_ptr<scalar_t>();
+      scalar_t* pre_ptr = keep_pre ? pre.data_ptr<scalar_t>() : nullptr;
+      const scalar_t* bias_ptr = has_bias ? b.data_ptr<scalar_t>() : nullptr;
+      at::parallel_for(0, s.rows, grain, [&](int64_t begin, int64_t end) {
+        cpu::bias_activation_forward<scalar_t>(out_ptr, pre_ptr, bias_ptr, begin, end,
+                                               s.out_features, act);
+      });
+    });
+  }
+  return {out.view(s.out_sizes), keep_pre ? pre.view(s.out_sizes) : pre};
+}
+
+std::tuple<Tensor, Tensor, Tensor> full_backward_cpu(const Tensor& grad_output,
+                                                     const Tensor& input, const Tensor& weight,
+                                                     const Tensor& saved,
+                                                     c10::string_view activation,
+                                                     std::array<bool, 3> output_mask) {
+  const Activation act = check_activation(activation);
+  const LinearShape s = check_linear(input, weight, c10::nullopt);
+  check_cpu_dtype(input, "input");
+  check_same_dtype(grad_output, "grad_output", input, "input");
+  check_same_device(grad_output, "grad_output", input, "input");
+  check_backward(grad_output, saved, s, act);
+  const int64_t out_f = s.out_features;
+  const Tensor go = grad_output.reshape({s.rows, out_f}).contiguous();
+  const bool fused_pass = act != Activation::kNone;
+  Tensor g = fused_pass ? at::empty_like(go) : go;
+  Tensor grad_bias = output_mask[2] ? at::empty({out_f}, go.options()) : empty_like_options(go);
+  if (fused_pass || output_mask[2]) {
+    const Tensor sv = fused_pass ? saved.reshape({s.rows, out_f}).contiguous() : saved;
+    const int64_t chunk_rows = cpu::bias_chunk_rows(s.rows);
+    const int64_t chunks = (s.rows + chunk_rows - 1) / chunk_rows;
+    Tensor partials = output_mask[2] ? at::empty({chunks, out_f}, go.options()) : Tensor();
+    AT_DISPATCH_FLOATING_TYPES(go.scalar_type(), "full_backward_cpu", [&] {
+      const scalar_t* go_ptr = go.data_ptr<scalar_t>();
+      const scalar_t* saved_ptr = fused_pass ? sv.data_ptr<scalar_t>() : nullptr;
+      scalar_t* g_ptr = fused_pass ? g.data_ptr<scalar_t>() : nullptr;
+      scalar_t* part_ptr = output_mask[2] ? partials.data_ptr<scalar_t>() : nullptr;
+      at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
+        for (int64_t k = begin; k < end; ++k) {
+          const int64_t r0 = k * chunk_rows;
+          const int64_t r1 = std::min(s.rows, r0 + chunk_rows);
+          cpu::activation_backward_rows<scalar_t>(go_ptr, saved_ptr, g_ptr,
+                                                  part_ptr ? part_ptr + k * out_f : nullptr, r0,
+                                                  r1, out_f, act);
+        }
+      });
+      if (output_mask[2]) {
+        scalar_t* gb = grad_bias.data_ptr<scalar_t>();
+        at::parallel_for(0, out_f, 1024, [&](int64_t begin, int64_t end) {
+          cpu::reduce_column_partials<scalar_t>(part_ptr, chunks, out_f, gb, begin, end);
+        });
+      }
+    });
+  }
+  Tensor grad_input = output_mask[0] ? at::mm(g, weight).view(input.sizes())
+                                     : empty_like_options(go);
+  Tensor grad_weight = output_mask[1] ? at::mm(g.t(), as_matrix(input, s))
+                                      : empty_like_options(go);
+  return {grad_input, grad_weight, grad_bias};
+}
+
+#ifdef DPCUDA_WITH_CUDA
+
+void check_cuda(cudaError_t err, const char* what) {
+  TORCH_CHECK(err == cudaSuccess, "dpcuda: ", what, " failed: ", cudaGetErrorString(err));
+}
+
+std::tuple<Tensor, Tensor> full_forward_cuda(const Tensor& input, const Tensor& weight,
+                                             const c10::optional<Tensor>& bias,
+                                             c10::string_view activation) {
+  const Activation act = check_activation(activation);
+  const LinearShape s = check_linear(input, weight, bias);
+  check_cuda_dtype(input, "input");
+  const c10::cuda::CUDAGuard guard(input.device());
+  const Tensor x = as_matrix(input, s);
+  const bool has_bias = bias.has_value() && bias->defined();
+  const bool keep_pre = saved_for_backward(act) == Saved::kPreActivation;
+  if (act == Activation::kRelu && has_bias) {
+    // cuBLASLt's RELU_BIAS epilogue: the GEMM, the bias and the relu in one kernel.
+    const Tensor out = at::_addmm_activation(*bias, x, weight.t(), 1, 1, /*use_gelu=*/false);
+    return {out.view(s.out_sizes), empty_like_options(out)};
+  }
+  // cuBLASLt's BIAS epilogue adds the bias inside the GEMM; our kernel then applies the
+  // activation, writing next to z when z is kept for the backward and over it otherwise.
+  const Tensor z = has_bias ? at::addmm(*bias, x, weight.t()) : at::mm(x, weight.t());
+  if (act == Activation::kNone) return {z.view(s.out_sizes), empty_like_options(z)};
+  const Tensor out = keep_pre ? at::empty_like(z) : z;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, z.scalar_type(), "full_forward_cuda",
+                                  [&] {
+    using cuda_t = typename CudaType<scalar_t>::type;
+    check_cuda(cuda::activation_forward<cuda_t>(
+                   reinterpret_cast<const cuda_t*>(z.data_ptr<scalar_t>()),
+                   reinterpret_cast<cuda_t*>(out.data_ptr<scalar_t>()), z.numel(), act,
+                   at::cuda::getCurrentCUDAStream()),
+               "activation_forward launch");
+  });
+  return {out.view(s.out_sizes), keep_pre ? z.view(s.out_sizes) : empty_like_options(z)};
+}
+
+std::tuple<Tensor, Tensor, Tensor> full_backward_cuda(const Tensor& grad_output,
+                                                      const Tensor& input, const Tensor& weight,
+                                                      const Tensor& saved,
+                                                      c10::string_view activation,
+                                                      std::array<bool, 3> output_mask) {
+  const Activation act = check_activation(activation);
+  const LinearShape s = check_linear(input, weight, c10::nullopt);
+  check_cuda_dtype(input, "input");
+  check_same_dtype(grad_output, "grad_output", input, "input");
+  check_same_device(grad_output, "grad_output", input, "input");
+  check_backward(grad_output, saved, s, act);
+  const c10::cuda::CUDAGuard guard(input.device());
+  const int64_t out_f = s.out_features;
+  const Tensor go = grad_output.reshape({s.rows, out_f}).contiguous();
+  const bool fused_pass = act != Activation::kNone;
+  Tensor g = fused_pass ? at::empty_like(go) : go;
+  Tensor grad_bias = output_mask[2] ? at::empty({out_f}, go.options()) : empty_like_options(go);
+  if (fused_pass || output_mask[2]) {
+    const Tensor sv = fused_pass ? saved.reshape({s.rows, out_f}).contiguous() : saved;
+    const auto acc_dtype = go.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+    Tensor workspace = at::empty({cuda::activation_backward_workspace(s.rows, out_f)},
+                                 go.options().dtype(acc_dtype));
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, go.scalar_type(),
+                                    "full_backward_cuda", [&] {
+      using cuda_t = typename CudaType<scalar_t>::type;
+      check_cuda(cuda::activation_backward<cuda_t>(
+                     reinterpret_cast<const cuda_t*>(go.data_ptr<scalar_t>()),
+                     fused_pass ? reinterpret_cast<const cuda_t*>(sv.data_ptr<scalar_t>())
+                                : nullptr,
+                     fused_pass ? reinterpret_cast<cuda_t*>(g.data_ptr<scalar_t>()) : nullptr,
+                     output_mask[2] ? reinterpret_cast<cuda_t*>(grad_bias.data_ptr<scalar_t>())
+                                    : nullptr,
+                     workspace.data_ptr(), s.rows, out_f, act, at::cuda::getCurrentCUDAStream()),
+                 "activation_backward launch");
+    });
+  }
+  Tensor grad_input = output_mask[0] ? at::mm(g, weight).view(input.sizes())
+                                     : empty_like_options(go);
+  Tensor grad_weight = output_mask[1] ? at::mm(g.t(), as_matrix(input, s))
+                                      : empty_like_options(go);
+  return {grad_input, grad_weight, grad_bias};
+}
+
+#endif  // DPCUDA_WITH_CUDA
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(dpcuda, CPU, m) {
+  m.impl("full_forward", &full_forward_cpu);
+  m.impl("full_backward", &full_backward_cpu);
+}
+
+#ifdef DPCUDA_WITH_CUDA
+TORCH_LIBRARY_IMPL(dpcuda, CUDA, m) {
+  m.impl("full_forward", &full_forward_cuda);
+  m.impl("full_backward", &full_backward_cuda);
+}
+#endif
+
+}  // namespace dpcuda

@@ -1,0 +1,31 @@
+// The op schemas, declared once, and the Python module dpcuda._C. The module exposes only
+// capability queries; every tensor operation is a torch.ops.dpcuda op so torch.compile sees it.
+#include <pybind11/pybind11.h>
+#include <torch/library.h>
+
+TORCH_LIBRARY(dpcuda, m) {
+  // act(input @ weight.T + bias). Returns (output, pre_activation); the second is empty unless
+  // the activation's derivative needs the pre-activation (gelu, gelu_tanh, silu).
+  m.def("full_forward(Tensor input, Tensor weight, Tensor? bias, str activation)"
+        " -> (Tensor, Tensor)");
+  // Gradients of full_forward. `saved` is the forward's output for relu, sigmoid and tanh, its
+  // pre-activation for gelu, gelu_tanh and silu, and unused for none. output_mask selects
+  // (grad_input, grad_weight, grad_bias); unselected outputs are empty.
+  m.def("full_backward(Tensor grad_output, Tensor input, Tensor weight, Tensor saved,"
+        " str activation, bool[3] output_mask) -> (Tensor, Tensor, Tensor)");
+  // Softmax cross-entropy: per-row loss and, when compute_grad, d loss / d logits, both
+  // multiplied by scale. Rows labelled ignore_index count zero.
+  m.def("loss_grad(Tensor logits, Tensor labels, float scale, float label_smoothing,"
+        " int ignore_index, bool compute_grad) -> (Tensor, Tensor)");
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "dpcuda's compiled kernels; the ops are registered under torch.ops.dpcuda";
+  m.def("built_with_cuda", []() {
+#ifdef DPCUDA_WITH_CUDA
+    return true;
+#else
+    return false;
+#endif
+  });
+}

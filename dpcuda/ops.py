@@ -1,0 +1,222 @@
+"""The fused ops: Python wrappers over torch.ops.dpcuda.*, and their fake (meta) kernels and
+autograd formulas, registered with torch.library so they work under torch.compile.
+
+    full_forward(x, weight, bias=None, activation="relu")      act(x @ weight.T + bias)
+    full_backward(grad_output, x, weight, saved, activation, output_mask)
+    loss_grad(logits, labels, scale=None, ...)                  (loss, d loss / d logits)
+    softmax_cross_entropy(logits, labels, reduction="mean", ...)   differentiable
+"""
+
+import torch
+
+from . import _C  # noqa: F401  (loads the library that registers torch.ops.dpcuda.*)
+from .reference import ACTIVATIONS
+
+__all__ = ["ACTIVATIONS", "full_forward", "full_backward", "loss_grad", "softmax_cross_entropy",
+           "saved_for_backward"]
+
+# What the backward of each activation needs: its output (relu, sigmoid, tanh: the derivative
+# is a function of it), its pre-activation (the smooth ones), or nothing (none).
+_SAVES_OUTPUT = ("relu", "sigmoid", "tanh")
+_SAVES_PRE = ("gelu", "gelu_tanh", "silu")
+_REDUCTIONS = ("mean", "sum", "none")
+
+
+def saved_for_backward(activation):
+    """"output", "pre" or None: which tensor full_backward takes as `saved` for `activation`."""
+    check_activation(activation)
+    if activation in _SAVES_OUTPUT:
+        return "output"
+    if activation in _SAVES_PRE:
+        return "pre"
+    return None
+
+
+def check_activation(activation):
+    if not isinstance(activation, str) or activation not in ACTIVATIONS:
+        raise ValueError(
+            f"activation must be one of {', '.join(ACTIVATIONS)}; got {activation!r}")
+
+
+def _check_tensor(value, name):
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+
+
+# ---------------------------------------------------------------------------------------------
+# full_forward
+
+@torch.library.register_fake("dpcuda::full_forward")
+def _full_forward_fake(input, weight, bias, activation):
+    torch._check(weight.dim() == 2, lambda: "weight must have shape (out_features, in_features)")
+    torch._check(input.dim() >= 1 and input.shape[-1] == weight.shape[1],
+                 lambda: f"input must have {weight.shape[1]} features in its last dimension")
+    shape = (*input.shape[:-1], weight.shape[0])
+    pre = input.new_empty(shape) if activation in _SAVES_PRE else input.new_empty((0,))
+    return input.new_empty(shape), pre
+
+
+def _full_forward_setup(ctx, inputs, output):
+    input, weight, bias, activation = inputs
+    out, pre = output
+    ctx.activation = activation
+    ctx.has_bias = bias is not None
+    kind = saved_for_backward(activation)
+    saved = out if kind == "output" else pre if kind == "pre" else None
+    ctx.save_for_backward(input, weight, saved)
+
+
+def _full_forward_backward(ctx, grad_out, _grad_pre):
+    # The pre-activation output is an internal of the op (what the backward reads), not a
+    # result: the Python API never returns it, so its gradient is not propagated.
+    input, weight, saved = ctx.saved_tensors
+    if saved is None:
+        saved = grad_out.new_empty((0,))
+    mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[1],
+            ctx.has_bias and ctx.needs_input_grad[2]]
+    grad_input, grad_weight, grad_bias = torch.ops.dpcuda.full_backward(
+        grad_out, input, weight, saved, ctx.activation, mask)
+    return (grad_input if mask[0] else None, grad_weight if mask[1] else None,
+            grad_bias if mask[2] else None, None)
+
+
+torch.library.register_autograd("dpcuda::full_forward", _full_forward_backward,
+                                setup_context=_full_forward_setup)
+
+
+def full_forward(x, weight, bias=None, activation="relu"):
+    """act(x @ weight.T + bias) in one op; x is (..., in), weight (out, in) as in nn.Linear.
+
+    Differentiable in x, weight and bias; the backward is full_backward.
+    """
+    _check_tensor(x, "x")
+    _check_tensor(weight, "weight")
+    if bias is not None:
+        _check_tensor(bias, "bias")
+    check_activation(activation)
+    return torch.ops.dpcuda.full_forward(x, weight, bias, activation)[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# full_backward
+
+@torch.library.register_fake("dpcuda::full_backward")
+def _full_backward_fake(grad_output, input, weight, saved, activation, output_mask):
+    empty = grad_output.new_empty((0,))
+    return (input.new_empty(input.shape) if output_mask[0] else empty,
+            weight.new_empty(weight.shape) if output_mask[1] else empty,
+            weight.new_empty((weight.shape[0],)) if output_mask[2] else empty)
+
+
+def full_backward(grad_output, x, weight, saved=None, activation="relu",
+                  output_mask=(True, True, True)):
+    """(grad_input, grad_weight, grad_bias) of full_forward, in one call.
+
+    `saved` is the forward's output for relu/sigmoid/tanh and its pre-activation for
+    gelu/gelu_tanh/silu (see saved_for_backward); unused for "none". Entries of output_mask
+    that are False come back as None and are not computed.
+    """
+    _check_tensor(grad_output, "grad_output")
+    _check_tensor(x, "x")
+    _check_tensor(weight, "weight")
+    check_activation(activation)
+    if saved is None:
+        if saved_for_backward(activation) is not None:
+            raise ValueError(f"saved is required for activation {activation!r}: pass the "
+                             f"forward's {saved_for_backward(activation)}")
+        saved = grad_output.new_empty((0,))
+    mask = [bool(m) for m in output_mask]
+    if len(mask) != 3:
+        raise ValueError(f"output_mask must have 3 entries, got {len(mask)}")
+    outs = torch.ops.dpcuda.full_backward(grad_output, x, weight, saved, activation, mask)
+    return tuple(o if m else None for o, m in zip(outs, mask))
+
+
+# ---------------------------------------------------------------------------------------------
+# loss_grad and softmax_cross_entropy
+
+def _loss_dtype(logits):
+    return torch.float64 if logits.dtype == torch.float64 else torch.float32
+
+
+@torch.library.register_fake("dpcuda::loss_grad")
+def _loss_grad_fake(logits, labels, scale, label_smoothing, ignore_index, compute_grad):
+    torch._check(logits.dim() == 2, lambda: "logits must have shape (batch, classes)")
+    torch._check(labels.dim() == 1 and labels.shape[0] == logits.shape[0],
+                 lambda: "labels must have shape (batch,)")
+    loss = logits.new_empty((logits.shape[0],), dtype=_loss_dtype(logits))
+    grad = logits.new_empty(logits.shape) if compute_grad else logits.new_empty((0,))
+    return loss, grad
+
+
+def _loss_grad_setup(ctx, inputs, output):
+    ctx.compute_grad = inputs[5]
+    ctx.save_for_backward(output[1])
+
+
+def _loss_grad_backward(ctx, grad_loss, _grad_grad):
+    # The gradient output is d loss / d logits, already computed by the forward kernel; the
+    # chain rule only scales each row by the incoming gradient of that row's loss.
+    if not ctx.compute_grad:
+        raise RuntimeError("loss_grad was called with compute_grad=False, so it cannot be "
+                           "differentiated; call it with compute_grad=True")
+    (grad,) = ctx.saved_tensors
+    return grad_loss.to(grad.dtype)[:, None] * grad, None, None, None, None, None
+
+
+torch.library.register_autograd("dpcuda::loss_grad", _loss_grad_backward,
+                                setup_context=_loss_grad_setup)
+
+
+def _check_loss_args(logits, labels, label_smoothing, ignore_index):
+    _check_tensor(logits, "logits")
+    _check_tensor(labels, "labels")
+    if labels.dtype.is_floating_point or labels.dtype == torch.bool or labels.is_complex():
+        raise TypeError(f"labels must be integer class indices, got dtype {labels.dtype}")
+    if not isinstance(label_smoothing, (int, float)) or not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing must be a number in [0, 1], got {label_smoothing!r}")
+    if not isinstance(ignore_index, int):
+        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+    return labels.long()
+
+
+def loss_grad(logits, labels, scale=None, label_smoothing=0.0, ignore_index=-100):
+    """Softmax cross-entropy loss and its gradient from one pass over (batch, classes) logits.
+
+    Returns (loss, grad_logits): loss = scale * sum of the per-row losses, and grad_logits its
+    gradient. scale=None means the mean over the rows whose label is not ignore_index; the
+    data-parallel layer passes 1 / global_batch so that replicas normalise by the global batch.
+    """
+    labels = _check_loss_args(logits, labels, label_smoothing, ignore_index)
+    if scale is None:
+        count = int((labels != ignore_index).sum())
+        scale = 1.0 / max(count, 1)
+    losses, grad = torch.ops.dpcuda.loss_grad(logits, labels, float(scale),
+                                              float(label_smoothing), ignore_index, True)
+    return losses.sum(), grad
+
+
+def softmax_cross_entropy(logits, labels, reduction="mean", label_smoothing=0.0,
+                          ignore_index=-100):
+    """Drop-in for torch.nn.functional.cross_entropy with class-index labels, differentiable.
+
+    logits is (batch, classes) or (classes,) with a scalar label. The loss and the gradient
+    come from one kernel; the backward only scales the saved gradient.
+    """
+    labels = _check_loss_args(logits, labels, label_smoothing, ignore_index)
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"reduction must be one of {', '.join(_REDUCTIONS)}; got {reduction!r}")
+    unbatched = logits.dim() == 1
+    if unbatched:
+        logits, labels = logits[None], labels.reshape(1)
+    compute_grad = torch.is_grad_enabled() and logits.requires_grad
+    losses, _ = torch.ops.dpcuda.loss_grad(logits, labels, 1.0, float(label_smoothing),
+                                           ignore_index, compute_grad)
+    if reduction == "none":
+        out = losses[0] if unbatched else losses
+    elif reduction == "sum":
+        out = losses.sum()
+    else:
+        # As F.cross_entropy: the mean over the rows that are not ignored (NaN if none is).
+        out = losses.sum() / (labels != ignore_index).sum()
+    return out.to(logits.dtype)
