@@ -1,0 +1,113 @@
+// Tests of the CPU fused-linear kernels against formulas written out here independently:
+// forward values against the textbook definitions, derivatives against central differences.
+#include <cmath>
+#include <random>
+#include <vector>
+
+#include "check.h"
+#include "cpu/fused_linear.h"
+
+using dpcuda::Activation;
+
+namespace {
+
+double textbook(Activation act, double z) {
+  switch (act) {
+    case Activation::kNone: return z;
+    case Activation::kRelu: return z > 0 ? z : 0;
+    case Activation::kGelu: return 0.5 * z * std::erfc(-z / std::sqrt(2.0));
+    case Activation::kGeluTanh:
+      return 0.5 * z * (1 + std::tanh(std::sqrt(2 / M_PI) * (z + 0.044715 * z * z * z)));
+    case Activation::kSilu: return z / (1 + std::exp(-z));
+    case Activation::kSigmoid: return 1 / (1 + std::exp(-z));
+    case Activation::kTanh: return std::tanh(z);
+  }
+  return 0;
+}
+
+const Activation kAll[] = {Activation::kNone, Activation::kRelu,    Activation::kGelu,
+                           Activation::kGeluTanh, Activation::kSilu, Activation::kSigmoid,
+                           Activation::kTanh};
+
+template <typename T>
+void test_forward(int64_t rows, int64_t cols, Activation act, std::mt19937& rng, double tol) {
+  std::normal_distribution<double> dist(0.0, 2.0);
+  std::vector<T> gemm(rows * cols), bias(cols), out, pre(rows * cols, T(NAN));
+  for (auto& v : gemm) v = T(dist(rng));
+  for (auto& v : bias) v = T(dist(rng));
+  out = gemm;
+  // Two row ranges, as two threads of the adapter would call it.
+  const int64_t mid = rows / 2;
+  dpcuda::cpu::bias_activation_forward<T>(out.data(), pre.data(), bias.data(), 0, mid, cols, act);
+  dpcuda::cpu::bias_activation_forward<T>(out.data(), pre.data(), bias.data(), mid, rows, cols,
+                                          act);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < cols; ++c) {
+      const double z = double(gemm[r * cols + c]) + double(bias[c]);
+      CHECK_CLOSE(double(pre[r * cols + c]), z, tol);
+      CHECK_CLOSE(double(out[r * cols + c]), textbook(act, z), tol);
+    }
+  }
+}
+
+void test_activation_grad(Activation act) {
+  const auto saved = dpcuda::saved_for_backward(act);
+  for (double z = -6.0; z <= 6.0; z += 0.37) {
+    const double h = 1e-6;
+    const double numeric = (textbook(act, z + h) - textbook(act, z - h)) / (2 * h);
+    const double s = saved == dpcuda::Saved::kOutput ? textbook(act, z) : z;
+    CHECK_CLOSE(dpcuda::activation_grad<double>(act, s), numeric, 1e-6);
+  }
+}
+
+template <typename T>
+void test_backward(int64_t rows, int64_t cols, Activation act, std::mt19937& rng, double tol) {
+  std::normal_distribution<double> dist(0.0, 1.5);
+  std::vector<T> z(rows * cols), go(rows * cols), saved(rows * cols), g(rows * cols, T(NAN));
+  for (auto& v : z) v = T(dist(rng));
+  for (auto& v : go) v = T(dist(rng));
+  const bool from_output = dpcuda::saved_for_backward(act) == dpcuda::Saved::kOutput;
+  for (size_t i = 0; i < z.size(); ++i) saved[i] = from_output ? T(textbook(act, z[i])) : z[i];
+  const int64_t chunk = dpcuda::cpu::bias_chunk_rows(rows);
+  const int64_t chunks = (rows + chunk - 1) / chunk;
+  std::vector<T> partials(chunks * cols, T(NAN)), grad_bias(cols, T(NAN));
+  for (int64_t k = 0; k < chunks; ++k) {
+    const int64_t r1 = std::min(rows, (k + 1) * chunk);
+    dpcuda::cpu::activation_backward_rows<T>(go.data(), saved.data(), g.data(),
+                                             partials.data() + k * cols, k * chunk, r1, cols,
+                                             act);
+  }
+  dpcuda::cpu::reduce_column_partials<T>(partials.data(), chunks, cols, grad_bias.data(), 0,
+                                         cols);
+  for (int64_t c = 0; c < cols; ++c) {
+    double want_bias = 0;
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t i = r * cols + c;
+      const double zz = z[i];
+      const double d = act == Activation::kRelu ? (zz > 0 ? 1.0 : 0.0)
+                       : (textbook(act, zz + 1e-6) - textbook(act, zz - 1e-6)) / 2e-6;
+      CHECK_CLOSE(double(g[i]), double(go[i]) * d, tol);
+      want_bias += double(go[i]) * d;
+    }
+    CHECK_CLOSE(double(grad_bias[c]), want_bias, tol * rows);
+  }
+}
+
+}  // namespace
+
+int main() {
+  std::mt19937 rng(1234);
+  const int64_t sizes[] = {1, 3, 17, 100};
+  for (Activation act : kAll) {
+    test_activation_grad(act);
+    for (int64_t rows : sizes) {
+      for (int64_t cols : sizes) {
+        test_forward<double>(rows, cols, act, rng, 1e-12);
+        test_forward<float>(rows, cols, act, rng, 1e-5);
+        if (act != Activation::kNone) test_backward<double>(rows, cols, act, rng, 1e-6);
+      }
+    }
+  }
+  std::printf("test_fused_linear: %d failures\n", dpcuda_test::failures());
+  return dpcuda_test::failures() == 0 ? 0 : 1;
+}

@@ -1,0 +1,127 @@
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dpcuda import ops, reference as ref
+from conftest import DEVICES, assert_within_torch_error, dtypes_for
+
+ATOL = {torch.float64: 1e-12, torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+CASES = [(d, t) for d in DEVICES for t in dtypes_for(d)]
+
+
+def labels_for(rows, classes, device, ignore_every=0, ignore_index=-100):
+    y = torch.randint(0, classes, (rows,), device=device)
+    if ignore_every:
+        y[::ignore_every] = ignore_index
+    return y
+
+
+@pytest.mark.parametrize("device,dtype", CASES)
+@pytest.mark.parametrize("rows,classes", [(1, 1), (3, 17), (17, 3), (64, 1000), (5, 4099)])
+@pytest.mark.parametrize("smoothing", [0.0, 0.2])
+def test_loss_grad_matches_reference(device, dtype, rows, classes, smoothing):
+    z = (torch.randn(rows, classes, dtype=torch.float64) * 4).to(device)
+    y = labels_for(rows, classes, device, ignore_every=3)
+    loss, grad = torch.ops.dpcuda.loss_grad(z.to(dtype), y, 0.5, smoothing, -100, True)
+    want_loss, want_grad = ref.loss_grad(z, y, 0.5, smoothing)
+    plain_loss, plain_grad = ref.loss_grad(z.to(dtype), y, 0.5, smoothing)
+    assert loss.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    assert grad.dtype == dtype
+    assert_within_torch_error(loss, plain_loss, want_loss, ATOL[dtype] * 10)
+    assert_within_torch_error(grad, plain_grad, want_grad, ATOL[dtype])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+@pytest.mark.parametrize("ignore_index", [-100, 2])
+def test_softmax_cross_entropy_matches_torch(device, reduction, smoothing, ignore_index):
+    z = torch.randn(33, 7, device=device, dtype=torch.float64, requires_grad=True)
+    y = labels_for(33, 7, device, ignore_every=4, ignore_index=ignore_index)
+    ours = ops.softmax_cross_entropy(z, y, reduction, smoothing, ignore_index)
+    want = F.cross_entropy(z, y, reduction=reduction, label_smoothing=smoothing,
+                           ignore_index=ignore_index)
+    torch.testing.assert_close(ours, want)
+    w = torch.randn_like(want)
+    (g_ours,) = torch.autograd.grad((ours * w).sum(), z)
+    (g_want,) = torch.autograd.grad((want * w).sum(), z)
+    torch.testing.assert_close(g_ours, g_want)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_unbatched_and_empty(device):
+    z = torch.randn(5, device=device)
+    y = torch.tensor(3, device=device)
+    torch.testing.assert_close(ops.softmax_cross_entropy(z, y), F.cross_entropy(z, y))
+    empty = torch.empty(0, 4, device=device, requires_grad=True)
+    no_labels = torch.empty(0, dtype=torch.long, device=device)
+    assert ops.softmax_cross_entropy(empty, no_labels, "sum").item() == 0.0
+    assert ops.softmax_cross_entropy(empty, no_labels, "none").shape == (0,)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_loss_grad_wrapper_scale(device):
+    z = torch.randn(10, 6, device=device)
+    y = labels_for(10, 6, device, ignore_every=5)
+    loss, grad = ops.loss_grad(z, y)
+    zr = z.clone().requires_grad_()
+    want = F.cross_entropy(zr, y)
+    want.backward()
+    torch.testing.assert_close(loss, want)
+    torch.testing.assert_close(grad, zr.grad)
+    loss2, grad2 = ops.loss_grad(z, y, scale=0.1)
+    torch.testing.assert_close(loss2, F.cross_entropy(z, y, reduction="sum") * 0.1)
+    torch.testing.assert_close(grad2, zr.grad * 8 * 0.1)
+
+
+def test_extreme_logits_stay_finite():
+    z = torch.tensor([[1e4, 0.0, -1e4], [-1e4, -1e4, -1e4]])
+    y = torch.tensor([1, 2])
+    loss, grad = ops.loss_grad(z, y, scale=1.0)
+    assert torch.isfinite(loss) and torch.isfinite(grad).all()
+    torch.testing.assert_close(loss, F.cross_entropy(z, y, reduction="sum"))
+
+
+def test_gradcheck():
+    z = torch.randn(6, 5, dtype=torch.float64, requires_grad=True)
+    y = torch.tensor([0, 1, 4, -100, 2, 3])
+    for reduction in ("mean", "sum", "none"):
+        assert torch.autograd.gradcheck(
+            lambda z: ops.softmax_cross_entropy(z, y, reduction, 0.1), (z,))
+    assert torch.autograd.gradcheck(
+        lambda z: torch.ops.dpcuda.loss_grad(z, y, 0.3, 0.05, -100, True)[0], (z,))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck(device):
+    z = torch.randn(6, 5, device=device, requires_grad=True)
+    y = torch.tensor([0, 1, 4, -100, 2, 3], device=device)
+    torch.library.opcheck(torch.ops.dpcuda.loss_grad.default, (z, y, 1.0, 0.0, -100, True))
+    torch.library.opcheck(torch.ops.dpcuda.loss_grad.default,
+                          (z, y.clamp(min=0), 0.5, 0.1, 2, True))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bad_inputs_raise_named_errors(device):
+    z = torch.randn(4, 5, device=device)
+    y = torch.tensor([0, 1, 2, 3], device=device)
+    with pytest.raises(ValueError, match=r"labels must be class indices in \[0, 5\).*got 5 at "
+                                         r"position 2"):
+        ops.softmax_cross_entropy(z, torch.tensor([0, 1, 5, 3], device=device))
+    with pytest.raises(ValueError, match="got -1 at position 0"):
+        ops.softmax_cross_entropy(z, torch.tensor([-1, 1, 2, 3], device=device))
+    with pytest.raises(ValueError, match="labels must have shape"):
+        ops.softmax_cross_entropy(z, y[:3])
+    with pytest.raises(ValueError, match="logits must have shape"):
+        ops.softmax_cross_entropy(z[None], y)
+    with pytest.raises(TypeError, match="labels must be integer"):
+        ops.softmax_cross_entropy(z, y.float())
+    with pytest.raises(ValueError, match="label_smoothing must be"):
+        ops.softmax_cross_entropy(z, y, label_smoothing=1.5)
+    with pytest.raises(ValueError, match="reduction must be one of"):
+        ops.softmax_cross_entropy(z, y, reduction="avg")
+    with pytest.raises(TypeError, match="labels must be int64"):
+        torch.ops.dpcuda.loss_grad(z, y.int(), 1.0, 0.0, -100, True)
+    if device != "cpu":
+        with pytest.raises(ValueError, match="labels must be on the same device"):
+            ops.softmax_cross_entropy(z, y.cpu())

@@ -1,0 +1,180 @@
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dpcuda import ops, reference as ref
+from conftest import DEVICES, assert_within_torch_error, dtypes_for
+
+ATOL = {torch.float64: 1e-12, torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+CASES = [(d, t) for d in DEVICES for t in dtypes_for(d)]
+
+
+def make(shape, device, dtype, scale=1.0):
+    return (torch.randn(shape, dtype=torch.float64) * scale).to(device=device, dtype=dtype)
+
+
+@pytest.mark.parametrize("device,dtype", CASES)
+@pytest.mark.parametrize("activation", ref.ACTIVATIONS)
+@pytest.mark.parametrize("rows,inf,outf", [(1, 1, 1), (3, 17, 3), (17, 3, 1000), (64, 100, 17)])
+def test_forward_and_backward_match_reference(device, dtype, activation, rows, inf, outf):
+    x, w, b = make((rows, inf), device, dtype), make((outf, inf), device, dtype, 0.3), \
+        make((outf,), device, dtype)
+    x64, w64, b64 = x.double(), w.double(), b.double()
+    out, pre = torch.ops.dpcuda.full_forward(x, w, b, activation)
+    want = ref.full_forward(x64, w64, b64, activation)
+    assert out.dtype == dtype and out.shape == want.shape
+    assert_within_torch_error(out, ref.full_forward(x, w, b, activation), want, ATOL[dtype])
+
+    kind = ops.saved_for_backward(activation)
+    saved = out if kind == "output" else pre if kind == "pre" else None
+    go = make((rows, outf), device, dtype)
+    gi, gw, gb = ops.full_backward(go, x, w, saved, activation)
+    want_gi, want_gw, want_gb = ref.full_backward(go.double(), x64, w64, b64, activation)
+    plain = ref.full_backward(go, x, w, b, activation)
+    # Reductions over rows grow the error with the row count.
+    for got, pl, want in zip((gi, gw, gb), plain, (want_gi, want_gw, want_gb)):
+        assert got.shape == want.shape
+        assert_within_torch_error(got, pl, want, ATOL[dtype] * max(rows, inf))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_leading_dims_noncontiguous_and_no_bias(device):
+    x = torch.randn(4, 5, 9, device=device).transpose(0, 1)  # (5, 4, 9), non-contiguous
+    w = torch.randn(6, 18, device=device)[:, ::2]               # (6, 9), strided
+    assert not x.is_contiguous() and not w.is_contiguous()
+    xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+    out = ops.full_forward(xr, wr, None, "silu")
+    want = F.silu(F.linear(x, w))
+    torch.testing.assert_close(out, want)
+    assert out.shape == (5, 4, 6)
+    out.square().sum().backward()
+    xw, ww = x.clone().requires_grad_(), w.clone().requires_grad_()
+    F.silu(F.linear(xw, ww)).square().sum().backward()
+    torch.testing.assert_close(xr.grad, xw.grad)
+    torch.testing.assert_close(wr.grad, ww.grad)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("activation", ["relu", "gelu", "none"])
+def test_empty_batch(device, activation):
+    x = torch.empty(0, 5, device=device, requires_grad=True)
+    w = torch.randn(3, 5, device=device, requires_grad=True)
+    b = torch.randn(3, device=device, requires_grad=True)
+    out = ops.full_forward(x, w, b, activation)
+    assert out.shape == (0, 3)
+    out.sum().backward()
+    assert x.grad.shape == (0, 5)
+    assert torch.equal(w.grad, torch.zeros_like(w))
+    assert torch.equal(b.grad, torch.zeros_like(b))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_backward_skips_unrequested_gradients(device):
+    x = torch.randn(8, 4, device=device)
+    w = torch.randn(3, 4, device=device, requires_grad=True)
+    out = ops.full_forward(x, w, None, "tanh")
+    out.sum().backward()
+    assert x.grad is None and w.grad is not None
+    gi, gw, gb = ops.full_backward(torch.ones_like(out), x, w, out, "tanh", (False, True, False))
+    assert gi is None and gb is None
+    torch.testing.assert_close(gw, w.grad)
+
+
+@pytest.mark.parametrize("activation", ref.ACTIVATIONS)
+def test_gradcheck(activation):
+    x = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    if activation == "relu":
+        # Keep pre-activations away from the kink, where finite differences are meaningless.
+        with torch.no_grad():
+            z = F.linear(x, w, b)
+            b += torch.where(z.abs() < 0.1, 0.5, 0.0).amax(0)
+    assert torch.autograd.gradcheck(lambda *a: ops.full_forward(*a, activation), (x, w, b))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("activation", ["relu", "gelu", "none", "sigmoid"])
+def test_opcheck(device, activation):
+    x = torch.randn(6, 5, device=device, requires_grad=True)
+    w = torch.randn(4, 5, device=device, requires_grad=True)
+    b = torch.randn(4, device=device, requires_grad=True)
+    torch.library.opcheck(torch.ops.dpcuda.full_forward.default, (x, w, b, activation))
+    torch.library.opcheck(torch.ops.dpcuda.full_forward.default, (x, w, None, activation))
+    out, pre = torch.ops.dpcuda.full_forward(x.detach(), w.detach(), b.detach(), activation)
+    kind = ops.saved_for_backward(activation)
+    saved = out if kind == "output" else pre
+    torch.library.opcheck(torch.ops.dpcuda.full_backward.default,
+                          (torch.randn_like(out), x.detach(), w.detach(), saved, activation,
+                           [True, True, True]))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bad_inputs_raise_named_errors(device):
+    x, w, b = torch.randn(4, 5, device=device), torch.randn(3, 5, device=device), \
+        torch.randn(3, device=device)
+    with pytest.raises(ValueError, match="weight must have shape"):
+        ops.full_forward(x, torch.randn(3, 5, 1, device=device), b)
+    with pytest.raises(ValueError, match="input must have 5 features"):
+        ops.full_forward(torch.randn(4, 6, device=device), w, b)
+    with pytest.raises(ValueError, match="input must have shape"):
+        ops.full_forward(torch.tensor(1.0, device=device), w, b)
+    with pytest.raises(ValueError, match="bias must have shape"):
+        ops.full_forward(x, w, torch.randn(4, device=device))
+    with pytest.raises(TypeError, match="weight must have the dtype"):
+        ops.full_forward(x, w.double(), b)
+    with pytest.raises(TypeError, match="bias must have the dtype"):
+        ops.full_forward(x, w, b.double())
+    with pytest.raises(ValueError, match="activation must be one of"):
+        ops.full_forward(x, w, b, "swish")
+    with pytest.raises(ValueError, match="activation must be one of"):
+        torch.ops.dpcuda.full_forward(x, w, b, "swish")
+    with pytest.raises(TypeError, match="x must be a torch.Tensor"):
+        ops.full_forward([1.0], w, b)
+    with pytest.raises(ValueError, match="saved is required"):
+        ops.full_backward(torch.randn(4, 3, device=device), x, w, None, "relu")
+    with pytest.raises(ValueError, match="grad_output must have shape"):
+        ops.full_backward(torch.randn(4, 2, device=device), x, w, None, "none")
+    with pytest.raises(ValueError, match="saved must have"):
+        ops.full_backward(torch.randn(4, 3, device=device), x, w, torch.randn(2, device=device),
+                          "tanh")
+    if device == "cpu":
+        with pytest.raises(TypeError, match="float32 or float64"):
+            ops.full_forward(x.half(), w.half(), b.half())
+    else:
+        with pytest.raises(ValueError, match="weight must be on the same device"):
+            ops.full_forward(x, w.cpu(), b)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_torch_compile_fullgraph_training_step(device):
+    from dpcuda.nn import FusedMLP, SoftmaxCrossEntropyLoss
+    torch._dynamo.reset()
+    model = FusedMLP([20, 16, 5], activation="gelu").to(device)
+    loss_fn = SoftmaxCrossEntropyLoss(label_smoothing=0.05)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    eager = FusedMLP([20, 16, 5], activation="gelu").to(device)
+    eager.load_state_dict(model.state_dict())
+    eager_opt = torch.optim.SGD(eager.parameters(), lr=0.1)
+
+    def forward_loss(m, x, y):
+        return loss_fn(m(x), y)
+
+    # The default backend (inductor) with fullgraph=True: any graph break fails the test.
+    compiled = torch.compile(forward_loss, fullgraph=True)
+    for _ in range(3):
+        x = torch.randn(32, 20, device=device)
+        y = torch.randint(0, 5, (32,), device=device)
+        loss_c = compiled(model, x, y)
+        loss_c.backward()
+        opt.step()
+        opt.zero_grad()
+        loss_e = forward_loss(eager, x, y)
+        loss_e.backward()
+        eager_opt.step()
+        eager_opt.zero_grad()
+        torch.testing.assert_close(loss_c, loss_e)
+    for p, q in zip(model.parameters(), eager.parameters()):
+        torch.testing.assert_close(p, q)
