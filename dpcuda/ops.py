@@ -1,5 +1,7 @@
-"""The fused ops: Python wrappers over torch.ops.dpcuda.*, and their fake (meta) kernels and
-autograd formulas, registered with torch.library so they work under torch.compile.
+"""The fused ops: Python wrappers over torch.ops.dpcuda.*, and their fake (meta) kernels,
+registered with torch.library so the ops trace under torch.compile. Their autograd formulas are
+registered in C++ (csrc/torch/autograd.cpp), where the host overhead per call is a fraction of
+a Python autograd.Function's.
 
     full_forward(x, weight, bias=None, activation="relu")      act(x @ weight.T + bias)
     full_backward(grad_output, x, weight, saved, activation, output_mask)
@@ -54,34 +56,6 @@ def _full_forward_fake(input, weight, bias, activation):
     shape = (*input.shape[:-1], weight.shape[0])
     pre = input.new_empty(shape) if activation in _SAVES_PRE else input.new_empty((0,))
     return input.new_empty(shape), pre
-
-
-def _full_forward_setup(ctx, inputs, output):
-    input, weight, bias, activation = inputs
-    out, pre = output
-    ctx.activation = activation
-    ctx.has_bias = bias is not None
-    kind = saved_for_backward(activation)
-    saved = out if kind == "output" else pre if kind == "pre" else None
-    ctx.save_for_backward(input, weight, saved)
-
-
-def _full_forward_backward(ctx, grad_out, _grad_pre):
-    # The pre-activation output is an internal of the op (what the backward reads), not a
-    # result: the Python API never returns it, so its gradient is not propagated.
-    input, weight, saved = ctx.saved_tensors
-    if saved is None:
-        saved = grad_out.new_empty((0,))
-    mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[1],
-            ctx.has_bias and ctx.needs_input_grad[2]]
-    grad_input, grad_weight, grad_bias = torch.ops.dpcuda.full_backward(
-        grad_out, input, weight, saved, ctx.activation, mask)
-    return (grad_input if mask[0] else None, grad_weight if mask[1] else None,
-            grad_bias if mask[2] else None, None)
-
-
-torch.library.register_autograd("dpcuda::full_forward", _full_forward_backward,
-                                setup_context=_full_forward_setup)
 
 
 def full_forward(x, weight, bias=None, activation="relu"):
@@ -149,25 +123,6 @@ def _loss_grad_fake(logits, labels, scale, label_smoothing, ignore_index, comput
     return loss, grad
 
 
-def _loss_grad_setup(ctx, inputs, output):
-    ctx.compute_grad = inputs[5]
-    ctx.save_for_backward(output[1])
-
-
-def _loss_grad_backward(ctx, grad_loss, _grad_grad):
-    # The gradient output is d loss / d logits, already computed by the forward kernel; the
-    # chain rule only scales each row by the incoming gradient of that row's loss.
-    if not ctx.compute_grad:
-        raise RuntimeError("loss_grad was called with compute_grad=False, so it cannot be "
-                           "differentiated; call it with compute_grad=True")
-    (grad,) = ctx.saved_tensors
-    return grad_loss.to(grad.dtype)[:, None] * grad, None, None, None, None, None
-
-
-torch.library.register_autograd("dpcuda::loss_grad", _loss_grad_backward,
-                                setup_context=_loss_grad_setup)
-
-
 def _check_loss_args(logits, labels, label_smoothing, ignore_index):
     _check_tensor(logits, "logits")
     _check_tensor(labels, "labels")
@@ -209,14 +164,6 @@ def softmax_cross_entropy(logits, labels, reduction="mean", label_smoothing=0.0,
     unbatched = logits.dim() == 1
     if unbatched:
         logits, labels = logits[None], labels.reshape(1)
-    compute_grad = torch.is_grad_enabled() and logits.requires_grad
-    losses, _ = torch.ops.dpcuda.loss_grad(logits, labels, 1.0, float(label_smoothing),
-                                           ignore_index, compute_grad)
-    if reduction == "none":
-        out = losses[0] if unbatched else losses
-    elif reduction == "sum":
-        out = losses.sum()
-    else:
-        # As F.cross_entropy: the mean over the rows that are not ignored (NaN if none is).
-        out = losses.sum() / (labels != ignore_index).sum()
-    return out.to(logits.dtype)
+    out = torch.ops.dpcuda.softmax_cross_entropy(logits, labels, reduction,
+                                                 float(label_smoothing), ignore_index)
+    return out[0] if unbatched and reduction == "none" else out

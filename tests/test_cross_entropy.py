@@ -99,6 +99,9 @@ def test_opcheck(device):
     torch.library.opcheck(torch.ops.dpcuda.loss_grad.default, (z, y, 1.0, 0.0, -100, True))
     torch.library.opcheck(torch.ops.dpcuda.loss_grad.default,
                           (z, y.clamp(min=0), 0.5, 0.1, 2, True))
+    for reduction in ("mean", "sum", "none"):
+        torch.library.opcheck(torch.ops.dpcuda.softmax_cross_entropy.default,
+                              (z, y, reduction, 0.1, -100))
 
 
 @pytest.mark.parametrize("device", DEVICES)

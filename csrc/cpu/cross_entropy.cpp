@@ -25,22 +25,30 @@ void cross_entropy_rows(const T* logits, const int64_t* labels, T* loss, T* grad
       }
       continue;
     }
-    // One pass for the max and the sum of the logits, one for the sum of exponentials.
+    // Pass 1: the max and the sum of the logits (both vectorise).
     T zmax = -std::numeric_limits<T>::infinity();
     T zsum = T(0);
     for (int64_t c = 0; c < classes; ++c) {
       zmax = z[c] > zmax ? z[c] : zmax;
       zsum += z[c];
     }
+    // Pass 2: exp(z - max), the one transcendental per element, kept in the gradient row
+    // when there is one so that pass 3 only scales it.
     T sumexp = T(0);
-    for (int64_t c = 0; c < classes; ++c) sumexp += math_exp(z[c] - zmax);
+    if (g) {
+      for (int64_t c = 0; c < classes; ++c) {
+        g[c] = math_exp(z[c] - zmax);
+        sumexp += g[c];
+      }
+    } else {
+      for (int64_t c = 0; c < classes; ++c) sumexp += math_exp(z[c] - zmax);
+    }
     const T lse = zmax + math_log(sumexp);
     loss[r] = s * (lse - (T(1) - eps) * z[y] - eps_per_class * zsum);
     if (g) {
-      const T inv = T(1) / sumexp;
-      for (int64_t c = 0; c < classes; ++c) {
-        g[c] = s * (math_exp(z[c] - zmax) * inv - eps_per_class);
-      }
+      const T inv = s / sumexp;
+      const T shift = s * eps_per_class;
+      for (int64_t c = 0; c < classes; ++c) g[c] = g[c] * inv - shift;
       g[y] -= s * (T(1) - eps);
     }
   }

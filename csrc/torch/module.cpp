@@ -17,6 +17,10 @@ TORCH_LIBRARY(dpcuda, m) {
   // multiplied by scale. Rows labelled ignore_index count zero.
   m.def("loss_grad(Tensor logits, Tensor labels, float scale, float label_smoothing,"
         " int ignore_index, bool compute_grad) -> (Tensor, Tensor)");
+  // F.cross_entropy with class-index labels on top of loss_grad, reduction "mean", "sum" or
+  // "none", as one autograd node.
+  m.def("softmax_cross_entropy(Tensor logits, Tensor labels, str reduction,"
+        " float label_smoothing, int ignore_index) -> Tensor");
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

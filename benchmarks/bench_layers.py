@@ -1,0 +1,120 @@
+"""Forward+backward of FusedLinear and of a 784-256-10 FusedMLP with the fused LossGrad, against
+torch eager (F.linear + activation + F.cross_entropy) and torch.compile of the same, measured in
+the same run. Prints medians and the ratios baseline / dpcuda (above 1: dpcuda is faster).
+
+    python benchmarks/bench_layers.py --device cpu --json benchmarks/results/layers-cpu.json
+"""
+
+import argparse
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import compare_ms, environment, write_json  # noqa: E402
+
+import dpcuda  # noqa: E402
+from dpcuda import ops  # noqa: E402
+from dpcuda.nn import FusedMLP  # noqa: E402
+from dpcuda.reference import activation as torch_activation  # noqa: E402
+
+# (batch, in, out): the classic 784->256 layer at batch 256 up to 4096->4096 at batch 4096.
+LINEAR_SHAPES = [(256, 784, 256), (1024, 1024, 1024), (4096, 4096, 4096)]
+MLP_BATCHES = [256, 4096]
+
+
+def linear_case(batch, inf, outf, activation, device, dtype, repeats):
+    x = torch.randn(batch, inf, device=device, dtype=dtype, requires_grad=True)
+    w = (torch.randn(outf, inf, device=device, dtype=dtype) * inf ** -0.5).requires_grad_()
+    b = torch.randn(outf, device=device, dtype=dtype, requires_grad=True)
+    go = torch.randn(batch, outf, device=device, dtype=dtype)
+
+    def eager_fn(x, w, b):
+        return torch_activation(F.linear(x, w, b), activation)
+
+    compiled_fn = torch.compile(eager_fn)
+
+    def run(fn):
+        def step():
+            x.grad = w.grad = b.grad = None
+            fn(x, w, b).backward(go)
+        return step
+
+    return compare_ms({"dpcuda": run(lambda x, w, b: ops.full_forward(x, w, b, activation)),
+                       "eager": run(eager_fn), "compile": run(compiled_fn)},
+                      device, warmup=3, repeats=repeats)
+
+
+def mlp_case(batch, device, dtype, repeats):
+    torch.manual_seed(0)
+    fused = FusedMLP([784, 256, 10]).to(device=device, dtype=dtype)
+    eager = torch.nn.Sequential(torch.nn.Linear(784, 256), torch.nn.ReLU(),
+                                torch.nn.Linear(256, 10)).to(device=device, dtype=dtype)
+    x = torch.randn(batch, 784, device=device, dtype=dtype)
+    y = torch.randint(0, 10, (batch,), device=device)
+
+    def eager_loss(x, y):
+        return F.cross_entropy(eager(x), y)
+
+    compiled_loss = torch.compile(eager_loss)
+
+    def run(model, loss_fn):
+        def step():
+            for p in model.parameters():
+                p.grad = None
+            loss_fn(x, y).backward()
+        return step
+
+    return compare_ms({"dpcuda": run(fused, lambda x, y: ops.softmax_cross_entropy(fused(x), y)),
+                       "eager": run(eager, eager_loss), "compile": run(eager, compiled_loss)},
+                      device, warmup=3, repeats=repeats)
+
+
+def with_ratios(times):
+    times["eager_over_dpcuda"] = times["eager"] / times["dpcuda"]
+    times["compile_over_dpcuda"] = times["compile"] / times["dpcuda"]
+    return times
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda" if dpcuda.cuda_available() else "cpu")
+    parser.add_argument("--dtype", default="float32",
+                        choices=["float32", "float64", "float16", "bfloat16"])
+    parser.add_argument("--activation", default="relu")
+    parser.add_argument("--repeats", type=int, default=None,
+                        help="timed runs per case (default: 20 on CPU, 50 on CUDA)")
+    parser.add_argument("--max-size", type=int, default=4096,
+                        help="skip linear shapes with a dimension above this")
+    parser.add_argument("--json", default=None, help="write every figure to this JSON file")
+    args = parser.parse_args(argv)
+    device, dtype = args.device, getattr(torch, args.dtype)
+    if device.startswith("cuda") and not dpcuda.cuda_available():
+        parser.error("--device cuda: dpcuda's CUDA kernels are not available here")
+    repeats = args.repeats or (50 if device.startswith("cuda") else 20)
+    results = []
+    print(f"{'case':<34}{'dpcuda ms':>11}{'eager ms':>11}{'compile ms':>12}"
+          f"{'eager/ours':>12}{'compile/ours':>14}")
+    cases = [("linear", s) for s in LINEAR_SHAPES if max(s) <= args.max_size]
+    cases += [("mlp", b) for b in MLP_BATCHES if b <= args.max_size]
+    for kind, spec in cases:
+        torch._dynamo.reset()
+        if kind == "linear":
+            name = f"linear {spec[1]}->{spec[2]} b{spec[0]} {args.activation}"
+            t = linear_case(*spec, args.activation, device, dtype, repeats)
+        else:
+            name = f"mlp 784-256-10 + loss b{spec}"
+            t = mlp_case(spec, device, dtype, repeats)
+        t = with_ratios(t)
+        results.append({"case": name, "kind": kind, **t})
+        print(f"{name:<34}{t['dpcuda']:>11.3f}{t['eager']:>11.3f}{t['compile']:>12.3f}"
+              f"{t['eager_over_dpcuda']:>12.2f}{t['compile_over_dpcuda']:>14.2f}", flush=True)
+    write_json(args.json, {"benchmark": "layers", "dtype": args.dtype, "repeats": repeats,
+                           "environment": environment(device), "results": results})
+
+
+if __name__ == "__main__":
+    main()

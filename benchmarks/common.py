@@ -1,0 +1,68 @@
+"""Timing helpers shared by the benchmarks: warm-up, then the median of repeated runs, timed
+with CUDA events on a GPU and with perf_counter on the CPU."""
+
+import json
+import platform
+import statistics
+import subprocess
+import time
+
+import torch
+
+
+def time_ms(fn, device, warmup=2, repeats=10):
+    """Median wall time of fn() in milliseconds."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+        for _ in range(repeats):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+    else:
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def compare_ms(fns, device, warmup=2, repeats=10):
+    """Median time in ms of each callable in the dict fns, measured round-robin (a, b, c, a, b,
+    c, ...) so that drift in the machine's speed (another process, clock changes) falls on
+    every contender alike instead of on whichever ran last."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    samples = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            samples[name].append(time_ms(fn, device, warmup=0, repeats=1))
+    return {name: statistics.median(v) for name, v in samples.items()}
+
+
+def environment(device):
+    """Where a result was measured: device name, versions and the commit."""
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True, check=False).stdout.strip()
+    except OSError:
+        commit = ""
+    dev = torch.device(device)
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or \
+        platform.machine()
+    return {"device": str(device), "device_name": name, "torch": torch.__version__,
+            "threads": torch.get_num_threads(), "commit": commit,
+            "date": time.strftime("%Y-%m-%d")}
+
+
+def write_json(path, payload):
+    if path:
+        with open(path, "w") as f:
+            json.dump(payload, f, indent=2)
+        print(f"wrote {path}")
