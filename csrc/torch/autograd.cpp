@@ -142,11 +142,17 @@ Tensor valid_count(const Tensor& labels, int64_t ignore_index) {
   return labels.ne(ignore_index).sum();
 }
 
+// Casts only when needed: a no-op .to() returns its input, which an op below autograd must
+// never do (torch.library.opcheck's schema test enforces it).
+Tensor as_dtype(const Tensor& t, at::ScalarType dtype) {
+  return t.scalar_type() == dtype ? t : t.to(dtype);
+}
+
 Tensor reduce_losses(const Tensor& losses, const Tensor& count, c10::string_view reduction,
                      at::ScalarType dtype) {
-  if (reduction == "none") return losses.to(dtype);
-  if (reduction == "sum") return losses.sum().to(dtype);
-  return losses.sum().div(count).to(dtype);
+  if (reduction == "none") return as_dtype(losses, dtype);
+  if (reduction == "sum") return as_dtype(losses.sum(), dtype);
+  return as_dtype(losses.sum().div(count), dtype);
 }
 
 // softmax_cross_entropy without autograd (inference, and what torch.compile traces).
