@@ -30,6 +30,50 @@ Tensor as_matrix(const Tensor& input, const LinearShape& s) {
   return input.reshape({s.rows, s.in_features});
 }
 
+// What both backends' full_backward share: the checks, the flattened gradient, and the
+// tensors the activation pass writes (g aliases grad_output for "none", which needs no pass).
+struct BackwardPlan {
+  Activation act;
+  LinearShape shape;
+  Tensor grad_out;   // (rows, out), contiguous
+  Tensor saved;      // (rows, out), contiguous; undefined for "none"
+  Tensor g;          // grad_out * act'(saved)
+  Tensor grad_bias;  // (out,) or empty
+  bool fused_pass;   // whether the activation pass has to run
+};
+
+BackwardPlan plan_backward(const Tensor& grad_output, const Tensor& input, const Tensor& weight,
+                           const Tensor& saved, c10::string_view activation,
+                           std::array<bool, 3> output_mask, void (*check_dtype)(const Tensor&,
+                                                                              const char*)) {
+  BackwardPlan p;
+  p.act = check_activation(activation);
+  p.shape = check_linear(input, weight, c10::nullopt);
+  check_dtype(input, "input");
+  check_same_dtype(grad_output, "grad_output", input, "input");
+  check_same_device(grad_output, "grad_output", input, "input");
+  check_backward(grad_output, saved, p.shape, p.act);
+  const int64_t rows = p.shape.rows, out_f = p.shape.out_features;
+  p.grad_out = grad_output.reshape({rows, out_f}).contiguous();
+  p.fused_pass = p.act != Activation::kNone;
+  p.saved = p.fused_pass ? saved.reshape({rows, out_f}).contiguous() : Tensor();
+  p.g = p.fused_pass ? at::empty_like(p.grad_out) : p.grad_out;
+  p.grad_bias = output_mask[2] ? at::empty({out_f}, p.grad_out.options())
+                               : empty_like_options(p.grad_out);
+  return p;
+}
+
+// The two GEMMs that follow the activation pass.
+std::tuple<Tensor, Tensor, Tensor> finish_backward(const BackwardPlan& p, const Tensor& input,
+                                                   const Tensor& weight,
+                                                   std::array<bool, 3> output_mask) {
+  Tensor grad_input = output_mask[0] ? at::mm(p.g, weight).view(input.sizes())
+                                     : empty_like_options(p.grad_out);
+  Tensor grad_weight = output_mask[1] ? at::mm(p.g.t(), as_matrix(input, p.shape))
+                                      : empty_like_options(p.grad_out);
+  return {grad_input, grad_weight, p.grad_bias};
+}
+
 std::tuple<Tensor, Tensor> full_forward_cpu(const Tensor& input, const Tensor& weight,
                                             const c10::optional<Tensor>& bias,
                                             c10::string_view activation) {
@@ -61,49 +105,36 @@ std::tuple<Tensor, Tensor, Tensor> full_backward_cpu(const Tensor& grad_output,
                                                      const Tensor& saved,
                                                      c10::string_view activation,
                                                      std::array<bool, 3> output_mask) {
-  const Activation act = check_activation(activation);
-  const LinearShape s = check_linear(input, weight, c10::nullopt);
-  check_cpu_dtype(input, "input");
-  check_same_dtype(grad_output, "grad_output", input, "input");
-  check_same_device(grad_output, "grad_output", input, "input");
-  check_backward(grad_output, saved, s, act);
-  const int64_t out_f = s.out_features;
-  const Tensor go = grad_output.reshape({s.rows, out_f}).contiguous();
-  const bool fused_pass = act != Activation::kNone;
-  Tensor g = fused_pass ? at::empty_like(go) : go;
-  Tensor grad_bias = output_mask[2] ? at::empty({out_f}, go.options()) : empty_like_options(go);
-  if (fused_pass || output_mask[2]) {
-    const Tensor sv = fused_pass ? saved.reshape({s.rows, out_f}).contiguous() : saved;
-    const int64_t chunk_rows = cpu::bias_chunk_rows(s.rows);
-    const int64_t chunks = (s.rows + chunk_rows - 1) / chunk_rows;
-    Tensor partials = output_mask[2] ? at::empty({chunks, out_f}, go.options()) : Tensor();
-    AT_DISPATCH_FLOATING_TYPES(go.scalar_type(), "full_backward_cpu", [&] {
-      const scalar_t* go_ptr = go.data_ptr<scalar_t>();
-      const scalar_t* saved_ptr = fused_pass ? sv.data_ptr<scalar_t>() : nullptr;
-      scalar_t* g_ptr = fused_pass ? g.data_ptr<scalar_t>() : nullptr;
+  const BackwardPlan p = plan_backward(grad_output, input, weight, saved, activation,
+                                      output_mask, &check_cpu_dtype);
+  const int64_t rows = p.shape.rows, out_f = p.shape.out_features;
+  if (p.fused_pass || output_mask[2]) {
+    const int64_t chunk_rows = cpu::bias_chunk_rows(rows);
+    const int64_t chunks = (rows + chunk_rows - 1) / chunk_rows;
+    Tensor partials = output_mask[2] ? at::empty({chunks, out_f}, p.grad_out.options()) : Tensor();
+    AT_DISPATCH_FLOATING_TYPES(p.grad_out.scalar_type(), "full_backward_cpu", [&] {
+      const scalar_t* go_ptr = p.grad_out.data_ptr<scalar_t>();
+      const scalar_t* saved_ptr = p.fused_pass ? p.saved.data_ptr<scalar_t>() : nullptr;
+      scalar_t* g_ptr = p.fused_pass ? p.g.data_ptr<scalar_t>() : nullptr;
       scalar_t* part_ptr = output_mask[2] ? partials.data_ptr<scalar_t>() : nullptr;
       at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
         for (int64_t k = begin; k < end; ++k) {
           const int64_t r0 = k * chunk_rows;
-          const int64_t r1 = std::min(s.rows, r0 + chunk_rows);
+          const int64_t r1 = std::min(rows, r0 + chunk_rows);
           cpu::activation_backward_rows<scalar_t>(go_ptr, saved_ptr, g_ptr,
                                                   part_ptr ? part_ptr + k * out_f : nullptr, r0,
-                                                  r1, out_f, act);
+                                                  r1, out_f, p.act);
         }
       });
       if (output_mask[2]) {
-        scalar_t* gb = grad_bias.data_ptr<scalar_t>();
+        scalar_t* gb = p.grad_bias.data_ptr<scalar_t>();
         at::parallel_for(0, out_f, 1024, [&](int64_t begin, int64_t end) {
           cpu::reduce_column_partials<scalar_t>(part_ptr, chunks, out_f, gb, begin, end);
         });
       }
     });
   }
-  Tensor grad_input = output_mask[0] ? at::mm(g, weight).view(input.sizes())
-                                     : empty_like_options(go);
-  Tensor grad_weight = output_mask[1] ? at::mm(g.t(), as_matrix(input, s))
-                                      : empty_like_options(go);
-  return {grad_input, grad_weight, grad_bias};
+  return finish_backward(p, input, weight, output_mask);
 }
 
 #ifdef DPCUDA_WITH_CUDA
@@ -149,42 +180,31 @@ std::tuple<Tensor, Tensor, Tensor> full_backward_cuda(const Tensor& grad_output,
                                                       const Tensor& saved,
                                                       c10::string_view activation,
                                                       std::array<bool, 3> output_mask) {
-  const Activation act = check_activation(activation);
-  const LinearShape s = check_linear(input, weight, c10::nullopt);
-  check_cuda_dtype(input, "input");
-  check_same_dtype(grad_output, "grad_output", input, "input");
-  check_same_device(grad_output, "grad_output", input, "input");
-  check_backward(grad_output, saved, s, act);
+  const BackwardPlan p = plan_backward(grad_output, input, weight, saved, activation,
+                                      output_mask, &check_cuda_dtype);
   const c10::cuda::CUDAGuard guard(input.device());
-  const int64_t out_f = s.out_features;
-  const Tensor go = grad_output.reshape({s.rows, out_f}).contiguous();
-  const bool fused_pass = act != Activation::kNone;
-  Tensor g = fused_pass ? at::empty_like(go) : go;
-  Tensor grad_bias = output_mask[2] ? at::empty({out_f}, go.options()) : empty_like_options(go);
-  if (fused_pass || output_mask[2]) {
-    const Tensor sv = fused_pass ? saved.reshape({s.rows, out_f}).contiguous() : saved;
-    const auto acc_dtype = go.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-    Tensor workspace = at::empty({cuda::activation_backward_workspace(s.rows, out_f)},
-                                 go.options().dtype(acc_dtype));
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, go.scalar_type(),
+  if (p.fused_pass || output_mask[2]) {
+    const auto acc_dtype = p.grad_out.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+    Tensor workspace = at::empty(
+        {cuda::activation_backward_workspace(p.shape.rows, p.shape.out_features)},
+        p.grad_out.options().dtype(acc_dtype));
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, p.grad_out.scalar_type(),
                                     "full_backward_cuda", [&] {
       using cuda_t = typename CudaType<scalar_t>::type;
       check_cuda(cuda::activation_backward<cuda_t>(
-                     reinterpret_cast<const cuda_t*>(go.data_ptr<scalar_t>()),
-                     fused_pass ? reinterpret_cast<const cuda_t*>(sv.data_ptr<scalar_t>())
-                                : nullptr,
-                     fused_pass ? reinterpret_cast<cuda_t*>(g.data_ptr<scalar_t>()) : nullptr,
-                     output_mask[2] ? reinterpret_cast<cuda_t*>(grad_bias.data_ptr<scalar_t>())
-                                    : nullptr,
-                     workspace.data_ptr(), s.rows, out_f, act, at::cuda::getCurrentCUDAStream()),
+                     reinterpret_cast<const cuda_t*>(p.grad_out.data_ptr<scalar_t>()),
+                     p.fused_pass ? reinterpret_cast<const cuda_t*>(p.saved.data_ptr<scalar_t>())
+                                  : nullptr,
+                     p.fused_pass ? reinterpret_cast<cuda_t*>(p.g.data_ptr<scalar_t>()) : nullptr,
+                     output_mask[2]
+                         ? reinterpret_cast<cuda_t*>(p.grad_bias.data_ptr<scalar_t>())
+                         : nullptr,
+                     workspace.data_ptr(), p.shape.rows, p.shape.out_features, p.act,
+                     at::cuda::getCurrentCUDAStream()),
                  "activation_backward launch");
     });
   }
-  Tensor grad_input = output_mask[0] ? at::mm(g, weight).view(input.sizes())
-                                     : empty_like_options(go);
-  Tensor grad_weight = output_mask[1] ? at::mm(g.t(), as_matrix(input, s))
-                                      : empty_like_options(go);
-  return {grad_input, grad_weight, grad_bias};
+  return finish_backward(p, input, weight, output_mask);
 }
 
 #endif  // DPCUDA_WITH_CUDA
