@@ -9,8 +9,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-__all__ = ["ACTIVATIONS", "activation", "full_forward", "full_backward", "loss_grad",
-           "softmax_cross_entropy"]
+__all__ = ["ACTIVATIONS", "activation", "activation_grad", "full_forward", "full_backward",
+           "loss_grad"]
 
 ACTIVATIONS = ("none", "relu", "gelu", "gelu_tanh", "silu", "sigmoid", "tanh")
 
@@ -87,9 +87,3 @@ def loss_grad(logits, labels, scale=1.0, label_smoothing=0.0, ignore_index=-100)
     grad = (logp.exp() - target) * valid[:, None].to(logits.dtype)
     return scale * loss, scale * grad
 
-
-def softmax_cross_entropy(logits, labels, reduction="mean", label_smoothing=0.0,
-                          ignore_index=-100):
-    """torch.nn.functional.cross_entropy with class-index targets."""
-    return F.cross_entropy(logits, labels, reduction=reduction, label_smoothing=label_smoothing,
-                           ignore_index=ignore_index)
