@@ -10,8 +10,9 @@ a Python autograd.Function's.
 """
 
 import torch
+from torch.overrides import has_torch_function
 
-from . import _C  # noqa: F401  (loads the library that registers torch.ops.dpcuda.*)
+from . import _C  # loads the library that registers torch.ops.dpcuda.*
 from .reference import ACTIVATIONS
 
 __all__ = ["ACTIVATIONS", "full_forward", "full_backward", "loss_grad", "softmax_cross_entropy",
@@ -38,6 +39,13 @@ def check_activation(activation):
     if not isinstance(activation, str) or activation not in ACTIVATIONS:
         raise ValueError(
             f"activation must be one of {', '.join(ACTIVATIONS)}; got {activation!r}")
+
+
+def _eager(*tensors):
+    """Whether a call may take _C's fast path into the same op: not while torch.compile traces
+    (it must see torch.ops.dpcuda.*) and not for tensors or modes that override torch functions,
+    which only the torch.ops entry hands to __torch_function__."""
+    return not torch.compiler.is_compiling() and not has_torch_function(tensors)
 
 
 def _check_tensor(value, name):
@@ -68,6 +76,8 @@ def full_forward(x, weight, bias=None, activation="relu"):
     if bias is not None:
         _check_tensor(bias, "bias")
     check_activation(activation)
+    if _eager(x, weight) if bias is None else _eager(x, weight, bias):
+        return _C.full_forward(x, weight, bias, activation)
     return torch.ops.dpcuda.full_forward(x, weight, bias, activation)[0]
 
 
@@ -164,6 +174,10 @@ def softmax_cross_entropy(logits, labels, reduction="mean", label_smoothing=0.0,
     unbatched = logits.dim() == 1
     if unbatched:
         logits, labels = logits[None], labels.reshape(1)
-    out = torch.ops.dpcuda.softmax_cross_entropy(logits, labels, reduction,
-                                                 float(label_smoothing), ignore_index)
+    if _eager(logits, labels):
+        out = _C.softmax_cross_entropy(logits, labels, reduction, float(label_smoothing),
+                                       ignore_index)
+    else:
+        out = torch.ops.dpcuda.softmax_cross_entropy(logits, labels, reduction,
+                                                     float(label_smoothing), ignore_index)
     return out[0] if unbatched and reduction == "none" else out

@@ -6,10 +6,12 @@
 // which alone made the fused 784-256-10 step slower than torch eager on the CPU and would make
 // a GPU step CPU-bound. The formulas are the same; only the host overhead differs.
 #include <ATen/ATen.h>
+#include <ATen/TensorSubclassLikeUtils.h>
 #include <torch/autograd.h>
 #include <torch/library.h>
 
 #include "checks.h"
+#include "dispatch.h"
 
 namespace dpcuda {
 namespace {
@@ -18,46 +20,13 @@ using at::Tensor;
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-std::tuple<Tensor, Tensor> call_full_forward(const Tensor& input, const Tensor& weight,
-                                             const c10::optional<Tensor>& bias,
-                                             c10::string_view activation) {
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("dpcuda::full_forward", "")
-                             .typed<std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&,
-                                                               const c10::optional<Tensor>&,
-                                                               c10::string_view)>();
-  return op.call(input, weight, bias, activation);
-}
-
-std::tuple<Tensor, Tensor, Tensor> call_full_backward(const Tensor& grad_output,
-                                                      const Tensor& input, const Tensor& weight,
-                                                      const Tensor& saved,
-                                                      c10::string_view activation,
-                                                      std::array<bool, 3> mask) {
-  static const auto op =
-      c10::Dispatcher::singleton()
-          .findSchemaOrThrow("dpcuda::full_backward", "")
-          .typed<std::tuple<Tensor, Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&,
-                                                    const Tensor&, c10::string_view,
-                                                    std::array<bool, 3>)>();
-  return op.call(grad_output, input, weight, saved, activation, mask);
-}
-
-std::tuple<Tensor, Tensor> call_loss_grad(const Tensor& logits, const Tensor& labels,
-                                          double scale, double label_smoothing,
-                                          int64_t ignore_index, bool compute_grad) {
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("dpcuda::loss_grad", "")
-                             .typed<std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&,
-                                                               double, double, int64_t, bool)>();
-  return op.call(logits, labels, scale, label_smoothing, ignore_index, compute_grad);
-}
-
 class FullForward : public torch::autograd::Function<FullForward> {
  public:
   static variable_list forward(AutogradContext* ctx, const Tensor& input, const Tensor& weight,
                                const c10::optional<Tensor>& bias, c10::string_view activation) {
     const Activation act = check_activation(activation);
+    // The backward reads only the output's gradient; zeros for `pre` would be wasted work.
+    ctx->set_materialize_grads(false);
     Tensor out, pre;
     {
       at::AutoDispatchBelowADInplaceOrView below;
@@ -80,6 +49,7 @@ class FullForward : public torch::autograd::Function<FullForward> {
     const std::string activation = ctx->saved_data["activation"].toStringRef();
     const bool has_bias = ctx->saved_data["has_bias"].toBool();
     const Tensor& grad_out = grads[0];
+    if (!grad_out.defined()) return {Tensor(), Tensor(), Tensor(), Tensor()};
     const std::array<bool, 3> mask = {ctx->needs_input_grad(0), ctx->needs_input_grad(1),
                                       has_bias && ctx->needs_input_grad(2)};
     const Tensor s = saved[2].defined() ? saved[2] : at::empty({0}, grad_out.options());
@@ -99,6 +69,7 @@ class LossGrad : public torch::autograd::Function<LossGrad> {
       std::tie(loss, grad) =
           call_loss_grad(logits, labels, scale, label_smoothing, ignore_index, compute_grad);
     }
+    ctx->set_materialize_grads(false);
     ctx->save_for_backward({grad});
     ctx->saved_data["compute_grad"] = compute_grad;
     ctx->mark_non_differentiable({grad});
@@ -111,6 +82,7 @@ class LossGrad : public torch::autograd::Function<LossGrad> {
     TORCH_CHECK(ctx->saved_data["compute_grad"].toBool(),
                 "loss_grad was called with compute_grad=False, so it cannot be differentiated; "
                 "call it with compute_grad=True");
+    if (!grads[0].defined()) return {Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
     const Tensor grad = ctx->get_saved_variables()[0];
     const Tensor grad_logits = grads[0].to(grad.scalar_type()).unsqueeze(1) * grad;
     return {grad_logits, Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
@@ -140,6 +112,20 @@ void check_reduction(c10::string_view reduction) {
 // The rows that count towards "mean": as F.cross_entropy, those not labelled ignore_index.
 Tensor valid_count(const Tensor& labels, int64_t ignore_index) {
   return labels.ne(ignore_index).sum();
+}
+
+// The same count read from host memory, for labels that live there as plain tensors (not fake,
+// functional or other subclass-like tensors, which have no data to read): it turns the mean
+// into a scale the kernel applies, saving four small ops per step. Labels on a GPU keep the
+// tensor count, which needs no synchronisation.
+c10::optional<int64_t> host_valid_count(const Tensor& labels, int64_t ignore_index) {
+  if (!labels.is_cpu() || at::isTensorSubclassLike(labels) || !labels.is_contiguous()) {
+    return c10::nullopt;
+  }
+  const int64_t* y = labels.const_data_ptr<int64_t>();
+  int64_t count = 0;
+  for (int64_t r = 0, n = labels.numel(); r < n; ++r) count += y[r] != ignore_index;
+  return count;
 }
 
 // Casts only when needed: a no-op .to() returns its input, which an op below autograd must
@@ -175,7 +161,19 @@ class SoftmaxCrossEntropy : public torch::autograd::Function<SoftmaxCrossEntropy
                                c10::string_view reduction, double label_smoothing,
                                int64_t ignore_index, bool compute_grad) {
     check_reduction(reduction);
+    ctx->set_materialize_grads(false);
     at::AutoDispatchBelowADInplaceOrView below;
+    const auto host_count = reduction == "mean" && labels.scalar_type() == at::kLong
+                                ? host_valid_count(labels, ignore_index)
+                                : c10::nullopt;
+    if (host_count && *host_count > 0) {
+      // Mean as a scaled sum: the kernel's loss and gradient already carry 1 / count.
+      auto [losses, grad] = call_loss_grad(logits, labels, 1.0 / static_cast<double>(*host_count),
+                                           label_smoothing, ignore_index, compute_grad);
+      ctx->save_for_backward({grad});
+      ctx->saved_data["reduction"] = std::string("sum");
+      return {as_dtype(losses.sum(), logits.scalar_type())};
+    }
     auto [losses, grad] = call_loss_grad(logits, labels, 1.0, label_smoothing, ignore_index,
                                          compute_grad);
     const Tensor count = reduction == "mean" ? valid_count(labels, ignore_index) : Tensor();
@@ -185,10 +183,11 @@ class SoftmaxCrossEntropy : public torch::autograd::Function<SoftmaxCrossEntropy
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    if (!grads[0].defined()) return {Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
     const auto saved = ctx->get_saved_variables();
     const Tensor& grad = saved[0];
     const std::string reduction = ctx->saved_data["reduction"].toStringRef();
-    const Tensor g = grads[0].to(grad.scalar_type());
+    const Tensor g = as_dtype(grads[0], grad.scalar_type());
     Tensor grad_logits;
     if (reduction == "none") {
       grad_logits = g.unsqueeze(1) * grad;

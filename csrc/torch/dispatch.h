@@ -1,0 +1,61 @@
+// Typed handles of the dpcuda ops, for C++ callers: the autograd formulas (which call the ops
+// below autograd) and the Python fast path of dpcuda._C (which calls them at the top, so
+// autograd, the CPU/CUDA kernels and every other key behave exactly as through torch.ops).
+#pragma once
+
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/Tensor.h>
+
+#include <array>
+#include <tuple>
+
+namespace dpcuda {
+
+inline std::tuple<at::Tensor, at::Tensor> call_full_forward(
+    const at::Tensor& input, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
+    c10::string_view activation) {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("dpcuda::full_forward", "")
+          .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
+                                                    const c10::optional<at::Tensor>&,
+                                                    c10::string_view)>();
+  return op.call(input, weight, bias, activation);
+}
+
+inline std::tuple<at::Tensor, at::Tensor, at::Tensor> call_full_backward(
+    const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& weight,
+    const at::Tensor& saved, c10::string_view activation, std::array<bool, 3> mask) {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("dpcuda::full_backward", "")
+          .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor>(
+              const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+              c10::string_view, std::array<bool, 3>)>();
+  return op.call(grad_output, input, weight, saved, activation, mask);
+}
+
+inline std::tuple<at::Tensor, at::Tensor> call_loss_grad(const at::Tensor& logits,
+                                                         const at::Tensor& labels, double scale,
+                                                         double label_smoothing,
+                                                         int64_t ignore_index,
+                                                         bool compute_grad) {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("dpcuda::loss_grad", "")
+          .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, double,
+                                                    double, int64_t, bool)>();
+  return op.call(logits, labels, scale, label_smoothing, ignore_index, compute_grad);
+}
+
+inline at::Tensor call_softmax_cross_entropy(const at::Tensor& logits, const at::Tensor& labels,
+                                             c10::string_view reduction, double label_smoothing,
+                                             int64_t ignore_index) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("dpcuda::softmax_cross_entropy", "")
+                             .typed<at::Tensor(const at::Tensor&, const at::Tensor&,
+                                               c10::string_view, double, int64_t)>();
+  return op.call(logits, labels, reduction, label_smoothing, ignore_index);
+}
+
+}  // namespace dpcuda
