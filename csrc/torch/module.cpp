@@ -26,6 +26,16 @@ TORCH_LIBRARY(dpcuda, m) {
   // "none", as one autograd node.
   m.def("softmax_cross_entropy(Tensor logits, Tensor labels, str reduction,"
         " float label_smoothing, int ignore_index) -> Tensor");
+  // In-place all-reduce over replica buffers (CPU, or CUDA devices that may repeat): every
+  // tensor ends with the sum (op "sum") or mean ("mean") of all, the same bits on every replica
+  // whatever the algorithm ("auto", "one_shot", "two_shot", "ring").
+  m.def("all_reduce_(Tensor(a!)[] tensors, str op, str algorithm) -> ()");
+  // The gradient reduction fused with SGD (torch.optim.SGD's update, dampening 0): grads are
+  // reduced (sum or mean) and every replica's params and momentum buffers updated identically.
+  // With two_shot each replica updates only its shard and the gather moves updated weights.
+  // grads may be overwritten with the reduced gradient.
+  m.def("reduce_sgd_(Tensor(a!)[] params, Tensor(b!)[] grads, Tensor(c!)[] momentum_buffers,"
+        " float lr, float momentum, float weight_decay, bool mean, str algorithm) -> ()");
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

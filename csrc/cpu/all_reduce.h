@@ -1,0 +1,63 @@
+// CPU kernels of the replica all-reduce and of the SGD step fused into it. Torch-free (raw
+// pointers, element ranges) so the CMake build tests them without libtorch; the ATen adapter
+// (csrc/torch/all_reduce.cpp) runs the algorithms (one-shot, two-shot, ring) by handing threads
+// shards and blocks of these ranges.
+//
+// The summation order is fixed: acc = x[0]; acc = acc + x[r] for r = 1..R-1; acc = acc / R for
+// a mean. Every algorithm computes each element with exactly this sequence of operations, so
+// every algorithm and every replica ends with the same bits.
+#pragma once
+
+#include <cstdint>
+
+namespace dpcuda {
+namespace cpu {
+
+// SGD as torch.optim.SGD (dampening 0, no Nesterov), element by element:
+//   g = grad + weight_decay * param;  buf = momentum * buf + g;  g = buf;  param -= lr * g
+// with the momentum buffer starting at zero (so the first step's buf is g, as torch's clone).
+struct Sgd {
+  double lr;
+  double momentum;
+  double weight_decay;
+};
+
+// Elements [begin, end): the fixed-order sum (or mean) of in[0..nin), written to every
+// out[0..nout). An out may be one of the ins (in place): each block is read in full before
+// it is written.
+template <typename T>
+void reduce_range(const T* const* in, int nin, T* const* out, int nout, int64_t begin,
+                  int64_t end, bool mean);
+
+// The chain step of the ring algorithm: own[i] = partial[i] + own[i] (partial holds the sum of
+// the replicas before this one), divided by `divide_by` when it is above 0 (the last replica of
+// a mean). The same operations, in the same order, as reduce_range.
+template <typename T>
+void chain_accumulate(const T* partial, T* own, int64_t begin, int64_t end, int divide_by);
+
+// The reduction fused with the SGD step: g = fixed-order sum (or mean) of grads[0..ngrads);
+// params[0] and momenta[0] hold the current state (every replica holds the same); the updated
+// parameter is written to every params[0..nparams), the updated momentum buffer to every
+// momenta[0..nmomenta) (nmomenta is 0 when sgd.momentum is 0).
+template <typename T>
+void reduce_sgd_range(const T* const* grads, int ngrads, T* const* params, int nparams,
+                      T* const* momenta, int nmomenta, int64_t begin, int64_t end, bool mean,
+                      Sgd sgd);
+
+// The SGD step alone on one replica, for gradients already reduced: the same element formula.
+template <typename T>
+void sgd_range(const T* grad, T* param, T* momentum, int64_t begin, int64_t end, Sgd sgd);
+
+// The shard of a buffer of n elements that replica k of R owns in the two-shot algorithm:
+// [begin, end), boundaries rounded to `align` elements (16 bytes) so vector loads stay aligned.
+inline void shard_range(int64_t n, int replicas, int k, int64_t align, int64_t* begin,
+                        int64_t* end) {
+  int64_t per = (n + replicas - 1) / replicas;
+  per = (per + align - 1) / align * align;
+  const int64_t b = per * k;
+  *begin = b < n ? b : n;
+  *end = b + per < n ? b + per : n;
+}
+
+}  // namespace cpu
+}  // namespace dpcuda

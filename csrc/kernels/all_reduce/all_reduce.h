@@ -1,0 +1,65 @@
+// CUDA kernels of the replica all-reduce and of the SGD step fused into it. Torch-free: the
+// adapter (csrc/torch/all_reduce.cpp) owns the algorithm — which device runs which range,
+// peer access, staging and the events that order the devices — and these launch one kernel
+// each on the stream they are given.
+//
+// Pointers may live on other devices: a kernel reads a peer's memory directly when peer access
+// is enabled (the adapter stages a copy into local memory when it is not). The summation order
+// is the CPU's (csrc/cpu/all_reduce.h): acc = x[0]; acc += x[r] for r = 1..R-1; acc /= R for a
+// mean, accumulated in float for the half types, so every algorithm gives the same bits.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace dpcuda {
+namespace cuda {
+
+// The most replicas one call handles (kernel arguments carry their pointers by value).
+constexpr int kMaxReplicas = 16;
+
+template <typename T>
+struct Replicas {
+  T* ptr[kMaxReplicas];
+};
+
+struct SgdArgs {
+  float lr;
+  float momentum;
+  float weight_decay;
+  double lr_d;  // the same values in double precision, used for float64 buffers
+  double momentum_d;
+  double weight_decay_d;
+};
+
+// Elements [begin, end) of each buffer: the fixed-order sum (or mean) of in.ptr[0..nin),
+// written to out.ptr[0..nout). An output may alias an input only at the same element (each
+// thread reads its elements from every input before writing them).
+template <typename T>
+cudaError_t reduce_range(Replicas<const T> in, int nin, Replicas<T> out, int nout,
+                         int64_t begin, int64_t end, bool mean, cudaStream_t stream);
+
+// The reduction fused with SGD (torch.optim.SGD's formula, dampening 0): g = fixed-order sum
+// (or mean) of grads; param and momentum read from params.ptr[0] / momenta.ptr[0]; the updated
+// values written to every params.ptr[0..nparams) and momenta.ptr[0..nmomenta).
+template <typename T>
+cudaError_t reduce_sgd_range(Replicas<const T> grads, int ngrads, Replicas<T> params,
+                             int nparams, Replicas<T> momenta, int nmomenta, int64_t begin,
+                             int64_t end, bool mean, SgdArgs sgd, cudaStream_t stream);
+
+// The ring (chain) step in the accumulation type A (float for half types, else T):
+// acc = (first ? A(prev_x[i]) : prev_acc[i]) + A(own[i]); written to work[i], or, on the last
+// replica, divided by divide_by when above 0 and stored to own[i] as T.
+template <typename T, typename A>
+cudaError_t chain_accumulate(const T* prev_x, const A* prev_acc, const T* own, A* work,
+                             T* final_out, int64_t begin, int64_t end, int divide_by,
+                             cudaStream_t stream);
+
+// SGD alone on gradients already reduced (the same element formula).
+template <typename T>
+cudaError_t sgd_range(const T* grad, T* param, T* momentum, int64_t n, SgdArgs sgd,
+                      cudaStream_t stream);
+
+}  // namespace cuda
+}  // namespace dpcuda
