@@ -1,0 +1,492 @@
+"""Data-parallel training: the primitives (with torch.nn.parallel's names and meaning), the
+replica all-reduce, and DataParallel, which runs one SGD step of a global batch over k replicas.
+
+    replicate(module, devices)              one copy of module per device (devices may repeat)
+    scatter(batch, devices, weights=None)   row slices of a tensor (or tuple of tensors)
+    gather(outputs, device)                 the slices concatenated on one device
+    parallel_apply(replicas, inputs)        replica i applied to inputs[i]
+    all_reduce(tensors, op, algorithm)      in place; the same bits on every replica
+    DataParallel(module, devices, reducer="p2p"|"host"|"dist", split="even"|"weighted"|"auto",
+                 lr=..., momentum=0.0, weight_decay=0.0)
+
+Training with k replicas gives the model that training the same global batches on one device
+gives (up to float rounding): each replica's loss is weighted by its share of the global batch,
+so the summed gradient is the gradient of the global batch's mean loss.
+"""
+
+import copy
+import math
+import threading
+import time
+import warnings
+
+import torch
+
+from . import _C  # noqa: F401  (registers torch.ops.dpcuda.*)
+
+__all__ = ["replicate", "scatter", "gather", "parallel_apply", "all_reduce", "split_sizes",
+           "DataParallel", "REDUCERS", "SPLITS", "ALGORITHMS"]
+
+REDUCERS = ("p2p", "host", "dist")
+SPLITS = ("even", "weighted", "auto")
+ALGORITHMS = ("auto", "one_shot", "two_shot", "ring")
+MAX_REPLICAS = 16
+
+
+# ---------------------------------------------------------------------------------------------
+# devices
+
+def _device(value, name):
+    """torch.device of value, checked to exist on this machine."""
+    try:
+        device = torch.device(value)
+    except (RuntimeError, TypeError) as err:
+        raise ValueError(f"{name}: {value!r} is not a device ({err})") from None
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        index = 0 if device.index is None else device.index
+        if index >= count:
+            raise ValueError(f"{name}: {value!r} does not exist; this machine has {count} CUDA "
+                             f"device{'s' if count != 1 else ''}")
+        device = torch.device("cuda", index)
+    elif device.type != "cpu":
+        raise ValueError(f"{name}: {value!r} is not supported; use 'cpu' or 'cuda:N'")
+    return device
+
+
+def _devices(devices):
+    if isinstance(devices, (str, torch.device, int)):
+        devices = [devices]
+    devices = list(devices)
+    if not devices:
+        raise ValueError("devices must name at least one device")
+    if len(devices) > MAX_REPLICAS:
+        raise ValueError(f"devices names {len(devices)} replicas; at most {MAX_REPLICAS} are "
+                         f"supported")
+    return [_device(d, f"devices[{i}]") for i, d in enumerate(devices)]
+
+
+# ---------------------------------------------------------------------------------------------
+# primitives
+
+def replicate(module, devices):
+    """One independent copy of module per entry of devices (deep copies, so a device named
+    twice gets two replicas)."""
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+    return [copy.deepcopy(module).to(d) for d in _devices(devices)]
+
+
+def split_sizes(rows, parts, weights=None):
+    """How many of `rows` rows each of `parts` replicas gets: as even as possible (the first
+    rows % parts get one more), or proportional to weights by largest remainder (ties to the
+    lower index). A replica may get zero rows."""
+    if not isinstance(rows, int) or rows < 0:
+        raise ValueError(f"rows must be a non-negative int, got {rows!r}")
+    if weights is None:
+        return [rows // parts + (1 if i < rows % parts else 0) for i in range(parts)]
+    weights = [float(w) for w in weights]
+    if len(weights) != parts:
+        raise ValueError(f"weights has {len(weights)} entries for {parts} replicas")
+    if any(not math.isfinite(w) or w < 0 for w in weights) or sum(weights) <= 0:
+        raise ValueError(f"weights must be finite, non-negative and not all zero, got {weights}")
+    total = sum(weights)
+    exact = [rows * w / total for w in weights]
+    sizes = [int(math.floor(e)) for e in exact]
+    order = sorted(range(parts), key=lambda i: (-(exact[i] - sizes[i]), i))
+    for i in order[:rows - sum(sizes)]:
+        sizes[i] += 1
+    return sizes
+
+
+def scatter(batch, devices, weights=None):
+    """Row slices of batch (a tensor, or a tuple/list of tensors with the same number of rows)
+    moved to each device: an even split by default, proportional to weights otherwise."""
+    devices = _devices(devices)
+    tensors = batch if isinstance(batch, (tuple, list)) else (batch,)
+    if not tensors or not all(isinstance(t, torch.Tensor) for t in tensors):
+        raise TypeError("batch must be a tensor or a tuple of tensors")
+    if any(t.dim() == 0 for t in tensors):
+        raise ValueError("batch tensors must have a leading batch dimension")
+    rows = tensors[0].shape[0]
+    if any(t.shape[0] != rows for t in tensors):
+        raise ValueError(f"batch tensors have different numbers of rows: "
+                         f"{[t.shape[0] for t in tensors]}")
+    sizes = split_sizes(rows, len(devices), weights)
+    out = []
+    start = 0
+    for device, size in zip(devices, sizes):
+        part = tuple(t[start:start + size].to(device, non_blocking=True) for t in tensors)
+        out.append(part if isinstance(batch, (tuple, list)) else part[0])
+        start += size
+    return out
+
+
+def gather(outputs, device):
+    """outputs concatenated along the batch dimension on device."""
+    device = _device(device, "device")
+    return torch.cat([o.to(device) for o in outputs], dim=0)
+
+
+def _run_all(fns, devices):
+    """Runs every fn: one thread per replica when the replicas are on different devices (so
+    host work on one overlaps kernels on another, as nn.parallel.parallel_apply does), in order
+    on this thread when they share a device (threads would only compete for it). Every fn
+    runs; the first exception is raised after all have finished."""
+    results = [None] * len(fns)
+    errors = [None] * len(fns)
+    grad_enabled = torch.is_grad_enabled()
+
+    def run(i):
+        try:
+            with torch.set_grad_enabled(grad_enabled):
+                if devices[i].type == "cuda":
+                    with torch.cuda.device(devices[i]):
+                        results[i] = fns[i]()
+                else:
+                    results[i] = fns[i]()
+        except BaseException as err:  # re-raised below, on the caller's thread
+            errors[i] = err
+
+    if len(fns) > 1 and len(set(devices)) == len(devices):
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(fns))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    else:
+        for i in range(len(fns)):
+            run(i)
+    for err in errors:
+        if err is not None:
+            raise err
+    return results
+
+
+def parallel_apply(replicas, inputs):
+    """[replicas[i](inputs[i])]; a tuple input is unpacked into arguments."""
+    if len(replicas) != len(inputs):
+        raise ValueError(f"{len(replicas)} replicas but {len(inputs)} inputs")
+    devices = [_module_device(m) for m in replicas]
+    fns = [(lambda m=m, x=x: m(*x) if isinstance(x, tuple) else m(x))
+           for m, x in zip(replicas, inputs)]
+    return _run_all(fns, devices)
+
+
+def _module_device(module):
+    for p in module.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+def all_reduce(tensors, op="sum", algorithm="auto"):
+    """Sums (op="sum") or averages (op="mean") tensors in place: every tensor ends holding the
+    same values, bit for bit, summed in one fixed order (tensors[0] + tensors[1] + ...)
+    whatever the algorithm. The tensors live on the replicas' devices (CPU, or CUDA devices that
+    may repeat) and must have one dtype and size. Returns tensors."""
+    if isinstance(tensors, torch.Tensor) or not all(isinstance(t, torch.Tensor)
+                                                     for t in tensors):
+        raise TypeError("tensors must be a list of tensors")
+    tensors = list(tensors)
+    if not tensors:
+        raise ValueError("tensors must hold at least one tensor")
+    if op not in ("sum", "mean"):
+        raise ValueError(f"op must be 'sum' or 'mean', got {op!r}")
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"algorithm must be one of {', '.join(ALGORITHMS)}; got {algorithm!r}")
+    torch.ops.dpcuda.all_reduce_(tensors, op, algorithm)
+    return tensors
+
+
+# ---------------------------------------------------------------------------------------------
+# DataParallel
+
+class _Replica:
+    """One replica: its module, its parameters viewed into one flat buffer, its gradients
+    viewed into another, and its momentum buffer."""
+
+    def __init__(self, module, device, momentum):
+        self.module = module
+        self.device = device
+        params = list(module.parameters())
+        dtypes = {p.dtype for p in params}
+        if len(dtypes) != 1:
+            raise TypeError(f"every parameter must have one floating dtype, got {sorted(map(str, dtypes))}")
+        dtype = dtypes.pop()
+        if not dtype.is_floating_point:
+            raise TypeError(f"parameters must be floating point, got {dtype}")
+        total = sum(p.numel() for p in params)
+        self.flat_param = torch.empty(total, dtype=dtype, device=device)
+        self.flat_grad = torch.zeros(total, dtype=dtype, device=device)
+        self.momentum = torch.zeros(total, dtype=dtype, device=device) if momentum else None
+        offset = 0
+        for p in params:
+            n = p.numel()
+            self.flat_param[offset:offset + n].copy_(p.detach().reshape(-1))
+            p.data = self.flat_param[offset:offset + n].view_as(p)
+            p.grad = self.flat_grad[offset:offset + n].view_as(p)
+            offset += n
+        self.params = params
+
+
+class DataParallel:
+    """One SGD step of a global batch over replicas of module on devices.
+
+    devices may repeat a device (["cpu", "cpu"], ["cuda:0", "cuda:0"]): each entry is one
+    replica. reducer "p2p" reduces the replicas' flat gradient buffers device to device with
+    dpcuda's all-reduce and fuses the SGD update into it; "host" is the classic scheme
+    (gradients copied to host memory, summed and applied there, weights copied back); "dist"
+    also all-reduces across processes with torch.distributed (one process per machine or
+    device, started by torchrun; each process steps on its own part of the global batch).
+    split "even" gives every replica the same rows, "weighted" rows proportional to
+    split_weights, "auto" rows proportional to each replica's measured speed.
+
+    step(inputs, targets, loss_fn) runs forward, loss, backward and the update, and returns the
+    global batch's mean loss as a float. loss_fn(outputs, targets) must return the mean loss of
+    its rows (as nn.CrossEntropyLoss does by default). A step whose gradients hold NaN or Inf is
+    skipped with a warning; a step that raises leaves every replica's weights as they were.
+    """
+
+    def __init__(self, module, devices, reducer="p2p", split="even", lr=0.01, momentum=0.0,
+                 weight_decay=0.0, split_weights=None, algorithm="auto", process_group=None):
+        if not isinstance(module, torch.nn.Module):
+            raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+        if reducer not in REDUCERS:
+            raise ValueError(f"reducer must be one of {', '.join(REDUCERS)}; got {reducer!r}")
+        if split not in SPLITS:
+            raise ValueError(f"split must be one of {', '.join(SPLITS)}; got {split!r}")
+        if algorithm not in ALGORITHMS:
+            raise ValueError(f"algorithm must be one of {', '.join(ALGORITHMS)}; got "
+                             f"{algorithm!r}")
+        for name, value in (("lr", lr), ("momentum", momentum), ("weight_decay", weight_decay)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+                    not math.isfinite(value) or value < 0:
+                raise ValueError(f"{name} must be a non-negative finite number, got {value!r}")
+        self.devices = _devices(devices)
+        self.reducer = reducer
+        self.split = split
+        self.algorithm = algorithm
+        self.lr, self.momentum, self.weight_decay = float(lr), float(momentum), float(weight_decay)
+        if split == "weighted":
+            if split_weights is None:
+                raise ValueError("split='weighted' needs split_weights, one number per replica")
+            split_sizes(len(self.devices), len(self.devices), split_weights)  # validates
+            self.split_weights = [float(w) for w in split_weights]
+        else:
+            self.split_weights = None
+        self._speed = None  # rows per second of each replica, for split="auto"
+        if reducer == "dist":
+            import torch.distributed as dist
+            if not dist.is_available() or not dist.is_initialized():
+                raise RuntimeError("reducer='dist' needs torch.distributed initialised (start "
+                                   "with torchrun and call dist.init_process_group first)")
+            self._dist = dist
+            self._group = process_group
+        self._replicas = [_Replica(m, d, self.momentum != 0.0)
+                          for m, d in zip(replicate(module, self.devices), self.devices)]
+        if reducer == "dist":
+            # Every process starts from rank 0's weights.
+            self._dist.broadcast(self._replicas[0].flat_param, src=0, group=self._group)
+            self._copy_params_from(0)
+        if reducer == "host":
+            self._host_param = self._replicas[0].flat_param.detach().to("cpu", copy=True)
+            self._host_momentum = torch.zeros_like(self._host_param) if self.momentum else None
+        self.steps = 0
+        self.skipped_steps = 0
+
+    # -- the model ---------------------------------------------------------------------------
+
+    @property
+    def module(self):
+        """The model with the current weights (replica 0, on devices[0])."""
+        return self._replicas[0].module
+
+    @property
+    def replicas(self):
+        return [r.module for r in self._replicas]
+
+    def state_dict(self):
+        """The model's state_dict (the keys of the wrapped module)."""
+        return self.module.state_dict()
+
+    def load_state_dict(self, state_dict):
+        """Loads weights into every replica (the host master copy too); on error nothing
+        changes."""
+        probe = copy.deepcopy(self.module)
+        probe.load_state_dict(state_dict)  # raises on missing keys or wrong shapes
+        for r in self._replicas:
+            with torch.no_grad():
+                for p, q in zip(r.params, probe.parameters()):
+                    p.copy_(q)
+                for (_, b), (_, q) in zip(r.module.named_buffers(), probe.named_buffers()):
+                    b.copy_(q)
+        if self.reducer == "host":
+            self._host_param.copy_(self._replicas[0].flat_param)
+
+    def optimizer_state_dict(self):
+        """The SGD state: hyper-parameters and the momentum buffer (flat, in parameter order)."""
+        momentum = None
+        if self.momentum:
+            source = self._host_momentum if self.reducer == "host" else self._replicas[0].momentum
+            momentum = source.detach().to("cpu", copy=True)
+        return {"lr": self.lr, "momentum": self.momentum, "weight_decay": self.weight_decay,
+                "momentum_buffer": momentum, "steps": self.steps}
+
+    def load_optimizer_state_dict(self, state):
+        buf = state.get("momentum_buffer")
+        if buf is not None and self.momentum:
+            if buf.numel() != self._replicas[0].flat_param.numel():
+                raise ValueError(f"momentum_buffer has {buf.numel()} elements, the model has "
+                                 f"{self._replicas[0].flat_param.numel()} parameters")
+            for r in self._replicas:
+                r.momentum.copy_(buf.reshape(-1))
+            if self.reducer == "host":
+                self._host_momentum.copy_(buf.reshape(-1))
+        self.steps = int(state.get("steps", self.steps))
+
+    # -- one step ----------------------------------------------------------------------------
+
+    def _row_weights(self):
+        if self.split == "weighted":
+            return self.split_weights
+        if self.split == "auto" and self._speed is not None:
+            return self._speed
+        return None
+
+    def step(self, inputs, targets, loss_fn):
+        if not isinstance(inputs, torch.Tensor) or not isinstance(targets, torch.Tensor):
+            raise TypeError("inputs and targets must be tensors")
+        if inputs.dim() == 0 or targets.dim() == 0:
+            raise ValueError("inputs and targets must have a leading batch dimension")
+        rows = inputs.shape[0]
+        if targets.shape[0] != rows:
+            raise ValueError(f"inputs has {rows} rows but targets has {targets.shape[0]}")
+        if rows == 0:
+            raise ValueError("the batch is empty")
+        global_rows = rows
+        if self.reducer == "dist":
+            count = torch.tensor([rows], dtype=torch.float64, device=self._comm_device())
+            self._dist.all_reduce(count, group=self._group)
+            global_rows = int(count.item())
+        if rows < len(self._replicas):
+            raise ValueError(f"the batch has {rows} rows, fewer than the {len(self._replicas)} "
+                             f"replicas")
+        sizes = split_sizes(rows, len(self._replicas), self._row_weights())
+        parts = scatter((inputs, targets), self.devices, sizes if self._row_weights() else None)
+
+        for r in self._replicas:
+            r.flat_grad.zero_()
+
+        def work(replica, part, size):
+            def run():
+                if size == 0:
+                    return 0.0, 0.0
+                start = time.perf_counter()
+                x, y = part
+                loss = loss_fn(replica.module(x), y) * (size / global_rows)
+                loss.backward()
+                if replica.device.type == "cuda" and self.split == "auto":
+                    torch.cuda.synchronize(replica.device)
+                return loss.detach(), time.perf_counter() - start
+            return run
+
+        results = _run_all([work(r, p, s) for r, p, s in zip(self._replicas, parts, sizes)],
+                           self.devices)
+        if self.split == "auto":
+            self._update_speed(sizes, [t for _, t in results])
+        losses = [l for l, _ in results]
+        loss = float(sum(float(l) for l in losses))
+
+        if not self._grads_finite():
+            warnings.warn(f"dpcuda DataParallel: step {self.steps} has NaN or Inf gradients; "
+                          f"skipped (weights unchanged)", RuntimeWarning, stacklevel=2)
+            self.skipped_steps += 1
+            self.steps += 1
+            return loss
+        if self.reducer == "p2p":
+            self._reduce_p2p()
+        elif self.reducer == "host":
+            self._reduce_host()
+        else:
+            self._reduce_dist()
+        self.steps += 1
+        if self.reducer == "dist":
+            count = torch.tensor([loss], dtype=torch.float64, device=self._comm_device())
+            self._dist.all_reduce(count, group=self._group)
+            loss = float(count.item())
+        return loss
+
+    def _grads_finite(self):
+        flags = [torch.isfinite(r.flat_grad).all() for r in self._replicas]
+        ok = all(bool(f) for f in flags)
+        if self.reducer == "dist":
+            t = torch.tensor([0.0 if ok else 1.0], device=self._comm_device())
+            self._dist.all_reduce(t, group=self._group)
+            ok = float(t.item()) == 0.0
+        return ok
+
+    def _update_speed(self, sizes, seconds):
+        speed = list(self._speed) if self._speed else [None] * len(sizes)
+        for i, (n, t) in enumerate(zip(sizes, seconds)):
+            if n > 0 and t > 0:
+                now = n / t
+                speed[i] = now if speed[i] is None else 0.7 * speed[i] + 0.3 * now
+        known = [s for s in speed if s is not None]
+        if not known:
+            return
+        # A replica that got no rows keeps its old estimate, or a small share to be re-measured.
+        floor = min(known) * 0.25
+        self._speed = [s if s is not None else floor for s in speed]
+
+    def _sgd_args(self):
+        return self.lr, self.momentum, self.weight_decay
+
+    def _reduce_p2p(self):
+        rs = self._replicas
+        torch.ops.dpcuda.reduce_sgd_([r.flat_param for r in rs], [r.flat_grad for r in rs],
+                                     [r.momentum for r in rs] if self.momentum else [],
+                                     *self._sgd_args(), False, self.algorithm)
+
+    def _reduce_host(self):
+        # The classic scheme: every gradient to host memory, summed there in replica order,
+        # the update applied to the host's master weights, the weights copied to every device.
+        host = [r.flat_grad.to("cpu") for r in self._replicas]
+        total = host[0].clone() if len(host) == 1 else host[0]
+        for g in host[1:]:
+            total = total + g
+        m = [self._host_momentum] if self.momentum else []
+        torch.ops.dpcuda.reduce_sgd_([self._host_param], [total], m, *self._sgd_args(), False,
+                                     "one_shot")
+        for r in self._replicas:
+            r.flat_param.copy_(self._host_param, non_blocking=False)
+
+    def _comm_device(self):
+        backend = self._dist.get_backend(self._group)
+        return self.devices[0] if backend == "nccl" else torch.device("cpu")
+
+    def _reduce_dist(self, bucket_bytes=25 * 1024 * 1024):
+        rs = self._replicas
+        # Inside the process: the local replicas' sum, device to device.
+        if len(rs) > 1:
+            torch.ops.dpcuda.all_reduce_([r.flat_grad for r in rs], "sum", self.algorithm)
+        # Across processes: bucketed asynchronous all-reduce of replica 0's buffer, the buckets
+        # in flight together.
+        grad = rs[0].flat_grad
+        comm = grad if grad.device == self._comm_device() else grad.to(self._comm_device())
+        per = max(1, bucket_bytes // comm.element_size())
+        works = [self._dist.all_reduce(comm[i:i + per], group=self._group, async_op=True)
+                 for i in range(0, comm.numel(), per)]
+        for w in works:
+            w.wait()
+        for r in rs:
+            if r.flat_grad.data_ptr() != comm.data_ptr():
+                r.flat_grad.copy_(comm)
+            m = [r.momentum] if self.momentum else []
+            torch.ops.dpcuda.reduce_sgd_([r.flat_param], [r.flat_grad], m, *self._sgd_args(),
+                                         False, "one_shot")
+
+    def _copy_params_from(self, index):
+        src = self._replicas[index].flat_param
+        for i, r in enumerate(self._replicas):
+            if i != index:
+                r.flat_param.copy_(src)

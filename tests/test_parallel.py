@@ -1,0 +1,384 @@
+"""dpcuda.parallel: the all-reduce algorithms, the primitives and DataParallel against a
+single-device torch.optim.SGD reference. Replicas share the CPU here (devices may repeat); the
+CUDA cases run where a GPU is present."""
+
+import copy
+import os
+import socket
+import warnings
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+import dpcuda
+from dpcuda import parallel
+from dpcuda.nn import FusedMLP
+from dpcuda.parallel import DataParallel
+
+ALGOS = ["one_shot", "two_shot", "ring", "auto"]
+CUDA = dpcuda.cuda_available()
+
+
+def replica_devices(device, k):
+    return [device] * k
+
+
+def devices_for_tests():
+    out = ["cpu"]
+    if CUDA:
+        out.append("cuda:0")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# all_reduce
+
+@pytest.mark.parametrize("device", devices_for_tests())
+@pytest.mark.parametrize("replicas", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("size", [1, 7, 4096 + 3, 1 << 20])
+def test_all_reduce_matches_float64_sum_and_is_bitwise_identical(device, replicas, size):
+    dtypes = [torch.float32, torch.float64]
+    if device.startswith("cuda"):
+        dtypes += [torch.float16, torch.bfloat16]
+    for dtype in dtypes:
+        gen = torch.Generator().manual_seed(replicas * 1000 + size)
+        base = [torch.randn(size, generator=gen, dtype=torch.float64).to(dtype)
+                for _ in range(replicas)]
+        want = sum(b.double() for b in base)
+        results = {}
+        for algo in ALGOS:
+            for op in ("sum", "mean"):
+                ts = [b.clone().to(device) for b in base]
+                out = parallel.all_reduce(ts, op=op, algorithm=algo)
+                assert out is not None
+                for t in ts[1:]:
+                    assert torch.equal(t, ts[0]), (algo, op, dtype)
+                target = want if op == "sum" else want / replicas
+                tol = {torch.float64: 1e-12, torch.float32: 1e-5,
+                       torch.float16: 2e-2, torch.bfloat16: 1e-1}[dtype]
+                torch.testing.assert_close(ts[0].double().cpu(), target, atol=tol * replicas,
+                                           rtol=tol)
+                results[(algo, op)] = ts[0]
+        for op in ("sum", "mean"):
+            for algo in ALGOS:
+                assert torch.equal(results[(algo, op)], results[("two_shot", op)]), (algo, op)
+
+
+def test_all_reduce_changes_every_replica_in_place():
+    ts = [torch.full((5,), float(i)) for i in range(3)]
+    ptrs = [t.data_ptr() for t in ts]
+    parallel.all_reduce(ts)
+    assert [t.data_ptr() for t in ts] == ptrs
+    for t in ts:
+        assert torch.equal(t, torch.full((5,), 3.0))
+
+
+def test_all_reduce_fixed_order_is_replica_order():
+    # 1e8 + 1 - 1e8 in float32 depends on the order: the fixed order is tensors[0] first.
+    vals = [1e8, 1.0, -1e8]
+    want = torch.tensor([vals[0]], dtype=torch.float32)
+    for v in vals[1:]:
+        want = want + torch.tensor([v], dtype=torch.float32)
+    for algo in ALGOS:
+        ts = [torch.tensor([v], dtype=torch.float32) for v in vals]
+        parallel.all_reduce(ts, algorithm=algo)
+        assert torch.equal(ts[0], want), algo
+
+
+@pytest.mark.parametrize("bad, match", [
+    (lambda: parallel.all_reduce([]), "at least one"),
+    (lambda: parallel.all_reduce([torch.ones(3), torch.ones(4)]), r"tensors\[1\] has 4 elements"),
+    (lambda: parallel.all_reduce([torch.ones(3), torch.ones(3, dtype=torch.float64)]), "dtype"),
+    (lambda: parallel.all_reduce([torch.ones(3)], op="max"), "op must be"),
+    (lambda: parallel.all_reduce([torch.ones(3)], algorithm="tree"), "algorithm must be"),
+    (lambda: parallel.all_reduce([torch.ones(4, 2).t()]), "contiguous"),
+])
+def test_all_reduce_bad_input(bad, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        bad()
+
+
+def test_all_reduce_rejects_shared_memory():
+    t = torch.ones(8)
+    with pytest.raises(ValueError, match="share memory"):
+        parallel.all_reduce([t, t])
+    with pytest.raises(ValueError, match="share memory"):
+        parallel.all_reduce([t[:4], t[2:6]])
+
+
+def test_reduce_sgd_fused_matches_unfused():
+    gen = torch.Generator().manual_seed(3)
+    n = 100003
+    params = torch.randn(n, generator=gen)
+    grads = [torch.randn(n, generator=gen) for _ in range(3)]
+    mom = torch.randn(n, generator=gen)
+    outs = {}
+    for algo in ALGOS:
+        ps = [params.clone() for _ in range(3)]
+        ms = [mom.clone() for _ in range(3)]
+        gs = [g.clone() for g in grads]
+        torch.ops.dpcuda.reduce_sgd_(ps, gs, ms, 0.1, 0.9, 0.01, False, algo)
+        for p in ps[1:]:
+            assert torch.equal(p, ps[0])
+        for m in ms[1:]:
+            assert torch.equal(m, ms[0])
+        outs[algo] = (ps[0], ms[0])
+    g = grads[0] + grads[1] + grads[2]
+    d = g + 0.01 * params
+    m = 0.9 * mom + d
+    torch.testing.assert_close(outs["two_shot"][1], m)
+    torch.testing.assert_close(outs["two_shot"][0], params - 0.1 * m)
+    for algo in ALGOS:
+        assert torch.equal(outs[algo][0], outs["two_shot"][0]), algo
+
+
+# ---------------------------------------------------------------------------------------------
+# primitives
+
+def test_split_sizes():
+    assert parallel.split_sizes(10, 3) == [4, 3, 3]
+    assert parallel.split_sizes(2, 3) == [1, 1, 0]
+    assert parallel.split_sizes(10, 2, [3, 1]) == [8, 2]  # 7.5, 2.5: tie to the lower index
+    assert parallel.split_sizes(7, 3, [1, 1, 1]) == [3, 2, 2]
+    assert parallel.split_sizes(5, 2, [1, 0]) == [5, 0]
+    assert sum(parallel.split_sizes(1001, 4, [0.1, 0.2, 0.3, 0.4])) == 1001
+    with pytest.raises(ValueError, match="weights"):
+        parallel.split_sizes(5, 2, [1, -1])
+    with pytest.raises(ValueError, match="weights has 3 entries"):
+        parallel.split_sizes(5, 2, [1, 1, 1])
+
+
+def test_scatter_gather_roundtrip():
+    x = torch.arange(20.0).reshape(10, 2)
+    y = torch.arange(10)
+    parts = parallel.scatter((x, y), ["cpu", "cpu", "cpu"], weights=[1, 0, 1])
+    assert [p[0].shape[0] for p in parts] == [5, 0, 5]
+    assert torch.equal(parallel.gather([p[0] for p in parts], "cpu"), x)
+    assert torch.equal(parallel.gather([p[1] for p in parts], "cpu"), y)
+    single = parallel.scatter(x, ["cpu", "cpu"])
+    assert [p.shape[0] for p in single] == [5, 5]
+
+
+def test_replicate_and_parallel_apply():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    reps = parallel.replicate(model, ["cpu", "cpu"])
+    assert reps[0] is not reps[1] and reps[0].weight.data_ptr() != model.weight.data_ptr()
+    xs = parallel.scatter(torch.randn(6, 4), ["cpu", "cpu"])
+    outs = parallel.parallel_apply(reps, xs)
+    torch.testing.assert_close(parallel.gather(outs, "cpu"), model(torch.cat(xs)))
+
+
+def test_bad_device_names():
+    with pytest.raises(ValueError, match=r"devices\[1\].*does not exist"):
+        parallel.replicate(torch.nn.Linear(2, 2), ["cpu", "cuda:97"])
+    with pytest.raises(ValueError, match=r"devices\[0\]"):
+        parallel.replicate(torch.nn.Linear(2, 2), ["gpu-ish"])
+
+
+# ---------------------------------------------------------------------------------------------
+# DataParallel
+
+def make_model(fused, dtype=torch.float32):
+    torch.manual_seed(1)
+    if fused:
+        return FusedMLP([12, 16, 5]).to(dtype)
+    return torch.nn.Sequential(torch.nn.Linear(12, 16), torch.nn.ReLU(),
+                               torch.nn.Linear(16, 5)).to(dtype)
+
+
+def batches(steps=20, rows=24, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [(torch.randn(rows, 12, generator=gen), torch.randint(0, 5, (rows,), generator=gen))
+            for _ in range(steps)]
+
+
+def reference_train(model, data, lr, momentum, weight_decay):
+    model = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum,
+                          weight_decay=weight_decay)
+    for x, y in data:
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    return model
+
+
+@pytest.mark.parametrize("replicas", [1, 2, 3, 4])
+@pytest.mark.parametrize("reducer", ["p2p", "host"])
+@pytest.mark.parametrize("split", ["even", "weighted", "auto"])
+@pytest.mark.parametrize("fused", [False, True])
+def test_data_parallel_matches_single_device_sgd(replicas, reducer, split, fused):
+    model = make_model(fused)
+    data = batches()
+    ref = reference_train(model, data, 0.1, 0.9, 1e-3)
+    weights = [i + 1 for i in range(replicas)] if split == "weighted" else None
+    dp = DataParallel(model, ["cpu"] * replicas, reducer=reducer, split=split, lr=0.1,
+                      momentum=0.9, weight_decay=1e-3, split_weights=weights)
+    for x, y in data:
+        loss = dp.step(x, y, F.cross_entropy)
+        assert isinstance(loss, float) and loss > 0
+    for a, b in zip(dp.module.parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    for rep in dp.replicas[1:]:
+        for a, b in zip(rep.parameters(), dp.module.parameters()):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("algorithm", ["one_shot", "two_shot", "ring"])
+def test_data_parallel_algorithms_give_identical_weights(algorithm):
+    model = make_model(False, torch.float64)
+    data = [(x.double(), y) for x, y in batches(5)]
+    results = []
+    for algo in (algorithm, "two_shot"):
+        dp = DataParallel(model, ["cpu"] * 3, lr=0.05, momentum=0.5, algorithm=algo)
+        for x, y in data:
+            dp.step(x, y, F.cross_entropy)
+        results.append([p.detach().clone() for p in dp.module.parameters()])
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
+def test_data_parallel_loss_is_the_global_mean():
+    model = make_model(False)
+    x, y = batches(1, rows=10)[0]
+    want = F.cross_entropy(model(x), y).item()
+    dp = DataParallel(model, ["cpu"] * 3, split="weighted", split_weights=[5, 1, 4], lr=0.0)
+    assert dp.step(x, y, F.cross_entropy) == pytest.approx(want, rel=1e-5)
+
+
+def snapshot(dp):
+    return [p.detach().clone() for r in dp.replicas for p in r.parameters()]
+
+
+def assert_untouched(dp, before):
+    after = snapshot(dp)
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+
+
+@pytest.mark.parametrize("inputs, targets, match", [
+    (torch.randn(2, 12), torch.zeros(2, dtype=torch.long), "fewer than the 3 replicas"),
+    (torch.randn(0, 12), torch.zeros(0, dtype=torch.long), "empty"),
+    (torch.randn(6, 12), torch.zeros(5, dtype=torch.long), "6 rows but targets has 5"),
+])
+def test_data_parallel_bad_batches_leave_weights(inputs, targets, match):
+    dp = DataParallel(make_model(False), ["cpu"] * 3, lr=0.1)
+    before = snapshot(dp)
+    with pytest.raises(ValueError, match=match):
+        dp.step(inputs, targets, F.cross_entropy)
+    assert_untouched(dp, before)
+
+
+def test_data_parallel_bad_arguments():
+    model = make_model(False)
+    with pytest.raises(ValueError, match="does not exist"):
+        DataParallel(model, ["cpu", "cuda:41"])
+    with pytest.raises(ValueError, match="reducer"):
+        DataParallel(model, ["cpu"], reducer="smoke")
+    with pytest.raises(ValueError, match="lr"):
+        DataParallel(model, ["cpu"], lr=float("nan"))
+    with pytest.raises(ValueError, match="split_weights"):
+        DataParallel(model, ["cpu", "cpu"], split="weighted")
+    with pytest.raises(RuntimeError, match="torch.distributed"):
+        DataParallel(model, ["cpu"], reducer="dist")
+
+
+@pytest.mark.parametrize("reducer", ["p2p", "host"])
+def test_nonfinite_gradients_skip_the_step(reducer):
+    dp = DataParallel(make_model(False), ["cpu"] * 2, reducer=reducer, lr=0.1, momentum=0.9)
+    x, y = batches(1)[0]
+    dp.step(x, y, F.cross_entropy)
+    before = snapshot(dp)
+    x = x.clone()
+    x[-1, 0] = float("inf")  # only the second replica's rows see it
+    with pytest.warns(RuntimeWarning, match="NaN or Inf"):
+        dp.step(x, y, F.cross_entropy)
+    assert_untouched(dp, before)
+    assert dp.skipped_steps == 1
+    dp.step(*batches(1, seed=5)[0], F.cross_entropy)  # and training goes on
+    assert not all(torch.equal(a, b) for a, b in zip(before, snapshot(dp)))
+
+
+def test_exception_in_one_replica_leaves_every_replica():
+    dp = DataParallel(make_model(False), ["cpu"] * 3, lr=0.1)
+    before = snapshot(dp)
+    calls = []
+
+    def loss_fn(out, y):
+        calls.append(out.shape[0])
+        if len(calls) == 2:
+            raise RuntimeError("replica failure")
+        return F.cross_entropy(out, y)
+
+    with pytest.raises(RuntimeError, match="replica failure"):
+        dp.step(*batches(1)[0], loss_fn)
+    assert_untouched(dp, before)
+
+
+def test_state_dict_roundtrip_and_bad_state():
+    model = make_model(False)
+    dp = DataParallel(model, ["cpu"] * 2, lr=0.1, momentum=0.9)
+    dp.step(*batches(1)[0], F.cross_entropy)
+    state = copy.deepcopy(dp.state_dict())
+    opt_state = dp.optimizer_state_dict()
+    fresh = DataParallel(make_model(False), ["cpu"] * 3, lr=0.1, momentum=0.9)
+    fresh.load_state_dict(state)
+    fresh.load_optimizer_state_dict(opt_state)
+    for rep in fresh.replicas:
+        for a, b in zip(rep.parameters(), dp.module.parameters()):
+            assert torch.equal(a, b)
+    data = batches(1, seed=9)[0]
+    dp.step(*data, F.cross_entropy)
+    fresh.step(*data, F.cross_entropy)
+    for a, b in zip(fresh.module.parameters(), dp.module.parameters()):
+        torch.testing.assert_close(a, b)
+    before = snapshot(fresh)
+    bad = {k: v[:1] for k, v in state.items()}
+    with pytest.raises(RuntimeError):
+        fresh.load_state_dict(bad)
+    assert_untouched(fresh, before)
+    # An nn.Linear-shaped state_dict loads into the plain module too.
+    model.load_state_dict(dp.state_dict())
+
+
+# ---------------------------------------------------------------------------------------------
+# reducer="dist": two gloo processes on loopback
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _dist_worker(rank, world, port, out_dir):
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    try:
+        model = make_model(False)
+        if rank == 1:  # a different start: the wrapper must take rank 0's weights
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(1.0)
+        dp = DataParallel(model, ["cpu", "cpu"], reducer="dist", lr=0.1, momentum=0.9,
+                          weight_decay=1e-3)
+        for x, y in batches():
+            half = x.shape[0] // world
+            dp.step(x[rank * half:(rank + 1) * half], y[rank * half:(rank + 1) * half],
+                    F.cross_entropy)
+        torch.save(dp.state_dict(), os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_dist_reducer_matches_single_process(tmp_path):
+    world = 2
+    mp.spawn(_dist_worker, args=(world, _free_port(), str(tmp_path)), nprocs=world, join=True)
+    ref = reference_train(make_model(False), batches(), 0.1, 0.9, 1e-3)
+    states = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(states[0][k], v, atol=1e-5, rtol=1e-4)
+        assert torch.equal(states[0][k], states[1][k])
