@@ -417,8 +417,12 @@ class DataParallel:
         return loss
 
     def _grads_finite(self):
-        flags = [torch.isfinite(r.flat_grad).all() for r in self._replicas]
-        ok = all(bool(f) for f in flags)
+        # A buffer's sum is finite when all its elements are (one fast vectorised pass, one host
+        # read for all replicas); only a non-finite sum, which finite values can also give by
+        # overflowing, pays for the exact element test.
+        sums = torch.stack([r.flat_grad.sum().to("cpu") for r in self._replicas])
+        ok = bool(torch.isfinite(sums).all()) or all(
+            bool(torch.isfinite(r.flat_grad).all()) for r in self._replicas)
         if self.reducer == "dist":
             t = torch.tensor([0.0 if ok else 1.0], device=self._comm_device())
             self._dist.all_reduce(t, group=self._group)

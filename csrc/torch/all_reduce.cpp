@@ -50,12 +50,16 @@ constexpr int64_t kMaxRingChunks = 8;
 
 enum class Algorithm { kOneShot, kTwoShot, kRing };
 
-Algorithm parse_algorithm(c10::string_view name, int64_t bytes, int64_t replicas) {
+// "auto": on the CPU (replicas in one shared memory) two-shot, whose shards take one pass that
+// reads every buffer once and writes every buffer once (measured fastest at every size by
+// benchmarks/bench_allreduce.py); on CUDA one-shot for small buffers, two-shot for large ones.
+Algorithm parse_algorithm(c10::string_view name, int64_t bytes, int64_t replicas, bool cpu) {
   if (name == "one_shot") return Algorithm::kOneShot;
   if (name == "two_shot") return Algorithm::kTwoShot;
   if (name == "ring") return Algorithm::kRing;
   TORCH_CHECK_VALUE(name == "auto", "algorithm must be one of auto, one_shot, two_shot, ring; ",
                     "got '", std::string(name), "'");
+  if (cpu) return Algorithm::kTwoShot;
   return bytes <= kOneShotMaxBytes || replicas == 1 ? Algorithm::kOneShot : Algorithm::kTwoShot;
 }
 
@@ -230,7 +234,7 @@ void all_reduce_cpu(at::TensorList tensors, c10::string_view op, c10::string_vie
   check_replicas(ts, "tensors", nullptr);
   check_cpu_dtype(ts[0], "tensors");
   const bool mean = parse_mean(op);
-  const Algorithm algo = parse_algorithm(algorithm, ts[0].nbytes(), ts.size());
+  const Algorithm algo = parse_algorithm(algorithm, ts[0].nbytes(), ts.size(), true);
   AT_DISPATCH_FLOATING_TYPES(ts[0].scalar_type(), "all_reduce_cpu",
                              [&] { cpu_all_reduce<scalar_t>(ts, mean, algo); });
 }
@@ -268,7 +272,7 @@ void reduce_sgd_cpu(at::TensorList params, at::TensorList grads, at::TensorList 
   const std::vector<Tensor> m = momentum != 0.0 ? momentum_buffers.vec() : std::vector<Tensor>();
   check_sgd_args(p, g, m, lr, momentum, weight_decay);
   check_cpu_dtype(p[0], "params");
-  const Algorithm algo = parse_algorithm(algorithm, p[0].nbytes(), p.size());
+  const Algorithm algo = parse_algorithm(algorithm, p[0].nbytes(), p.size(), true);
   AT_DISPATCH_FLOATING_TYPES(p[0].scalar_type(), "reduce_sgd_cpu", [&] {
     cpu_reduce_sgd<scalar_t>(p, g, m, mean, algo, {lr, momentum, weight_decay});
   });
@@ -574,7 +578,7 @@ void all_reduce_cuda(at::TensorList tensors, c10::string_view op, c10::string_vi
   check_replicas(ts, "tensors", nullptr);
   check_cuda_dtype(ts[0], "tensors");
   const bool mean = parse_mean(op);
-  const Algorithm algo = parse_algorithm(algorithm, ts[0].nbytes(), ts.size());
+  const Algorithm algo = parse_algorithm(algorithm, ts[0].nbytes(), ts.size(), false);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, ts[0].scalar_type(),
                                   "all_reduce_cuda",
                                   [&] { cuda_all_reduce<scalar_t>(ts, mean, algo); });
@@ -587,7 +591,7 @@ void reduce_sgd_cuda(at::TensorList params, at::TensorList grads,
   const std::vector<Tensor> m = momentum != 0.0 ? momentum_buffers.vec() : std::vector<Tensor>();
   check_sgd_args(p, g, m, lr, momentum, weight_decay);
   check_cuda_dtype(p[0], "params");
-  const Algorithm algo = parse_algorithm(algorithm, p[0].nbytes(), p.size());
+  const Algorithm algo = parse_algorithm(algorithm, p[0].nbytes(), p.size(), false);
   const cuda::SgdArgs sgd = sgd_args(lr, momentum, weight_decay);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, p[0].scalar_type(),
                                   "reduce_sgd_cuda",
