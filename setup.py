@@ -108,6 +108,7 @@ def main():
         ext_modules=[ext],
         cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
         python_requires=">=3.10",
+        entry_points={"console_scripts": ["dpcuda=dpcuda.cli:main"]},
     )
 
 

@@ -1,0 +1,7 @@
+"""python -m dpcuda: the command line (dpcuda/cli.py)."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

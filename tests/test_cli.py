@@ -1,0 +1,215 @@
+"""The training command end to end: default data with 1 and 2 replicas, the JSON schema,
+checkpoints and resume, Ctrl-C, bad options and bad checkpoints, the IDX reader."""
+
+import gzip
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from dpcuda import cli, data
+from dpcuda.train import TrainConfig, load_checkpoint, train
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_cli(*args, timeout=300):
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run([sys.executable, "-m", "dpcuda", *args], capture_output=True,
+                          text=True, timeout=timeout, cwd=ROOT, env=env)
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_train_end_to_end_and_json_schema(tmp_path, replicas):
+    out = tmp_path / "run.json"
+    proc = run_cli("train", "--devices", "cpu", "--replicas", str(replicas), "--epochs", "3",
+                   "--no-progress", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert "final test accuracy" in proc.stdout
+    payload = json.loads(out.read_text())
+    assert payload["command"] == "train"
+    assert payload["replicas"] == replicas and payload["devices"] == ["cpu"] * replicas
+    assert payload["dataset"]["name"] == "digits" and payload["dataset"]["features"] == 64
+    assert len(payload["epochs"]) == 3
+    for i, record in enumerate(payload["epochs"]):
+        assert record["epoch"] == i + 1
+        for key in ("seconds", "samples_per_s", "train_loss", "test_accuracy"):
+            assert isinstance(record[key], float) and record[key] >= 0
+    assert payload["final"]["test_accuracy"] > 0.85
+    assert payload["config"]["batch_size"] == 256 and payload["config"]["lr"] == 0.2
+    assert {"device_name", "torch", "date"} <= set(payload["environment"])
+
+
+def test_default_training_reaches_95_percent():
+    result = train(TrainConfig(progress=False, log=False))
+    assert result["final"]["test_accuracy"] >= 0.95
+    assert len(result["epochs"]) == 10
+
+
+def test_fused_and_plain_layers_train_alike():
+    a = train(TrainConfig(epochs=2, progress=False, log=False, fused=True))
+    b = train(TrainConfig(epochs=2, progress=False, log=False, fused=False))
+    assert a["final_parameters_checksum"] == pytest.approx(b["final_parameters_checksum"],
+                                                           rel=1e-4)
+
+
+def cfg(**kw):
+    base = dict(devices=["cpu", "cpu"], epochs=4, progress=False, log=False)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def params_of(result):
+    return [p.detach().clone() for p in result["data_parallel"].module.parameters()]
+
+
+def test_resume_gives_identical_weights(tmp_path):
+    ck = str(tmp_path / "ck.pt")
+    full = params_of(train(cfg()))
+    train(cfg(epochs=2, checkpoint=ck))
+    resumed = params_of(train(cfg(resume=ck, checkpoint=ck)))
+    for a, b in zip(full, resumed):
+        assert torch.equal(a, b)
+    assert load_checkpoint(ck)["epoch"] == 4
+
+
+def test_interrupt_saves_and_resumes_mid_epoch(tmp_path):
+    # Ctrl-C during an epoch: the run stops after the current step with the checkpoint saved,
+    # and resuming from it ends where the uninterrupted run ends.
+    ck = str(tmp_path / "ck.pt")
+    full = params_of(train(cfg(epochs=2)))
+    import dpcuda.parallel as par
+    original = par.DataParallel.step
+    calls = {"n": 0}
+
+    def step(self, *a, **k):
+        calls["n"] += 1
+        if calls["n"] == 8:  # epoch 2, step 2 of 6
+            os.kill(os.getpid(), signal.SIGINT)
+        return original(self, *a, **k)
+    par.DataParallel.step = step
+    try:
+        from dpcuda.train import Interrupted
+        with pytest.raises(Interrupted, match="epoch 2, step 2"):
+            train(cfg(epochs=2, checkpoint=ck))
+    finally:
+        par.DataParallel.step = original
+    state = load_checkpoint(ck)
+    assert (state["epoch"], state["step"]) == (1, 2)
+    resumed = params_of(train(cfg(epochs=2, resume=ck)))
+    for a, b in zip(full, resumed):
+        assert torch.equal(a, b)
+
+
+def test_sigint_to_the_cli_exits_130_with_a_checkpoint(tmp_path):
+    ck = tmp_path / "ck.pt"
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    proc = subprocess.Popen([sys.executable, "-m", "dpcuda", "train", "--dataset", "synthetic",
+                             "--samples", "200000", "--features", "64", "--epochs", "50",
+                             "--batch-size", "64", "--no-progress", "--checkpoint", str(ck)],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        # Wait for the first epoch's line, then interrupt the second epoch.
+        line = proc.stdout.readline()
+        while line and not line.startswith("epoch"):
+            line = proc.stdout.readline()
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err
+    assert "interrupted at epoch" in err and "Traceback" not in err
+    assert load_checkpoint(str(ck))["epoch"] >= 1
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--batch-size", "-5"], "--batch-size must be a positive integer"),
+    (["--lr", "fast"], "--lr must be a number"),
+    (["--replicas", "2000"], "2000 replicas but only 1438 training samples"),
+    (["--dataset", "imagenet"], "invalid choice: 'imagenet'"),
+    (["--dataset", "fashion-mnist", "--data-dir", "."], "missing train-images-idx3-ubyte.gz"),
+    (["--dataset", "fashion-mnist"], "needs --data-dir"),
+    (["--devices", "cuda:9"], "does not exist"),
+    (["--resume", "/nonexistent/ck.pt"], "no such file"),
+])
+def test_bad_options_exit_2_with_one_line(args, message):
+    proc = run_cli("train", "--no-progress", *args)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert message in lines[0]
+
+
+def test_bad_checkpoints_are_refused_and_kept(tmp_path):
+    good = str(tmp_path / "good.pt")
+    train(cfg(epochs=1, checkpoint=good))
+    raw = open(good, "rb").read()
+    truncated = tmp_path / "truncated.pt"
+    truncated.write_bytes(raw[: len(raw) // 2])
+    text = tmp_path / "notes.pt"
+    text.write_text("not a checkpoint")
+    other = tmp_path / "dict.pt"
+    torch.save({"weights": torch.ones(3)}, other)
+    cases = [(truncated, "not a readable checkpoint"), (text, "not a readable checkpoint"),
+             (other, "not a dpcuda checkpoint")]
+    for path, message in cases:
+        before = path.read_bytes()
+        proc = run_cli("train", "--no-progress", "--resume", str(path), "--checkpoint",
+                       str(path))
+        assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1
+        assert path.read_bytes() == before  # never overwritten
+    before = open(good, "rb").read()
+    proc = run_cli("train", "--no-progress", "--hidden", "32", "--resume", good,
+                   "--checkpoint", good)
+    assert proc.returncode == 2 and "64-256-10 relu MLP, this run builds a 64-32-10" in \
+        proc.stderr
+    assert open(good, "rb").read() == before
+
+
+def test_idx_reader_roundtrip_and_errors(tmp_path):
+    images = np.random.default_rng(0).integers(0, 256, (5, 4, 3), dtype=np.uint8)
+    labels = np.array([0, 3, 9, 1, 2], dtype=np.uint8)
+    data.write_idx(tmp_path / "img.gz", images)
+    data.write_idx(tmp_path / "lab", labels)
+    assert np.array_equal(data.read_idx(tmp_path / "img.gz"), images)
+    assert np.array_equal(data.read_idx(tmp_path / "lab"), labels)
+    raw = (tmp_path / "lab").read_bytes()
+    (tmp_path / "short").write_bytes(raw[:-1])
+    with pytest.raises(data.DataError, match="file holds 4 bytes"):
+        data.read_idx(tmp_path / "short")
+    (tmp_path / "junk").write_bytes(b"\x01\x02\x03\x04hello")
+    with pytest.raises(data.DataError, match="bad magic"):
+        data.read_idx(tmp_path / "junk")
+
+
+def test_fashion_mnist_from_idx_files(tmp_path):
+    rng = np.random.default_rng(1)
+    for split, n in (("train", 40), ("t10k", 10)):
+        data.write_idx(tmp_path / f"{split}-images-idx3-ubyte.gz",
+                       rng.integers(0, 256, (n, 28, 28), dtype=np.uint8))
+        data.write_idx(tmp_path / f"{split}-labels-idx1-ubyte.gz",
+                       rng.integers(0, 10, n, dtype=np.uint8))
+    ds = data.load("fashion-mnist", str(tmp_path))
+    assert ds.x_train.shape == (40, 784) and ds.x_test.shape == (10, 784)
+    assert ds.y_train.dtype == torch.int64
+    proc = run_cli("train", "--no-progress", "--dataset", "fashion-mnist", "--data-dir",
+                   str(tmp_path), "--epochs", "1", "--batch-size", "16")
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_bench_scaling_writes_json_and_plot(tmp_path):
+    out, png = tmp_path / "s.json", tmp_path / "s.png"
+    assert cli.main(["bench", "scaling", "--samples", "600", "--features", "32", "--epochs",
+                     "1", "--replicas", "1,2", "--batches", "64", "--reducers", "p2p",
+                     "--no-progress", "--json", str(out), "--plot", str(png)]) == 0
+    rows = json.loads(out.read_text())["results"]
+    assert {(r["replicas"], r["layers"]) for r in rows} == {(1, "fused"), (2, "fused"),
+                                                          (1, "plain"), (2, "plain")}
+    assert png.stat().st_size > 1000
