@@ -112,6 +112,18 @@ void add_pieces(int64_t begin, int64_t end, std::vector<std::pair<int64_t, int64
   for (int64_t b = begin; b < end; b += kPiece) out->emplace_back(b, std::min(end, b + kPiece));
 }
 
+// The two-shot work list: every replica's shard cut into pieces.
+template <typename T>
+std::vector<std::pair<int64_t, int64_t>> shard_pieces(int64_t n, int replicas) {
+  std::vector<std::pair<int64_t, int64_t>> pieces;
+  for (int k = 0; k < replicas; ++k) {
+    int64_t b, e;
+    cpu::shard_range(n, replicas, k, 16 / sizeof(T), &b, &e);
+    add_pieces(b, e, &pieces);
+  }
+  return pieces;
+}
+
 template <typename T>
 void cpu_all_reduce(const std::vector<Tensor>& ts, bool mean, Algorithm algo) {
   const int R = static_cast<int>(ts.size());
@@ -122,12 +134,7 @@ void cpu_all_reduce(const std::vector<Tensor>& ts, bool mean, Algorithm algo) {
   if (algo == Algorithm::kTwoShot) {
     // Shards are disjoint, so each piece is read from every replica and written to every
     // replica in one go: the reduce-scatter and the all-gather of each shard share a pass.
-    std::vector<std::pair<int64_t, int64_t>> pieces;
-    for (int k = 0; k < R; ++k) {
-      int64_t b, e;
-      cpu::shard_range(n, R, k, 16 / sizeof(T), &b, &e);
-      add_pieces(b, e, &pieces);
-    }
+    const auto pieces = shard_pieces<T>(n, R);
     at::parallel_for(0, static_cast<int64_t>(pieces.size()), 1, [&](int64_t lo, int64_t hi) {
       for (int64_t p = lo; p < hi; ++p) {
         cpu::reduce_range<T>(in.data(), R, bufs.data(), R, pieces[p].first, pieces[p].second,
@@ -215,12 +222,7 @@ void cpu_reduce_sgd(const std::vector<Tensor>& params, const std::vector<Tensor>
   for (const Tensor& t : grads) g.push_back(t.data_ptr<T>());
   std::vector<T*> p = pointers<T>(params);
   std::vector<T*> m = pointers<T>(momenta);
-  std::vector<std::pair<int64_t, int64_t>> pieces;
-  for (int k = 0; k < R; ++k) {
-    int64_t b, e;
-    cpu::shard_range(n, R, k, 16 / sizeof(T), &b, &e);
-    add_pieces(b, e, &pieces);
-  }
+  const auto pieces = shard_pieces<T>(n, R);
   at::parallel_for(0, static_cast<int64_t>(pieces.size()), 1, [&](int64_t lo, int64_t hi) {
     for (int64_t w = lo; w < hi; ++w) {
       cpu::reduce_sgd_range<T>(g.data(), R, p.data(), R, m.data(), static_cast<int>(m.size()),
