@@ -1,7 +1,9 @@
 """All-reduce of R replica buffers: dpcuda's algorithms (one_shot, two_shot, ring) against the
 host-staged scheme (every buffer to host memory, summed there, copied back), torch's
-equivalent in device memory (torch.stack(...).sum(0) copied into every replica) and, on CUDA,
-torch.cuda.comm.reduce_add + broadcast_coalesced (what nn.DataParallel does). Replicas share
+equivalent in device memory (torch.stack(...).sum(0) copied into every replica), on CUDA
+torch.cuda.comm.reduce_add + broadcast_coalesced (what nn.DataParallel does), and
+torch.distributed's all_reduce with R processes (gloo on the CPU; NCCL needs one GPU per
+process, so it runs only where there are R GPUs). Replicas share
 the device (devices may repeat), so besides time and algorithm bandwidth (S / t) it reports
 bytes moved (2 R S: every buffer read once and written once) over the device's measured copy
 bandwidth.
@@ -11,7 +13,9 @@ bandwidth.
 
 import argparse
 import os
+import socket
 import sys
+import tempfile
 
 import torch
 
@@ -47,6 +51,53 @@ def torch_device_sum(ts):
         t.copy_(total)
 
 
+def _dist_worker(rank, world, port, device, sizes, repeats, out_dir):
+    import statistics
+    import time
+
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    backend = "nccl" if device.startswith("cuda") else "gloo"
+    dev = f"cuda:{rank}" if backend == "nccl" else "cpu"
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    try:
+        times = {}
+        for size in sizes:
+            t = torch.randn(size // 4, device=dev)
+            samples = []
+            for i in range(repeats + 2):
+                dist.barrier()
+                if backend == "nccl":
+                    torch.cuda.synchronize(dev)
+                start = time.perf_counter()
+                dist.all_reduce(t)
+                if backend == "nccl":
+                    torch.cuda.synchronize(dev)
+                if i >= 2:
+                    samples.append((time.perf_counter() - start) * 1e3)
+            times[size] = statistics.median(samples)
+        if rank == 0:
+            torch.save(times, os.path.join(out_dir, "dist.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def dist_times(world, device, sizes, repeats):
+    """Median ms of torch.distributed.all_reduce with `world` processes, per size; None where
+    the backend cannot run here."""
+    if device.startswith("cuda") and torch.cuda.device_count() < world:
+        return None
+    import torch.multiprocessing as mp
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as out:
+        mp.spawn(_dist_worker, args=(world, port, device, sizes, repeats, out), nprocs=world,
+                 join=True)
+        return torch.load(os.path.join(out, "dist.pt"))
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -65,8 +116,10 @@ def main(argv=None):
     rows = []
     header = f"{'R':>3}{'size':>10}{'method':>14}{'ms':>10}{'algbw GB/s':>12}{'% copy bw':>11}"
     print(header)
+    sizes = [s for s in SIZES if s <= max_bytes]
     for R in [int(r) for r in args.replicas.split(",")]:
-        for size in [s for s in SIZES if s <= max_bytes]:
+        dist_ms = dist_times(R, device, sizes, args.repeats or 5)
+        for size in sizes:
             n = size // 4
             ts = [torch.randn(n, device=device) for _ in range(R)]
             fns = {a: (lambda a=a: parallel.all_reduce(ts, algorithm=a))
@@ -77,13 +130,20 @@ def main(argv=None):
                 import torch.cuda.comm as comm
 
                 def dp_style():
-                    total = comm.reduce_add(ts, destination=torch.device(device).index or 0)
-                    for t in ts:
-                        t.copy_(total)
+                    total = comm.reduce_add(ts, destination=ts[0].get_device())
+                    targets = [t.get_device() for t in ts]
+                    if len(set(targets)) == len(targets):
+                        copies = [c[0] for c in comm.broadcast_coalesced([total], targets)]
+                    else:  # replicas sharing a device: broadcast_coalesced wants distinct ones
+                        copies = [total] * len(ts)
+                    for t, c in zip(ts, copies):
+                        t.copy_(c)
                 fns["cuda_comm"] = dp_style
             big = size >= (16 << 20)
             repeats = args.repeats or (5 if big else 20)
             times = compare_ms(fns, device, warmup=1 if big else 3, repeats=repeats)
+            if dist_ms is not None:
+                times["torch_dist"] = dist_ms[size]
             for name, ms in times.items():
                 moved = 2 * R * size
                 row = {"replicas": R, "bytes": size, "method": name, "ms": ms,
