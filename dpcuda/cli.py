@@ -77,8 +77,11 @@ def _add_model_and_data(p, epochs_default):
     p.add_argument("--hidden", type=_positive_int("--hidden"), default=256)
     p.add_argument("--activation", choices=[a for a in ACTIVATIONS if a != "none"],
                    default="relu")
-    p.add_argument("--split", choices=SPLITS[:1] + SPLITS[2:], default="even",
-                   help="rows per replica: even, or auto (by measured speed)")
+    p.add_argument("--split", choices=SPLITS, default="even",
+                   help="rows per replica: even, weighted (by --split-weights) or auto (by "
+                        "measured speed)")
+    p.add_argument("--split-weights", default=None,
+                   help="with --split weighted: comma-separated weights, one per replica")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dataset", choices=data_mod.DATASETS, default="digits")
     p.add_argument("--data-dir", default=None, help="folder of the Fashion-MNIST IDX files")
@@ -133,6 +136,26 @@ def _replica_devices(devices, replicas):
     return [devices[i % len(devices)] for i in range(k)]
 
 
+def _split_weights(args, devices):
+    if args.split != "weighted":
+        if args.split_weights:
+            raise ValueError("--split-weights needs --split weighted")
+        return None
+    if not args.split_weights:
+        raise ValueError("--split weighted needs --split-weights, one number per replica")
+    try:
+        weights = [float(w) for w in args.split_weights.split(",")]
+    except ValueError:
+        raise ValueError(f"--split-weights must be comma-separated numbers, got "
+                         f"{args.split_weights!r}") from None
+    if len(weights) != len(devices):
+        raise ValueError(f"--split-weights has {len(weights)} weights for {len(devices)} "
+                         f"replicas")
+    if any(not math.isfinite(w) or w < 0 for w in weights) or sum(weights) <= 0:
+        raise ValueError("--split-weights must be non-negative numbers, not all zero")
+    return weights
+
+
 def _config(args, devices, **over):
     from .train import TrainConfig
     values = dict(devices=devices, batch_size=args.batch_size, lr=args.lr,
@@ -140,7 +163,7 @@ def _config(args, devices, **over):
                   hidden=args.hidden, activation=args.activation, split=args.split,
                   seed=args.seed, dataset=args.dataset, data_dir=args.data_dir,
                   samples=args.samples, features=args.features, classes=args.classes,
-                  progress=not args.no_progress)
+                  progress=not args.no_progress, split_weights=_split_weights(args, devices))
     values.update(over)
     return TrainConfig(**values)
 
@@ -187,8 +210,11 @@ def _train(args, parser):
         parser.error("--dataset fashion-mnist needs --data-dir")
     if args.resume and not os.path.isfile(args.resume):
         parser.error(f"--resume {args.resume}: no such file")
-    cfg = _config(args, devices, reducer=args.reducer, fused=not args.no_fused,
-                  checkpoint=args.checkpoint, resume=args.resume)
+    try:
+        cfg = _config(args, devices, reducer=args.reducer, fused=not args.no_fused,
+                      checkpoint=args.checkpoint, resume=args.resume)
+    except ValueError as err:
+        parser.error(str(err))
     dist_info = None
     try:
         if args.reducer == "dist":
@@ -261,9 +287,9 @@ def _bench_scaling(args, parser):
         for reducer in reducers:
             for fused in (True, False):
                 for k in replica_counts:
-                    cfg = _config(args, _replica_devices(devices, k), batch_size=batch, lr=lr,
-                                  reducer=reducer, fused=fused, log=False)
                     try:
+                        cfg = _config(args, _replica_devices(devices, k), batch_size=batch,
+                                      lr=lr, reducer=reducer, fused=fused, log=False)
                         result = train(cfg, dataset)
                     except ValueError as err:
                         parser.exit(2, f"{parser.prog}: error: {err}\n")

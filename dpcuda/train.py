@@ -55,6 +55,7 @@ class TrainConfig:
     activation: str = "relu"
     reducer: str = "p2p"
     split: str = "even"
+    split_weights: list = None
     fused: bool = True
     seed: int = 0
     dataset: str = "digits"
@@ -189,7 +190,8 @@ def train(cfg, dataset=None, dist_info=None):
                         cfg.fused, cfg.seed)
     loss_fn = SoftmaxCrossEntropyLoss() if cfg.fused else F.cross_entropy
     dp = DataParallel(model, cfg.devices, reducer=cfg.reducer, split=cfg.split, lr=cfg.lr,
-                      momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+                      momentum=cfg.momentum, weight_decay=cfg.weight_decay,
+                      split_weights=cfg.split_weights)
     order_gen = torch.Generator().manual_seed(cfg.seed)
     history, start_epoch, start_step, order = [], 0, 0, None
     partial = {"loss_sum": 0.0, "samples": 0, "seconds": 0.0}

@@ -45,6 +45,12 @@ def test_train_end_to_end_and_json_schema(tmp_path, replicas):
     assert {"device_name", "torch", "date"} <= set(payload["environment"])
 
 
+def test_weighted_split_from_the_command_line():
+    proc = run_cli("train", "--no-progress", "--replicas", "2", "--split", "weighted",
+                   "--split-weights", "3,1", "--epochs", "1")
+    assert proc.returncode == 0, proc.stderr
+
+
 def test_default_training_reaches_95_percent():
     result = train(TrainConfig(progress=False, log=False))
     assert result["final"]["test_accuracy"] >= 0.95
@@ -137,6 +143,8 @@ def test_sigint_to_the_cli_exits_130_with_a_checkpoint(tmp_path):
     (["--dataset", "fashion-mnist"], "needs --data-dir"),
     (["--devices", "cuda:9"], "does not exist"),
     (["--resume", "/nonexistent/ck.pt"], "no such file"),
+    (["--split", "weighted"], "needs --split-weights"),
+    (["--replicas", "2", "--split", "weighted", "--split-weights", "1"], "1 weights for 2"),
 ])
 def test_bad_options_exit_2_with_one_line(args, message):
     proc = run_cli("train", "--no-progress", *args)
