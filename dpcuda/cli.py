@@ -118,6 +118,9 @@ def _parser():
     s.add_argument("--reducers", default="p2p,host")
     s.add_argument("--json", default="scaling.json")
     s.add_argument("--plot", default="scaling.png")
+    # Each command reports its errors under its own name ("dpcuda train: error: ...").
+    t.set_defaults(run=_train, command_parser=t)
+    s.set_defaults(run=_bench_scaling, command_parser=s)
     return parser
 
 
@@ -350,12 +353,7 @@ def _plot(rows, path, title):
 def main(argv=None):
     parser = _parser()
     args = parser.parse_args(argv)
-    if args.command == "train":
-        sub = parser._subparsers._group_actions[0].choices["train"]
-        return _train(args, sub)
-    sub = parser._subparsers._group_actions[0].choices["bench"]
-    scaling = sub._subparsers._group_actions[0].choices["scaling"]
-    return _bench_scaling(args, scaling)
+    return args.run(args, args.command_parser)
 
 
 if __name__ == "__main__":

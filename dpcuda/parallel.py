@@ -112,12 +112,15 @@ def scatter(batch, devices, weights=None):
     if any(t.shape[0] != rows for t in tensors):
         raise ValueError(f"batch tensors have different numbers of rows: "
                          f"{[t.shape[0] for t in tensors]}")
-    sizes = split_sizes(rows, len(devices), weights)
-    out = []
-    start = 0
+    parts = _slices(tensors, devices, split_sizes(rows, len(devices), weights))
+    return parts if isinstance(batch, (tuple, list)) else [p[0] for p in parts]
+
+
+def _slices(tensors, devices, sizes):
+    """Consecutive row slices of every tensor, sizes[i] rows moved to devices[i]."""
+    out, start = [], 0
     for device, size in zip(devices, sizes):
-        part = tuple(t[start:start + size].to(device, non_blocking=True) for t in tensors)
-        out.append(part if isinstance(batch, (tuple, list)) else part[0])
+        out.append(tuple(t[start:start + size].to(device, non_blocking=True) for t in tensors))
         start += size
     return out
 
@@ -372,7 +375,7 @@ class DataParallel:
             raise ValueError(f"the batch has {rows} rows, fewer than the {len(self._replicas)} "
                              f"replicas")
         sizes = split_sizes(rows, len(self._replicas), self._row_weights())
-        parts = scatter((inputs, targets), self.devices, sizes if self._row_weights() else None)
+        parts = _slices((inputs, targets), self.devices, sizes)
 
         for r in self._replicas:
             r.flat_grad.zero_()
@@ -394,10 +397,13 @@ class DataParallel:
                            self.devices)
         if self.split == "auto":
             self._update_speed(sizes, [t for _, t in results])
-        losses = [l for l, _ in results]
-        loss = float(sum(float(l) for l in losses))
+        # One host read per replica: its loss and the sum of its gradient buffer.
+        reads = [torch.stack([torch.as_tensor(l, device=r.device).detach().double(),
+                              r.flat_grad.sum().double()]).cpu()
+                 for (l, _), r in zip(results, self._replicas)]
+        loss = float(sum(float(x[0]) for x in reads))
 
-        if not self._grads_finite():
+        if not self._grads_finite(torch.stack([x[1] for x in reads])):
             warnings.warn(f"dpcuda DataParallel: step {self.steps} has NaN or Inf gradients; "
                           f"skipped (weights unchanged)", RuntimeWarning, stacklevel=2)
             self.skipped_steps += 1
@@ -416,11 +422,10 @@ class DataParallel:
             loss = float(count.item())
         return loss
 
-    def _grads_finite(self):
-        # A buffer's sum is finite when all its elements are (one fast vectorised pass, one host
-        # read for all replicas); only a non-finite sum, which finite values can also give by
+    def _grads_finite(self, sums):
+        # A buffer's sum (one fast vectorised pass, read with the loss) is finite when all its
+        # elements are; only a non-finite sum, which finite values can also give by
         # overflowing, pays for the exact element test.
-        sums = torch.stack([r.flat_grad.sum().to("cpu") for r in self._replicas])
         ok = bool(torch.isfinite(sums).all()) or all(
             bool(torch.isfinite(r.flat_grad).all()) for r in self._replicas)
         if self.reducer == "dist":
@@ -455,7 +460,7 @@ class DataParallel:
         # The classic scheme: every gradient to host memory, summed there in replica order,
         # the update applied to the host's master weights, the weights copied to every device.
         host = [r.flat_grad.to("cpu") for r in self._replicas]
-        total = host[0].clone() if len(host) == 1 else host[0]
+        total = host[0]
         for g in host[1:]:
             total = total + g
         m = [self._host_momentum] if self.momentum else []

@@ -243,13 +243,13 @@ def train(cfg, dataset=None, dist_info=None):
             for step in range(start_step, steps_per_epoch):
                 t0 = time.perf_counter()
                 idx = order[step * cfg.batch_size:(step + 1) * cfg.batch_size]
+                rows = idx.shape[0]  # the global batch, before this process takes its slice
                 if world > 1:
                     share = idx.shape[0] // world
                     rest = idx.shape[0] - share * world
                     lo = rank * share + min(rank, rest)
                     idx = idx[lo:lo + share + (1 if rank < rest else 0)]
                 loss = dp.step(dataset.x_train[idx], dataset.y_train[idx], loss_fn)
-                rows = order[step * cfg.batch_size:(step + 1) * cfg.batch_size].shape[0]
                 partial["loss_sum"] += loss * rows
                 partial["samples"] += rows
                 partial["seconds"] += time.perf_counter() - t0

@@ -285,10 +285,6 @@ void reduce_sgd_cpu(at::TensorList params, at::TensorList grads, at::TensorList 
 
 #ifdef DPCUDA_WITH_CUDA
 
-void check_cuda(cudaError_t err, const char* what) {
-  TORCH_CHECK(err == cudaSuccess, "dpcuda: ", what, " failed: ", cudaGetErrorString(err));
-}
-
 // Whether kernels on `device` may read `peer`'s memory, enabling peer access the first time.
 bool peer_readable(int device, int peer) {
   if (device == peer) return true;

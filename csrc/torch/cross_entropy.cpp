@@ -89,8 +89,7 @@ std::tuple<Tensor, Tensor> loss_grad_cuda(const Tensor& logits, const Tensor& la
         loss.data_ptr<acc>(),
         compute_grad ? reinterpret_cast<cuda_t*>(grad.data_ptr<scalar_t>()) : nullptr, s.rows,
         s.classes, scale, label_smoothing, ignore_index, at::cuda::getCurrentCUDAStream());
-    TORCH_CHECK(err == cudaSuccess, "dpcuda: cross_entropy launch failed: ",
-                cudaGetErrorString(err));
+    check_cuda(err, "cross_entropy launch");
   });
   return {loss, grad};
 }

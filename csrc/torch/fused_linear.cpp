@@ -140,10 +140,6 @@ std::tuple<Tensor, Tensor, Tensor> full_backward_cpu(const Tensor& grad_output,
 
 #ifdef DPCUDA_WITH_CUDA
 
-void check_cuda(cudaError_t err, const char* what) {
-  TORCH_CHECK(err == cudaSuccess, "dpcuda: ", what, " failed: ", cudaGetErrorString(err));
-}
-
 std::tuple<Tensor, Tensor> full_forward_cuda(const Tensor& input, const Tensor& weight,
                                              const c10::optional<Tensor>& bias,
                                              c10::string_view activation) {
