@@ -73,6 +73,11 @@ def extension():
     sources = sorted(glob.glob(os.path.join("csrc", "torch", "*.cpp")))
     sources += sorted(glob.glob(os.path.join("csrc", "cpu", "*.cpp")))
     cxx_flags = ["-O3", "-std=c++17"]
+    if torch._C.has_openmp:
+        # at::parallel_for is an inline `#pragma omp parallel` in torch's OpenMP builds: without
+        # -fopenmp it silently runs on one thread. Compile only; the GOMP symbols bind to the
+        # libgomp that libtorch_cpu already loads, so torch.set_num_threads governs our loops too.
+        cxx_flags.append("-fopenmp")
     if not use_cuda:
         reason = (
             "DPCUDA_FORCE_CPU=1" if force_cpu

@@ -3,8 +3,11 @@
 // torch.compile sees it; the fast path only enters the dispatcher from C++, skipping the ~6 us
 // of Python that a torch.ops call costs (measured on the CPU machines), and dpcuda/ops.py uses
 // it only outside torch.compile tracing.
+#include <ATen/Parallel.h>
 #include <torch/extension.h>
 #include <torch/library.h>
+
+#include <atomic>
 
 #include "dispatch.h"
 
@@ -46,6 +49,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #else
     return false;
 #endif
+  });
+  // How many threads an at::parallel_for over n items runs on inside this extension: a build
+  // check, since torch's OpenMP builds inline at::parallel_for and compile it serial unless the
+  // extension itself is built with -fopenmp.
+  m.def("_parallel_threads", [](int64_t n) {
+    std::atomic<uint64_t> seen{0};
+    at::parallel_for(0, n, 1, [&](int64_t, int64_t) {
+      seen.fetch_or(uint64_t(1) << (at::get_thread_num() % 64));
+    });
+    return __builtin_popcountll(seen.load());
   });
   m.def("full_forward", [](const at::Tensor& input, const at::Tensor& weight,
                            const c10::optional<at::Tensor>& bias, const std::string& activation) {
