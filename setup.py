@@ -57,6 +57,13 @@ def find_pip_cuda_includes():
     return found
 
 
+# Flags of the CPU kernels, as torch builds its own: no errno from libm and no trapping floating
+# point, so that loops with selects and divisions vectorise (neither changes a result); and no
+# contraction into FMAs, because the loops are compiled for AVX2+FMA and for the baseline
+# (csrc/cpu/target.h) and both must give the same bits. CMakeLists.txt uses the same flags.
+CPU_KERNEL_FLAGS = ["-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off"]
+
+
 def extension():
     import torch
 
@@ -72,7 +79,7 @@ def extension():
 
     sources = sorted(glob.glob(os.path.join("csrc", "torch", "*.cpp")))
     sources += sorted(glob.glob(os.path.join("csrc", "cpu", "*.cpp")))
-    cxx_flags = ["-O3", "-std=c++17"]
+    cxx_flags = ["-O3", "-std=c++17"] + CPU_KERNEL_FLAGS
     if torch._C.has_openmp:
         # at::parallel_for is an inline `#pragma omp parallel` in torch's OpenMP builds: without
         # -fopenmp it silently runs on one thread. Compile only; the GOMP symbols bind to the

@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cstring>
 
+#include "target.h"
+
 namespace dpcuda {
 namespace cpu {
 namespace {
@@ -51,8 +53,8 @@ inline void sgd_block(const T* __restrict__ g, const T* param, const T* momentum
 }  // namespace
 
 template <typename T>
-void reduce_range(const T* const* in, int nin, T* const* out, int nout, int64_t begin,
-                  int64_t end, bool mean) {
+DPCUDA_CPU_CLONES void reduce_range(const T* const* in, int nin, T* const* out, int nout,
+                                    int64_t begin, int64_t end, bool mean) {
   T acc[kBlock];
   for (int64_t base = begin; base < end; base += kBlock) {
     const int64_t len = std::min(kBlock, end - base);
@@ -64,7 +66,8 @@ void reduce_range(const T* const* in, int nin, T* const* out, int nout, int64_t 
 }
 
 template <typename T>
-void chain_accumulate(const T* partial, T* own, int64_t begin, int64_t end, int divide_by) {
+DPCUDA_CPU_CLONES void chain_accumulate(const T* partial, T* own, int64_t begin, int64_t end,
+                                        int divide_by) {
   const T count = static_cast<T>(divide_by);
   for (int64_t i = begin; i < end; ++i) {
     const T acc = partial[i] + own[i];
@@ -73,9 +76,9 @@ void chain_accumulate(const T* partial, T* own, int64_t begin, int64_t end, int 
 }
 
 template <typename T>
-void reduce_sgd_range(const T* const* grads, int ngrads, T* const* params, int nparams,
-                      T* const* momenta, int nmomenta, int64_t begin, int64_t end, bool mean,
-                      Sgd sgd) {
+DPCUDA_CPU_CLONES void reduce_sgd_range(const T* const* grads, int ngrads, T* const* params,
+                                        int nparams, T* const* momenta, int nmomenta,
+                                        int64_t begin, int64_t end, bool mean, Sgd sgd) {
   T g[kBlock], p[kBlock], m[kBlock];
   for (int64_t base = begin; base < end; base += kBlock) {
     const int64_t len = std::min(kBlock, end - base);
@@ -91,7 +94,8 @@ void reduce_sgd_range(const T* const* grads, int ngrads, T* const* params, int n
 }
 
 template <typename T>
-void sgd_range(const T* grad, T* param, T* momentum, int64_t begin, int64_t end, Sgd sgd) {
+DPCUDA_CPU_CLONES void sgd_range(const T* grad, T* param, T* momentum, int64_t begin,
+                                 int64_t end, Sgd sgd) {
   T p[kBlock], m[kBlock];
   for (int64_t base = begin; base < end; base += kBlock) {
     const int64_t len = std::min(kBlock, end - base);

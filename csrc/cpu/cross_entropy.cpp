@@ -2,15 +2,17 @@
 
 #include <limits>
 
-#include "../kernels/activation.h"
+#include "../kernels/transcendental.h"
+#include "target.h"
 
 namespace dpcuda {
 namespace cpu {
 
 template <typename T>
-void cross_entropy_rows(const T* logits, const int64_t* labels, T* loss, T* grad,
-                        int64_t row_begin, int64_t row_end, int64_t classes, double scale,
-                        double label_smoothing, int64_t ignore_index) {
+DPCUDA_CPU_CLONES void cross_entropy_rows(const T* logits, const int64_t* labels, T* loss,
+                                          T* grad, int64_t row_begin, int64_t row_end,
+                                          int64_t classes, double scale, double label_smoothing,
+                                          int64_t ignore_index) {
   const T s = static_cast<T>(scale);
   const T eps = static_cast<T>(label_smoothing);
   const T eps_per_class = eps / static_cast<T>(classes);

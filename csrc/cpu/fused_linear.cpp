@@ -1,28 +1,34 @@
 #include "fused_linear.h"
 
+#include "target.h"
+
 namespace dpcuda {
 namespace cpu {
 namespace {
 
-template <typename T, Activation A>
-void forward_rows(T* __restrict__ out, T* __restrict__ pre, const T* __restrict__ bias,
-                  int64_t row_begin, int64_t row_end, int64_t cols) {
+// One instantiation per (bias, pre) combination, so the inner loop has no branch left and
+// vectorises (GCC does not unswitch a loop on two pointers reliably).
+template <typename T, Activation A, bool kBias, bool kPre>
+DPCUDA_CPU_CLONES void forward_rows(T* __restrict__ out, T* __restrict__ pre,
+                                    const T* __restrict__ bias, int64_t row_begin,
+                                    int64_t row_end, int64_t cols) {
   for (int64_t r = row_begin; r < row_end; ++r) {
     T* __restrict__ row = out + r * cols;
-    T* __restrict__ pre_row = pre ? pre + r * cols : nullptr;
+    T* __restrict__ pre_row = kPre ? pre + r * cols : nullptr;
 #pragma GCC ivdep
     for (int64_t c = 0; c < cols; ++c) {
-      const T z = bias ? row[c] + bias[c] : row[c];
-      if (pre_row) pre_row[c] = z;
+      const T z = kBias ? row[c] + bias[c] : row[c];
+      if (kPre) pre_row[c] = z;
       row[c] = activate<T>(A, z);
     }
   }
 }
 
 template <typename T, Activation A>
-void backward_rows(const T* __restrict__ grad_out, const T* __restrict__ saved,
-                   T* __restrict__ grad_pre, T* __restrict__ bias_partial, int64_t row_begin,
-                   int64_t row_end, int64_t cols) {
+DPCUDA_CPU_CLONES void backward_rows(const T* __restrict__ grad_out,
+                                     const T* __restrict__ saved, T* __restrict__ grad_pre,
+                                     T* __restrict__ bias_partial, int64_t row_begin,
+                                     int64_t row_end, int64_t cols) {
   for (int64_t r = row_begin; r < row_end; ++r) {
     const T* __restrict__ go = grad_out + r * cols;
     if (grad_pre) {
@@ -54,7 +60,16 @@ template <typename T>
 void bias_activation_forward(T* out, T* pre, const T* bias, int64_t row_begin, int64_t row_end,
                              int64_t cols, Activation act) {
   with_activation(act, [&](auto a) {
-    forward_rows<T, decltype(a)::value>(out, pre, bias, row_begin, row_end, cols);
+    constexpr Activation A = decltype(a)::value;
+    if (bias && pre) {
+      forward_rows<T, A, true, true>(out, pre, bias, row_begin, row_end, cols);
+    } else if (bias) {
+      forward_rows<T, A, true, false>(out, pre, bias, row_begin, row_end, cols);
+    } else if (pre) {
+      forward_rows<T, A, false, true>(out, pre, bias, row_begin, row_end, cols);
+    } else {
+      forward_rows<T, A, false, false>(out, pre, bias, row_begin, row_end, cols);
+    }
   });
 }
 

@@ -2,16 +2,10 @@
 // both backends compute the same formulas. Torch-free: plain C++ that nvcc and g++ both accept.
 #pragma once
 
-#include <cmath>
 #include <cstring>
 #include <type_traits>
 
-#if defined(__CUDACC__)
-#define DPCUDA_HD __host__ __device__ __forceinline__
-#else
-// Forced, so the per-element calls in the CPU loops fold to the one activation compiled for.
-#define DPCUDA_HD inline __attribute__((always_inline))
-#endif
+#include "transcendental.h"
 
 namespace dpcuda {
 
@@ -58,17 +52,6 @@ DPCUDA_HD Saved saved_for_backward(Activation act) {
     default: return Saved::kPreActivation;
   }
 }
-
-// Overloads that pick the single-precision C functions for float, on the host and the device
-// alike: an unqualified exp(float) on the host could silently widen to double.
-DPCUDA_HD float math_exp(float x) { return expf(x); }
-DPCUDA_HD double math_exp(double x) { return exp(x); }
-DPCUDA_HD float math_erf(float x) { return erff(x); }
-DPCUDA_HD double math_erf(double x) { return erf(x); }
-DPCUDA_HD float math_tanh(float x) { return tanhf(x); }
-DPCUDA_HD double math_tanh(double x) { return tanh(x); }
-DPCUDA_HD float math_log(float x) { return logf(x); }
-DPCUDA_HD double math_log(double x) { return log(x); }
 
 template <typename acc_t>
 DPCUDA_HD acc_t sigmoid_of(acc_t z) {

@@ -1,0 +1,125 @@
+// The transcendental functions the activations and the loss use, for the host and the device.
+// On a GPU they are CUDA's own (hardware-assisted) functions. On the CPU, float uses the
+// branch-free polynomial forms below instead of libm: written with selects and bit operations
+// only, the per-element loops that call them vectorise (libm's expf/erff/tanhf are opaque calls
+// that keep those loops scalar, about 10x slower). double keeps libm.
+// Torch-free: plain C++ that nvcc and g++ both accept.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__CUDACC__)
+#define DPCUDA_HD __host__ __device__ __forceinline__
+#else
+// Forced, so the per-element calls in the CPU loops fold into the loops compiled for them.
+#define DPCUDA_HD inline __attribute__((always_inline))
+#endif
+
+namespace dpcuda {
+namespace poly {
+
+DPCUDA_HD float from_bits(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+DPCUDA_HD uint32_t to_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  return u;
+}
+
+DPCUDA_HD float copy_sign(float magnitude, float sign) {
+  return from_bits((to_bits(magnitude) & 0x7fffffffu) | (to_bits(sign) & 0x80000000u));
+}
+
+// exp(x) within 2 ulp where the result is a normal float, x in [-87.33, 88.37]; +inf above,
+// 0 below (where the true result is below 1.2e-38), NaN for NaN. Cody-Waite reduction
+// x = n ln2 + r, |r| <= ln2 / 2, Cephes' expf polynomial for exp(r), and 2^n assembled from its
+// exponent bits.
+DPCUDA_HD float exp(float in) {
+  constexpr float kHi = 88.3762626647949f, kLo = -87.3365447504019f;
+  constexpr float kMagic = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+  // Comparisons with NaN are false, so NaN passes through the clamps and the result.
+  float x = in > kHi ? kHi : in;
+  x = x < kLo ? kLo : x;
+  const float shifted = x * 1.44269504088896341f + kMagic;
+  const float n = shifted - kMagic;
+  // The integer n sits in the low mantissa bits of `shifted`: 2^n without a float-to-int
+  // conversion (undefined for NaN).
+  const uint32_t scale = (to_bits(shifted) - to_bits(kMagic) + 127u) << 23;
+  const float r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float er = p * (r * r) + r + 1.0f;
+  const float y = er * from_bits(scale);
+  return in > kHi ? from_bits(0x7f800000u) : (in < kLo ? 0.0f : y);
+}
+
+// tanh(x) within 2 ulp: an odd polynomial for |x| < 0.625 (Cephes' tanhf), where
+// 1 - 2 / (exp(2|x|) + 1) would cancel, and that form elsewhere; both on |x|, with the sign of x
+// put back last (so tanh(-0) = -0).
+DPCUDA_HD float tanh(float x) {
+  const float ax = std::fabs(x);
+  const float z = x * x;
+  float p = -5.70498872745e-3f;
+  p = p * z + 2.06390887954e-2f;
+  p = p * z - 5.37397155531e-2f;
+  p = p * z + 1.33314422036e-1f;
+  p = p * z - 3.33332819422e-1f;
+  const float small = ax + ax * z * p;
+  const float large = 1.0f - 2.0f / (exp(2.0f * ax) + 1.0f);
+  return copy_sign(ax < 0.625f ? small : large, x);
+}
+
+// erf(x) within 3e-7 absolute: the Maclaurin series to x^15 for |x| < 0.7, where the form
+// below would cancel, and Abramowitz and Stegun 7.1.26 (the form ATen's vectorised CPU erf uses)
+// elsewhere: 1 - t P(t) exp(-x^2), t = 1 / (1 + 0.3275911 |x|); the sign of x put back last.
+DPCUDA_HD float erf(float x) {
+  const float ax = std::fabs(x);
+  const float z = x * x;
+  float s = -1.0f / 75600.0f;
+  s = s * z + 1.0f / 9360.0f;
+  s = s * z - 1.0f / 1320.0f;
+  s = s * z + 1.0f / 216.0f;
+  s = s * z - 1.0f / 42.0f;
+  s = s * z + 1.0f / 10.0f;
+  s = s * z - 1.0f / 3.0f;
+  const float small = 1.12837916709551257f * (ax + ax * z * s);
+  const float t = 1.0f / (1.0f + 0.3275911f * ax);
+  float p = 1.061405429f;
+  p = p * t - 1.453152027f;
+  p = p * t + 1.421413741f;
+  p = p * t - 0.284496736f;
+  p = p * t + 0.254829592f;
+  const float large = 1.0f - p * t * exp(-z);
+  return copy_sign(ax < 0.7f ? small : large, x);
+}
+
+}  // namespace poly
+
+// Overloads that pick the single-precision functions for float: an unqualified exp(float) on
+// the host could silently widen to double.
+#if defined(__CUDA_ARCH__)
+DPCUDA_HD float math_exp(float x) { return expf(x); }
+DPCUDA_HD float math_erf(float x) { return erff(x); }
+DPCUDA_HD float math_tanh(float x) { return tanhf(x); }
+#else
+DPCUDA_HD float math_exp(float x) { return poly::exp(x); }
+DPCUDA_HD float math_erf(float x) { return poly::erf(x); }
+DPCUDA_HD float math_tanh(float x) { return poly::tanh(x); }
+#endif
+DPCUDA_HD double math_exp(double x) { return ::exp(x); }
+DPCUDA_HD double math_erf(double x) { return ::erf(x); }
+DPCUDA_HD double math_tanh(double x) { return ::tanh(x); }
+DPCUDA_HD float math_log(float x) { return logf(x); }
+DPCUDA_HD double math_log(double x) { return ::log(x); }
+
+}  // namespace dpcuda

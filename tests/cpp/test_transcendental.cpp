@@ -1,0 +1,98 @@
+// The CPU's float exp, tanh and erf (csrc/kernels/transcendental.h) against libm in double,
+// over every 997th float of the ranges that matter and at the special values.
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <initializer_list>
+#include <limits>
+
+#include "check.h"
+#include "kernels/transcendental.h"
+
+namespace {
+
+namespace poly = dpcuda::poly;
+
+float ulp(float x) {
+  const float a = std::fabs(x);
+  return std::nextafter(a, std::numeric_limits<float>::infinity()) - a;
+}
+
+// Every 997th float from lo to hi (lo < 0 < hi), walking the bit patterns of each sign.
+template <typename F>
+void for_floats(float lo, float hi, F&& f) {
+  uint32_t hi_bits, lo_bits;
+  std::memcpy(&hi_bits, &hi, sizeof hi_bits);
+  const float neg = -lo;
+  std::memcpy(&lo_bits, &neg, sizeof lo_bits);
+  for (uint32_t sign : {0u, 0x80000000u}) {
+    const uint32_t last = sign ? lo_bits : hi_bits;
+    for (uint32_t b = 0; b <= last; b += 997) {
+      const uint32_t bits = b | sign;
+      float x;
+      std::memcpy(&x, &bits, sizeof x);
+      f(x);
+    }
+  }
+}
+
+double worst_exp = 0, worst_tanh = 0, worst_erf = 0;
+
+void check_exp(float x) {
+  const double want = std::exp(double(x));
+  const double err = std::fabs(poly::exp(x) - want) / ulp(float(want));
+  worst_exp = std::max(worst_exp, err);
+}
+
+void check_tanh(float x) {
+  const double want = std::tanh(double(x));
+  const double err = std::fabs(poly::tanh(x) - want) / ulp(float(want));
+  worst_tanh = std::max(worst_tanh, err);
+}
+
+float worst_erf_at = 0;
+
+void check_erf(float x) {
+  const double err = std::fabs(poly::erf(x) - std::erf(double(x)));
+  if (err > worst_erf) worst_erf_at = x;
+  worst_erf = std::max(worst_erf, err);
+}
+
+}  // namespace
+
+int main() {
+  const float inf = std::numeric_limits<float>::infinity();
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+
+  for_floats(-87.33f, 88.37f, check_exp);
+  std::printf("exp: worst error %.2f ulp\n", worst_exp);
+  CHECK(worst_exp <= 2.0);
+  CHECK(poly::exp(0.0f) == 1.0f);
+  CHECK(poly::exp(89.0f) == inf);
+  CHECK(poly::exp(inf) == inf);
+  CHECK(poly::exp(-88.0f) == 0.0f);
+  CHECK(poly::exp(-inf) == 0.0f);
+  CHECK(std::isnan(poly::exp(nan)));
+
+  for_floats(-12.0f, 12.0f, check_tanh);
+  std::printf("tanh: worst error %.2f ulp\n", worst_tanh);
+  CHECK(worst_tanh <= 2.0);
+  CHECK(poly::tanh(20.0f) == 1.0f);
+  CHECK(poly::tanh(-inf) == -1.0f);
+  CHECK(poly::tanh(inf) == 1.0f);
+  CHECK(poly::tanh(1e-30f) == 1e-30f);
+  CHECK(std::signbit(poly::tanh(-0.0f)));
+  CHECK(std::isnan(poly::tanh(nan)));
+
+  for_floats(-8.0f, 8.0f, check_erf);
+  std::printf("erf: worst absolute error %.3g at %g\n", worst_erf, worst_erf_at);
+  CHECK(worst_erf <= 3e-7);
+  CHECK(poly::erf(0.0f) == 0.0f);
+  CHECK(std::signbit(poly::erf(-0.0f)));
+  CHECK(poly::erf(inf) == 1.0f);
+  CHECK(poly::erf(-inf) == -1.0f);
+  CHECK(std::isnan(poly::erf(nan)));
+
+  if (dpcuda_test::failures()) std::printf("%d failures\n", dpcuda_test::failures());
+  return dpcuda_test::failures() ? 1 : 0;
+}
