@@ -32,18 +32,41 @@ def time_ms(fn, device, warmup=2, repeats=10):
     return statistics.median(times)
 
 
-def compare_ms(fns, device, warmup=2, repeats=10):
-    """Median time in ms of each callable in the dict fns, measured round-robin (a, b, c, a, b,
-    c, ...) so that drift in the machine's speed (another process, clock changes) falls on
-    every contender alike instead of on whichever ran last."""
+def compare_samples(fns, device, warmup=2, repeats=10, min_seconds=0.0):
+    """Times in ms of each callable in the dict fns over `repeats` rounds, measured round-robin
+    (a, b, c, a, b, c, ...) so that drift in the machine's speed (another process, clock
+    changes) falls on every contender alike instead of on whichever ran last. At least `repeats`
+    rounds, more until min_seconds of timed runs have passed (short cases need many rounds to
+    average out the machine's noise). Returns {name: [ms per round]}."""
     for fn in fns.values():
         for _ in range(warmup):
             fn()
     samples = {name: [] for name in fns}
-    for _ in range(repeats):
+    rounds = 0
+    total_ms = 0.0
+    while rounds < repeats or total_ms < min_seconds * 1e3:
         for name, fn in fns.items():
-            samples[name].append(time_ms(fn, device, warmup=0, repeats=1))
+            ms = time_ms(fn, device, warmup=0, repeats=1)
+            samples[name].append(ms)
+            total_ms += ms
+        rounds += 1
+    return samples
+
+
+def compare_ms(fns, device, warmup=2, repeats=10):
+    """Median time in ms of each callable in fns, measured as compare_samples does."""
+    samples = compare_samples(fns, device, warmup, repeats)
     return {name: statistics.median(v) for name, v in samples.items()}
+
+
+def paired_ratio(baseline, ours):
+    """The median over rounds of baseline / ours, each ratio taken within one round (adjacent
+    runs), with its quartiles and the fraction of rounds where ours was faster: a ratio that
+    moves less with the machine's drift than a ratio of medians."""
+    ratios = sorted(b / o for b, o in zip(baseline, ours))
+    q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
+    return {"median": statistics.median(ratios), "q1": q[0], "q3": q[2],
+            "faster_rounds": sum(r > 1 for r in ratios) / len(ratios)}
 
 
 def environment(device):

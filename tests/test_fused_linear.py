@@ -178,3 +178,26 @@ def test_torch_compile_fullgraph_training_step(device):
         torch.testing.assert_close(loss_c, loss_e)
     for p, q in zip(model.parameters(), eager.parameters()):
         torch.testing.assert_close(p, q)
+
+
+def test_no_graph_without_grad_and_forward_ad_refused():
+    x = torch.randn(5, 4)
+    w = torch.randn(3, 4, requires_grad=True)
+    b = torch.randn(3, requires_grad=True)
+    labels = torch.tensor([0, 1, 2, 0, 1])
+    with torch.no_grad():
+        out = ops.full_forward(x, w, b, "gelu")
+        loss = ops.softmax_cross_entropy(out, labels)
+    assert not out.requires_grad and out.grad_fn is None
+    assert not loss.requires_grad and loss.grad_fn is None
+    # The kernels called directly give the same values as through the autograd node.
+    assert torch.equal(out, ops.full_forward(x, w, b, "gelu").detach())
+    assert torch.equal(loss, ops.softmax_cross_entropy(out, labels))
+    # Forward-mode AD is not implemented: an error, never a silently dropped tangent.
+    import torch.autograd.forward_ad as fwAD
+    with fwAD.dual_level():
+        dual = fwAD.make_dual(x, torch.randn_like(x))
+        with pytest.raises(RuntimeError, match="jvp"):
+            ops.full_forward(dual, w.detach(), b.detach(), "relu")
+        with pytest.raises(RuntimeError, match="jvp"):
+            ops.softmax_cross_entropy(fwAD.make_dual(out, torch.randn_like(out)), labels)

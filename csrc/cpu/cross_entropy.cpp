@@ -1,5 +1,6 @@
 #include "cross_entropy.h"
 
+#include <algorithm>
 #include <limits>
 
 #include "../kernels/transcendental.h"
@@ -7,6 +8,12 @@
 
 namespace dpcuda {
 namespace cpu {
+namespace {
+
+// Classes per block of exponentials when there is no gradient row to hold them.
+constexpr int64_t kBlock = 256;
+
+}  // namespace
 
 template <typename T>
 DPCUDA_CPU_CLONES void cross_entropy_rows(const T* logits, const int64_t* labels, T* loss,
@@ -35,15 +42,16 @@ DPCUDA_CPU_CLONES void cross_entropy_rows(const T* logits, const int64_t* labels
       zsum += z[c];
     }
     // Pass 2: exp(z - max), the one transcendental per element, kept in the gradient row
-    // when there is one so that pass 3 only scales it.
+    // when there is one so that pass 3 only scales it (a block on the stack otherwise). The
+    // exponentials are a loop of their own, which vectorises; their sum, in order, another.
     T sumexp = T(0);
-    if (g) {
-      for (int64_t c = 0; c < classes; ++c) {
-        g[c] = math_exp(z[c] - zmax);
-        sumexp += g[c];
-      }
-    } else {
-      for (int64_t c = 0; c < classes; ++c) sumexp += math_exp(z[c] - zmax);
+    T block[kBlock];
+    for (int64_t c0 = 0; c0 < classes; c0 += kBlock) {
+      const int64_t len = std::min(kBlock, classes - c0);
+      T* __restrict__ e = g ? g + c0 : block;
+      const T* __restrict__ zc = z + c0;
+      for (int64_t c = 0; c < len; ++c) e[c] = math_exp(zc[c] - zmax);
+      for (int64_t c = 0; c < len; ++c) sumexp += e[c];
     }
     const T lse = zmax + math_log(sumexp);
     loss[r] = s * (lse - (T(1) - eps) * z[y] - eps_per_class * zsum);

@@ -80,20 +80,25 @@ std::tuple<Tensor, Tensor> full_forward_cpu(const Tensor& input, const Tensor& w
   const Activation act = check_activation(activation);
   const LinearShape s = check_linear(input, weight, bias);
   check_cpu_dtype(input, "input");
-  // The bias goes into the GEMM (beta = 1 over the broadcast bias), as nn.Linear does; our pass
-  // then applies the activation in place, keeping the pre-activation when the backward needs it.
+  // With an activation, the GEMM writes x @ W^T alone and our pass adds the bias as it applies
+  // the activation in place (keeping the pre-activation when the backward needs it): that saves
+  // addmm's broadcast copy of the bias into the output and its beta = 1 read. Without one, the
+  // bias goes into the GEMM, as nn.Linear does.
   const bool has_bias = bias.has_value() && bias->defined();
   const Tensor x = as_matrix(input, s);
-  Tensor out = has_bias ? at::addmm(*bias, x, weight.t()) : at::mm(x, weight.t());
+  const bool pass = act != Activation::kNone;
+  Tensor out = has_bias && !pass ? at::addmm(*bias, x, weight.t()) : at::mm(x, weight.t());
   const bool keep_pre = saved_for_backward(act) == Saved::kPreActivation;
   Tensor pre = keep_pre ? at::empty_like(out) : empty_like_options(out);
-  if (act != Activation::kNone) {
+  if (pass) {
+    const Tensor b = has_bias ? bias->contiguous() : Tensor();
     const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, s.out_features));
     AT_DISPATCH_FLOATING_TYPES(out.scalar_type(), "full_forward_cpu", [&] {
       scalar_t* out_ptr = out.data_ptr<scalar_t>();
       scalar_t* pre_ptr = keep_pre ? pre.data_ptr<scalar_t>() : nullptr;
+      const scalar_t* bias_ptr = has_bias ? b.data_ptr<scalar_t>() : nullptr;
       at::parallel_for(0, s.rows, grain, [&](int64_t begin, int64_t end) {
-        cpu::bias_activation_forward<scalar_t>(out_ptr, pre_ptr, nullptr, begin, end,
+        cpu::bias_activation_forward<scalar_t>(out_ptr, pre_ptr, bias_ptr, begin, end,
                                                s.out_features, act);
       });
     });
