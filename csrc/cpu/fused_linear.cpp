@@ -24,6 +24,14 @@ DPCUDA_CPU_CLONES void forward_rows(T* __restrict__ out, T* __restrict__ pre,
   }
 }
 
+// grad_out * act'(saved) for one element. relu is a select of values loaded unconditionally,
+// which vectorises: a conditional load becomes a branch on the sign, a coin toss on real data,
+// and its mispredictions cost several times the whole pass.
+template <typename T, Activation A>
+DPCUDA_HD T grad_pre_value(T go, T saved) {
+  return A == Activation::kRelu ? (saved > T(0) ? go : T(0)) : go * activation_grad<T>(A, saved);
+}
+
 template <typename T, Activation A>
 DPCUDA_CPU_CLONES void backward_rows(const T* __restrict__ grad_out,
                                      const T* __restrict__ saved, T* __restrict__ grad_pre,
@@ -34,18 +42,17 @@ DPCUDA_CPU_CLONES void backward_rows(const T* __restrict__ grad_out,
     if (grad_pre) {
       const T* __restrict__ s = saved + r * cols;
       T* __restrict__ g = grad_pre + r * cols;
-      // relu as a select of values loaded unconditionally, which vectorises: a conditional
-      // load becomes a branch on the sign, a coin toss on real data, and its mispredictions
-      // cost several times the whole pass.
-#pragma GCC ivdep
-      for (int64_t c = 0; c < cols; ++c) {
-        const T gv = go[c];
-        const T sv = s[c];
-        g[c] = A == Activation::kRelu ? (sv > T(0) ? gv : T(0)) : gv * activation_grad<T>(A, sv);
-      }
+      // With the bias, g is added to the partial sums in the same loop, from registers.
       if (bias_partial) {
 #pragma GCC ivdep
-        for (int64_t c = 0; c < cols; ++c) bias_partial[c] += g[c];
+        for (int64_t c = 0; c < cols; ++c) {
+          const T v = grad_pre_value<T, A>(go[c], s[c]);
+          g[c] = v;
+          bias_partial[c] += v;
+        }
+      } else {
+#pragma GCC ivdep
+        for (int64_t c = 0; c < cols; ++c) g[c] = grad_pre_value<T, A>(go[c], s[c]);
       }
     } else if (bias_partial) {
 #pragma GCC ivdep
