@@ -135,7 +135,7 @@ std::tuple<Tensor, Tensor, Tensor> full_backward_cpu(const Tensor& grad_output,
       if (output_mask[2]) {
         scalar_t* gb = p.grad_bias.data_ptr<scalar_t>();
         // At least 64K additions per task: a parallel region costs more than a smaller one.
-        const int64_t grain = std::max<int64_t>(1, 65536 / chunks);
+        const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, chunks));
         at::parallel_for(0, out_f, grain, [&](int64_t begin, int64_t end) {
           cpu::reduce_column_partials<scalar_t>(part_ptr, chunks, out_f, gb, begin, end);
         });
