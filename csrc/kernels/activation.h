@@ -91,9 +91,10 @@ DPCUDA_HD acc_t activation_grad(Activation act, acc_t s) {
     case Activation::kSigmoid: return s * (acc_t(1) - s);
     case Activation::kTanh: return acc_t(1) - s * s;
     case Activation::kGelu: {
-      const acc_t cdf = acc_t(0.5) * (acc_t(1) + math_erf(s * kInvSqrt2));
-      const acc_t pdf = kInvSqrt2Pi * math_exp(acc_t(-0.5) * s * s);
-      return cdf + s * pdf;
+      // exp(-s^2 / 2) serves the density and, as exp(-x^2) at x = s / sqrt(2), the erf.
+      const acc_t e = math_exp(acc_t(-0.5) * s * s);
+      const acc_t cdf = acc_t(0.5) * (acc_t(1) + math_erf_from_exp(s * kInvSqrt2, e));
+      return cdf + s * (kInvSqrt2Pi * e);
     }
     case Activation::kGeluTanh: {
       const acc_t inner = kSqrt2OverPi * (s + kCoeff * s * s * s);

@@ -36,12 +36,13 @@ DPCUDA_HD float copy_sign(float magnitude, float sign) {
   return from_bits((to_bits(magnitude) & 0x7fffffffu) | (to_bits(sign) & 0x80000000u));
 }
 
-// exp(x) within 2 ulp where the result is a normal float, x in [-87.33, 88.37]; +inf above,
-// 0 below (where the true result is below 1.2e-38), NaN for NaN. Cody-Waite reduction
+// exp(x) within 2 ulp for x in [-87, 88.37]; +inf above, 0 below (where the true result is
+// below 1.7e-38), NaN for NaN. The lower bound keeps every intermediate a normal float:
+// subnormal operands cost x86 cores a microcode assist, tens of times an ordinary multiply. Cody-Waite reduction
 // x = n ln2 + r, |r| <= ln2 / 2, Cephes' expf polynomial for exp(r), and 2^n assembled from its
 // exponent bits.
 DPCUDA_HD float exp(float in) {
-  constexpr float kHi = 88.3762626647949f, kLo = -87.3365447504019f;
+  constexpr float kHi = 88.3762626647949f, kLo = -87.0f;
   constexpr float kMagic = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
   // Comparisons with NaN are false, so NaN passes through the clamps and the result.
   float x = in > kHi ? kHi : in;
@@ -75,14 +76,16 @@ DPCUDA_HD float tanh(float x) {
   p = p * z + 1.33314422036e-1f;
   p = p * z - 3.33332819422e-1f;
   const float small = ax + ax * z * p;
-  const float large = 1.0f - 2.0f / (exp(2.0f * ax) + 1.0f);
+  // tanh(10) rounds to 1 in float; the clamp keeps exp's result and the quotient normal.
+  const float large = 1.0f - 2.0f / (exp(2.0f * (ax > 10.0f ? 10.0f : ax)) + 1.0f);
   return copy_sign(ax < 0.625f ? small : large, x);
 }
 
-// erf(x) within 3e-7 absolute: the Maclaurin series to x^15 for |x| < 0.7, where the form
-// below would cancel, and Abramowitz and Stegun 7.1.26 (the form ATen's vectorised CPU erf uses)
-// elsewhere: 1 - t P(t) exp(-x^2), t = 1 / (1 + 0.3275911 |x|); the sign of x put back last.
-DPCUDA_HD float erf(float x) {
+// erf(x) within 3e-7 absolute, given exp_neg_x2 = exp(-x^2) (the gelu derivative has it at hand
+// already): the Maclaurin series to x^15 for |x| < 0.7, where the form below would cancel, and
+// Abramowitz and Stegun 7.1.26 (the form ATen's vectorised CPU erf uses) elsewhere:
+// 1 - t P(t) exp(-x^2), t = 1 / (1 + 0.3275911 |x|); the sign of x put back last.
+DPCUDA_HD float erf_from_exp(float x, float exp_neg_x2) {
   const float ax = std::fabs(x);
   const float z = x * x;
   float s = -1.0f / 75600.0f;
@@ -99,9 +102,11 @@ DPCUDA_HD float erf(float x) {
   p = p * t + 1.421413741f;
   p = p * t - 0.284496736f;
   p = p * t + 0.254829592f;
-  const float large = 1.0f - p * t * exp(-z);
+  const float large = 1.0f - p * t * exp_neg_x2;
   return copy_sign(ax < 0.7f ? small : large, x);
 }
+
+DPCUDA_HD float erf(float x) { return erf_from_exp(x, exp(-x * x)); }
 
 }  // namespace poly
 
@@ -116,6 +121,15 @@ DPCUDA_HD float math_exp(float x) { return poly::exp(x); }
 DPCUDA_HD float math_erf(float x) { return poly::erf(x); }
 DPCUDA_HD float math_tanh(float x) { return poly::tanh(x); }
 #endif
+// erf(x) where exp(-x^2) is known: the CPU's float path reuses it.
+#if defined(__CUDA_ARCH__)
+DPCUDA_HD float math_erf_from_exp(float x, float) { return erff(x); }
+#else
+DPCUDA_HD float math_erf_from_exp(float x, float exp_neg_x2) {
+  return poly::erf_from_exp(x, exp_neg_x2);
+}
+#endif
+DPCUDA_HD double math_erf_from_exp(double x, double) { return ::erf(x); }
 DPCUDA_HD double math_exp(double x) { return ::exp(x); }
 DPCUDA_HD double math_erf(double x) { return ::erf(x); }
 DPCUDA_HD double math_tanh(double x) { return ::tanh(x); }

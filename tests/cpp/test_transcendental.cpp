@@ -64,13 +64,14 @@ int main() {
   const float inf = std::numeric_limits<float>::infinity();
   const float nan = std::numeric_limits<float>::quiet_NaN();
 
-  for_floats(-87.33f, 88.37f, check_exp);
+  for_floats(-87.0f, 88.37f, check_exp);
   std::printf("exp: worst error %.2f ulp\n", worst_exp);
   CHECK(worst_exp <= 2.0);
   CHECK(poly::exp(0.0f) == 1.0f);
   CHECK(poly::exp(89.0f) == inf);
   CHECK(poly::exp(inf) == inf);
-  CHECK(poly::exp(-88.0f) == 0.0f);
+  CHECK(poly::exp(-87.5f) == 0.0f);
+  CHECK(std::isnormal(poly::exp(-87.0f)));
   CHECK(poly::exp(-inf) == 0.0f);
   CHECK(std::isnan(poly::exp(nan)));
 
@@ -78,6 +79,7 @@ int main() {
   std::printf("tanh: worst error %.2f ulp\n", worst_tanh);
   CHECK(worst_tanh <= 2.0);
   CHECK(poly::tanh(20.0f) == 1.0f);
+  CHECK(poly::tanh(10.0f) == 1.0f && poly::tanh(-44.0f) == -1.0f);
   CHECK(poly::tanh(-inf) == -1.0f);
   CHECK(poly::tanh(inf) == 1.0f);
   CHECK(poly::tanh(1e-30f) == 1e-30f);
