@@ -61,13 +61,12 @@ DPCUDA_HD acc_t sigmoid_of(acc_t z) {
 // Forward activation of the pre-activation z, in the accumulation type.
 template <typename acc_t>
 DPCUDA_HD acc_t activate(Activation act, acc_t z) {
-  constexpr acc_t kInvSqrt2 = acc_t(0.70710678118654752440);
   constexpr acc_t kSqrt2OverPi = acc_t(0.79788456080286535588);
   constexpr acc_t kCoeff = acc_t(0.044715);
   switch (act) {
     case Activation::kNone: return z;
     case Activation::kRelu: return z > acc_t(0) ? z : acc_t(0);
-    case Activation::kGelu: return acc_t(0.5) * z * (acc_t(1) + math_erf(z * kInvSqrt2));
+    case Activation::kGelu: return z * math_normal_cdf_from_exp(z, math_exp(acc_t(-0.5) * z * z));
     case Activation::kGeluTanh:
       return acc_t(0.5) * z * (acc_t(1) + math_tanh(kSqrt2OverPi * (z + kCoeff * z * z * z)));
     case Activation::kSilu: return z * sigmoid_of(z);
@@ -81,7 +80,6 @@ DPCUDA_HD acc_t activate(Activation act, acc_t z) {
 // the output y for relu/sigmoid/tanh, the pre-activation z for gelu/gelu_tanh/silu.
 template <typename acc_t>
 DPCUDA_HD acc_t activation_grad(Activation act, acc_t s) {
-  constexpr acc_t kInvSqrt2 = acc_t(0.70710678118654752440);
   constexpr acc_t kInvSqrt2Pi = acc_t(0.39894228040143267794);
   constexpr acc_t kSqrt2OverPi = acc_t(0.79788456080286535588);
   constexpr acc_t kCoeff = acc_t(0.044715);
@@ -91,10 +89,9 @@ DPCUDA_HD acc_t activation_grad(Activation act, acc_t s) {
     case Activation::kSigmoid: return s * (acc_t(1) - s);
     case Activation::kTanh: return acc_t(1) - s * s;
     case Activation::kGelu: {
-      // exp(-s^2 / 2) serves the density and, as exp(-x^2) at x = s / sqrt(2), the erf.
+      // exp(-s^2 / 2) serves the density and the CDF.
       const acc_t e = math_exp(acc_t(-0.5) * s * s);
-      const acc_t cdf = acc_t(0.5) * (acc_t(1) + math_erf_from_exp(s * kInvSqrt2, e));
-      return cdf + s * (kInvSqrt2Pi * e);
+      return math_normal_cdf_from_exp(s, e) + s * (kInvSqrt2Pi * e);
     }
     case Activation::kGeluTanh: {
       const acc_t inner = kSqrt2OverPi * (s + kCoeff * s * s * s);

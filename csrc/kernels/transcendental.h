@@ -2,7 +2,7 @@
 // On a GPU they are CUDA's own (hardware-assisted) functions. On the CPU, float uses the
 // branch-free polynomial forms below instead of libm: written with selects and bit operations
 // only, the per-element loops that call them vectorise (libm's expf/erff/tanhf are opaque calls
-// that keep those loops scalar, about 10x slower). double keeps libm.
+// that keep those loops scalar, about 10x slower). double keeps libm's exp, erf and tanh.
 // Torch-free: plain C++ that nvcc and g++ both accept.
 #pragma once
 
@@ -81,32 +81,22 @@ DPCUDA_HD float tanh(float x) {
   return copy_sign(ax < 0.625f ? small : large, x);
 }
 
-// erf(x) within 3e-7 absolute, given exp_neg_x2 = exp(-x^2) (the gelu derivative has it at hand
-// already): the Maclaurin series to x^15 for |x| < 0.7, where the form below would cancel, and
-// Abramowitz and Stegun 7.1.26 (the form ATen's vectorised CPU erf uses) elsewhere:
-// 1 - t P(t) exp(-x^2), t = 1 / (1 + 0.3275911 |x|); the sign of x put back last.
-DPCUDA_HD float erf_from_exp(float x, float exp_neg_x2) {
-  const float ax = std::fabs(x);
-  const float z = x * x;
-  float s = -1.0f / 75600.0f;
-  s = s * z + 1.0f / 9360.0f;
-  s = s * z - 1.0f / 1320.0f;
-  s = s * z + 1.0f / 216.0f;
-  s = s * z - 1.0f / 42.0f;
-  s = s * z + 1.0f / 10.0f;
-  s = s * z - 1.0f / 3.0f;
-  const float small = 1.12837916709551257f * (ax + ax * z * s);
-  const float t = 1.0f / (1.0f + 0.3275911f * ax);
+// Phi(z) = (1 + erf(z / sqrt 2)) / 2, the standard normal CDF that exact gelu multiplies by,
+// given e = exp(-z^2 / 2) (the gelu derivative has it at hand already). The erf is Abramowitz
+// and Stegun 7.1.26, the form of ATen's vectorised CPU gelu: erf(x) = 1 - t P(t) exp(-x^2),
+// t = 1 / (1 + 0.3275911 |x|), 1.5e-7 absolute in exact arithmetic, 3.2e-7 as evaluated in
+// float. Taken as Phi(z) = t P(t) e / 2 for z < 0 and 1 - t P(t) e / 2 otherwise, it never forms
+// 1 + erf with erf near -1, so the left tail keeps its digits.
+DPCUDA_HD float normal_cdf_from_exp(float z, float e) {
+  const float t = 1.0f / (1.0f + 0.3275911f * 0.70710678118654752f * std::fabs(z));
   float p = 1.061405429f;
   p = p * t - 1.453152027f;
   p = p * t + 1.421413741f;
   p = p * t - 0.284496736f;
   p = p * t + 0.254829592f;
-  const float large = 1.0f - p * t * exp_neg_x2;
-  return copy_sign(ax < 0.7f ? small : large, x);
+  const float half_tail = 0.5f * (p * t * e);
+  return z < 0.0f ? half_tail : 1.0f - half_tail;
 }
-
-DPCUDA_HD float erf(float x) { return erf_from_exp(x, exp(-x * x)); }
 
 }  // namespace poly
 
@@ -114,24 +104,25 @@ DPCUDA_HD float erf(float x) { return erf_from_exp(x, exp(-x * x)); }
 // the host could silently widen to double.
 #if defined(__CUDA_ARCH__)
 DPCUDA_HD float math_exp(float x) { return expf(x); }
-DPCUDA_HD float math_erf(float x) { return erff(x); }
 DPCUDA_HD float math_tanh(float x) { return tanhf(x); }
 #else
 DPCUDA_HD float math_exp(float x) { return poly::exp(x); }
-DPCUDA_HD float math_erf(float x) { return poly::erf(x); }
 DPCUDA_HD float math_tanh(float x) { return poly::tanh(x); }
 #endif
-// erf(x) where exp(-x^2) is known: the CPU's float path reuses it.
+// Phi(z) given exp(-z^2 / 2): the CPU's float path reuses it; CUDA and double use erf.
 #if defined(__CUDA_ARCH__)
-DPCUDA_HD float math_erf_from_exp(float x, float) { return erff(x); }
+DPCUDA_HD float math_normal_cdf_from_exp(float z, float) {
+  return 0.5f * (1.0f + erff(z * 0.70710678118654752f));
+}
 #else
-DPCUDA_HD float math_erf_from_exp(float x, float exp_neg_x2) {
-  return poly::erf_from_exp(x, exp_neg_x2);
+DPCUDA_HD float math_normal_cdf_from_exp(float z, float e) {
+  return poly::normal_cdf_from_exp(z, e);
 }
 #endif
-DPCUDA_HD double math_erf_from_exp(double x, double) { return ::erf(x); }
+DPCUDA_HD double math_normal_cdf_from_exp(double z, double) {
+  return 0.5 * (1.0 + ::erf(z * 0.70710678118654752440));
+}
 DPCUDA_HD double math_exp(double x) { return ::exp(x); }
-DPCUDA_HD double math_erf(double x) { return ::erf(x); }
 DPCUDA_HD double math_tanh(double x) { return ::tanh(x); }
 DPCUDA_HD float math_log(float x) { return logf(x); }
 DPCUDA_HD double math_log(double x) { return ::log(x); }

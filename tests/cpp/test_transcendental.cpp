@@ -1,4 +1,4 @@
-// The CPU's float exp, tanh and erf (csrc/kernels/transcendental.h) against libm in double,
+// The CPU's float exp, tanh and normal CDF (csrc/kernels/transcendental.h) against libm in double,
 // over every 997th float of the ranges that matter and at the special values.
 #include <cmath>
 #include <cstdint>
@@ -36,7 +36,7 @@ void for_floats(float lo, float hi, F&& f) {
   }
 }
 
-double worst_exp = 0, worst_tanh = 0, worst_erf = 0;
+double worst_exp = 0, worst_tanh = 0;
 
 void check_exp(float x) {
   const double want = std::exp(double(x));
@@ -50,12 +50,16 @@ void check_tanh(float x) {
   worst_tanh = std::max(worst_tanh, err);
 }
 
-float worst_erf_at = 0;
+float worst_cdf_at = 0;
+double worst_cdf = 0;
 
-void check_erf(float x) {
-  const double err = std::fabs(poly::erf(x) - std::erf(double(x)));
-  if (err > worst_erf) worst_erf_at = x;
-  worst_erf = std::max(worst_erf, err);
+// Phi(z) = erfc(-z / sqrt 2) / 2 in double.
+void check_cdf(float z) {
+  const double want = 0.5 * std::erfc(-double(z) / std::sqrt(2.0));
+  const float e = std::exp(-0.5 * double(z) * double(z));
+  const double err = std::fabs(poly::normal_cdf_from_exp(z, e) - want);
+  if (err > worst_cdf) worst_cdf_at = z;
+  worst_cdf = std::max(worst_cdf, err);
 }
 
 }  // namespace
@@ -86,14 +90,16 @@ int main() {
   CHECK(std::signbit(poly::tanh(-0.0f)));
   CHECK(std::isnan(poly::tanh(nan)));
 
-  for_floats(-8.0f, 8.0f, check_erf);
-  std::printf("erf: worst absolute error %.3g at %g\n", worst_erf, worst_erf_at);
-  CHECK(worst_erf <= 3e-7);
-  CHECK(poly::erf(0.0f) == 0.0f);
-  CHECK(std::signbit(poly::erf(-0.0f)));
-  CHECK(poly::erf(inf) == 1.0f);
-  CHECK(poly::erf(-inf) == -1.0f);
-  CHECK(std::isnan(poly::erf(nan)));
+  for_floats(-12.0f, 12.0f, check_cdf);
+  std::printf("normal cdf: worst absolute error %.3g at %g\n", worst_cdf, worst_cdf_at);
+  CHECK(worst_cdf <= 4e-7);
+  CHECK(poly::normal_cdf_from_exp(0.0f, 1.0f) > 0.4999999f);
+  CHECK(poly::normal_cdf_from_exp(0.0f, 1.0f) < 0.5000001f);
+  // The left tail is a product, not 1 + erf: Phi(-5) = 2.87e-7 within 1% (not 0).
+  CHECK(std::fabs(poly::normal_cdf_from_exp(-5.0f, std::exp(-12.5f)) / 2.8665157e-7 - 1) < 0.01);
+  CHECK(poly::normal_cdf_from_exp(-20.0f, 0.0f) == 0.0f);
+  CHECK(poly::normal_cdf_from_exp(20.0f, 0.0f) == 1.0f);
+  CHECK(std::isnan(poly::normal_cdf_from_exp(nan, nan)));
 
   if (dpcuda_test::failures()) std::printf("%d failures\n", dpcuda_test::failures());
   return dpcuda_test::failures() ? 1 : 0;
