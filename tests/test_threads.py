@@ -5,8 +5,7 @@ import torch
 
 import dpcuda
 from dpcuda import _C
-
-ACTIVATIONS = ["none", "relu", "gelu", "gelu_tanh", "silu", "sigmoid", "tanh"]
+from dpcuda.ops import ACTIVATIONS
 
 
 @pytest.fixture
