@@ -43,6 +43,8 @@ inline bool parse_activation(const char* name, Activation* out) {
 // stored; the smooth ones with no such closed form keep the pre-activation.
 enum class Saved : int { kNothing = 0, kOutput = 1, kPreActivation = 2 };
 
+DPCUDA_MATH_BEGIN
+
 DPCUDA_HD Saved saved_for_backward(Activation act) {
   switch (act) {
     case Activation::kNone: return Saved::kNothing;
@@ -124,4 +126,5 @@ inline void with_activation(Activation act, F&& f) {
   }
 }
 
+DPCUDA_MATH_END
 }  // namespace dpcuda

@@ -7,6 +7,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstdint>
 
 namespace dpcuda {
@@ -37,8 +38,14 @@ __device__ __forceinline__ __nv_bfloat16 from_acc<__nv_bfloat16>(float v) {
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-// Grids are capped so a huge tensor gets a grid-stride loop instead of an invalid launch.
+// Grids are capped so a huge tensor gets a grid-stride loop instead of a needlessly large grid.
+// The emulation tests lower the cap, so that small tensors run the grid-stride paths too.
 constexpr int64_t kMaxGridX = 65535LL * 16;
+inline std::atomic<int64_t>& grid_cap() {
+  static std::atomic<int64_t> cap{kMaxGridX};
+  return cap;
+}
+inline int64_t max_grid_x() { return grid_cap().load(std::memory_order_relaxed); }
 
 }  // namespace cuda
 }  // namespace dpcuda

@@ -17,7 +17,19 @@
 #define DPCUDA_HD inline __attribute__((always_inline))
 #endif
 
+// Emulated device code (DPCUDA_EMULATE: csrc/emu) computes with the device's functions, the CPU
+// kernels with the polynomials. A program that links both (the emulation tests compare them)
+// keeps the two sets of inline functions apart by an inline namespace around the emulated ones.
+#if defined(DPCUDA_EMULATE)
+#define DPCUDA_MATH_BEGIN inline namespace emulated_device {
+#define DPCUDA_MATH_END }
+#else
+#define DPCUDA_MATH_BEGIN
+#define DPCUDA_MATH_END
+#endif
+
 namespace dpcuda {
+DPCUDA_MATH_BEGIN
 namespace poly {
 
 DPCUDA_HD float from_bits(uint32_t u) {
@@ -102,7 +114,7 @@ DPCUDA_HD float normal_cdf_from_exp(float z, float e) {
 
 // Overloads that pick the single-precision functions for float: an unqualified exp(float) on
 // the host could silently widen to double.
-#if defined(__CUDA_ARCH__)
+#if defined(__CUDA_ARCH__) || defined(DPCUDA_EMULATE)
 DPCUDA_HD float math_exp(float x) { return expf(x); }
 DPCUDA_HD float math_tanh(float x) { return tanhf(x); }
 #else
@@ -110,7 +122,7 @@ DPCUDA_HD float math_exp(float x) { return poly::exp(x); }
 DPCUDA_HD float math_tanh(float x) { return poly::tanh(x); }
 #endif
 // Phi(z) given exp(-z^2 / 2): the CPU's float path reuses it; CUDA and double use erf.
-#if defined(__CUDA_ARCH__)
+#if defined(__CUDA_ARCH__) || defined(DPCUDA_EMULATE)
 DPCUDA_HD float math_normal_cdf_from_exp(float z, float) {
   return 0.5f * (1.0f + erff(z * 0.70710678118654752f));
 }
@@ -127,4 +139,5 @@ DPCUDA_HD double math_tanh(double x) { return ::tanh(x); }
 DPCUDA_HD float math_log(float x) { return logf(x); }
 DPCUDA_HD double math_log(double x) { return ::log(x); }
 
+DPCUDA_MATH_END
 }  // namespace dpcuda

@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "../common.cuh"
+#include "../launch.cuh"
 
 namespace dpcuda {
 namespace cuda {
@@ -47,7 +48,8 @@ __device__ __forceinline__ acc_t<T> fixed_sum(const Replicas<const T>& in, int n
 // One thread per 16-byte vector of every buffer, grid-stride; the tail past the last whole
 // vector is done element by element by the same threads.
 template <typename T>
-__global__ void reduce_kernel(Replicas<const T> in, int nin, Replicas<T> out, int nout,
+__global__ void reduce_kernel(const __grid_constant__ Replicas<const T> in, int nin,
+                              const __grid_constant__ Replicas<T> out, int nout,
                               int64_t begin, int64_t end, bool mean, bool vectorised) {
   using V = Vec<T>;
   constexpr int K = V::kSize;
@@ -83,9 +85,11 @@ __global__ void reduce_kernel(Replicas<const T> in, int nin, Replicas<T> out, in
 }
 
 template <typename T>
-__global__ void reduce_sgd_kernel(Replicas<const T> grads, int ngrads, Replicas<T> params,
-                                  int nparams, Replicas<T> momenta, int nmomenta, int64_t begin,
-                                  int64_t end, bool mean, SgdArgs sgd) {
+__global__ void reduce_sgd_kernel(const __grid_constant__ Replicas<const T> grads, int ngrads,
+                                  const __grid_constant__ Replicas<T> params, int nparams,
+                                  const __grid_constant__ Replicas<T> momenta, int nmomenta,
+                                  int64_t begin, int64_t end, bool mean,
+                                  const __grid_constant__ SgdArgs sgd) {
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t i = begin + static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
        i < end; i += stride) {
@@ -127,7 +131,7 @@ __global__ void sgd_kernel(const T* grad, T* param, T* momentum, int64_t n, SgdA
 }
 
 int blocks_for(int64_t work) {
-  return static_cast<int>(std::max<int64_t>(1, std::min(ceil_div(work, kThreads), kMaxGridX)));
+  return static_cast<int>(std::max<int64_t>(1, std::min(ceil_div(work, kThreads), max_grid_x())));
 }
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
@@ -142,9 +146,8 @@ cudaError_t reduce_range(Replicas<const T> in, int nin, Replicas<T> out, int nou
   for (int r = 0; r < nin; ++r) vectorised = vectorised && aligned16(in.ptr[r] + begin);
   for (int o = 0; o < nout; ++o) vectorised = vectorised && aligned16(out.ptr[o] + begin);
   const int64_t work = vectorised ? ceil_div(end - begin, Vec<T>::kSize) : end - begin;
-  reduce_kernel<T><<<blocks_for(work), kThreads, 0, stream>>>(in, nin, out, nout, begin, end,
-                                                               mean, vectorised);
-  return cudaGetLastError();
+  return launch(reduce_kernel<T>, dim3(blocks_for(work)), dim3(kThreads), 0, stream, in, nin, out,
+                nout, begin, end, mean, vectorised);
 }
 
 template <typename T>
@@ -152,9 +155,8 @@ cudaError_t reduce_sgd_range(Replicas<const T> grads, int ngrads, Replicas<T> pa
                              int nparams, Replicas<T> momenta, int nmomenta, int64_t begin,
                              int64_t end, bool mean, SgdArgs sgd, cudaStream_t stream) {
   if (end <= begin) return cudaSuccess;
-  reduce_sgd_kernel<T><<<blocks_for(end - begin), kThreads, 0, stream>>>(
-      grads, ngrads, params, nparams, momenta, nmomenta, begin, end, mean, sgd);
-  return cudaGetLastError();
+  return launch(reduce_sgd_kernel<T>, dim3(blocks_for(end - begin)), dim3(kThreads), 0, stream,
+                grads, ngrads, params, nparams, momenta, nmomenta, begin, end, mean, sgd);
 }
 
 template <typename T, typename A>
@@ -162,17 +164,16 @@ cudaError_t chain_accumulate(const T* prev_x, const A* prev_acc, const T* own, A
                              T* final_out, int64_t begin, int64_t end, int divide_by,
                              cudaStream_t stream) {
   if (end <= begin) return cudaSuccess;
-  chain_kernel<T, A><<<blocks_for(end - begin), kThreads, 0, stream>>>(
-      prev_x, prev_acc, own, work, final_out, begin, end, divide_by);
-  return cudaGetLastError();
+  return launch(chain_kernel<T, A>, dim3(blocks_for(end - begin)), dim3(kThreads), 0, stream,
+                prev_x, prev_acc, own, work, final_out, begin, end, divide_by);
 }
 
 template <typename T>
 cudaError_t sgd_range(const T* grad, T* param, T* momentum, int64_t n, SgdArgs sgd,
                       cudaStream_t stream) {
   if (n <= 0) return cudaSuccess;
-  sgd_kernel<T><<<blocks_for(n), kThreads, 0, stream>>>(grad, param, momentum, n, sgd);
-  return cudaGetLastError();
+  return launch(sgd_kernel<T>, dim3(blocks_for(n)), dim3(kThreads), 0, stream, grad, param,
+                momentum, n, sgd);
 }
 
 #define DPCUDA_INSTANTIATE(T)                                                                  \

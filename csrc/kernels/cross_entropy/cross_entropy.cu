@@ -5,6 +5,7 @@
 
 #include "../activation.h"
 #include "../common.cuh"
+#include "../launch.cuh"
 
 namespace dpcuda {
 namespace cuda {
@@ -113,11 +114,10 @@ cudaError_t cross_entropy_forward_backward(const T* logits, const int64_t* label
                                            double label_smoothing, int64_t ignore_index,
                                            cudaStream_t stream) {
   if (rows == 0) return cudaSuccess;
-  const int64_t blocks = std::min<int64_t>(rows, kMaxGridX);
-  cross_entropy_kernel<T, Acc><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
-      logits, labels, loss, grad, rows, classes, static_cast<Acc>(scale),
-      static_cast<Acc>(label_smoothing), ignore_index);
-  return cudaGetLastError();
+  const int64_t blocks = std::min<int64_t>(rows, max_grid_x());
+  return launch(cross_entropy_kernel<T, Acc>, dim3(static_cast<unsigned>(blocks)), dim3(kThreads),
+                0, stream, logits, labels, loss, grad, rows, classes, static_cast<Acc>(scale),
+                static_cast<Acc>(label_smoothing), ignore_index);
 }
 
 template cudaError_t cross_entropy_forward_backward<float, float>(const float*, const int64_t*,

@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "../common.cuh"
+#include "../launch.cuh"
 
 namespace dpcuda {
 namespace cuda {
@@ -78,9 +79,8 @@ cudaError_t launch_backward(const T* grad_out, const T* saved, T* grad_pre, acc_
   const dim3 grid(static_cast<unsigned>(ceil_div(cols, 32)),
                   static_cast<unsigned>(ceil_div(rows, chunk_rows)));
   const dim3 block(32, kRowLanes);
-  activation_backward_kernel<T, A, kWriteGrad, kBias>
-      <<<grid, block, 0, stream>>>(grad_out, saved, grad_pre, partial, rows, cols, chunk_rows);
-  return cudaGetLastError();
+  return launch(activation_backward_kernel<T, A, kWriteGrad, kBias>, grid, block, 0, stream,
+                grad_out, saved, grad_pre, partial, rows, cols, chunk_rows);
 }
 
 }  // namespace
@@ -89,12 +89,11 @@ template <typename T>
 cudaError_t activation_forward(const T* z, T* out, int64_t n, Activation act,
                                cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
-  const int64_t blocks = std::min<int64_t>(ceil_div(n, kForwardThreads), kMaxGridX);
+  const int64_t blocks = std::min<int64_t>(ceil_div(n, kForwardThreads), max_grid_x());
   cudaError_t err = cudaSuccess;
   with_activation(act, [&](auto a) {
-    activation_forward_kernel<T, decltype(a)::value>
-        <<<static_cast<unsigned>(blocks), kForwardThreads, 0, stream>>>(z, out, n);
-    err = cudaGetLastError();
+    err = launch(activation_forward_kernel<T, decltype(a)::value>,
+                 dim3(static_cast<unsigned>(blocks)), dim3(kForwardThreads), 0, stream, z, out, n);
   });
   return err;
 }
@@ -133,9 +132,8 @@ cudaError_t activation_backward(const T* grad_out, const T* saved, T* grad_pre, 
   if (grad_bias != nullptr) {
     // With no rows there are no partials: the kernel then writes zeros.
     const int64_t chunks = rows == 0 ? 0 : ceil_div(rows, chunk_rows_for(rows));
-    reduce_partials_kernel<T><<<static_cast<unsigned>(ceil_div(cols, 256)), 256, 0, stream>>>(
-        partial, chunks, cols, grad_bias);
-    return cudaGetLastError();
+    return launch(reduce_partials_kernel<T>, dim3(static_cast<unsigned>(ceil_div(cols, 256))),
+                  dim3(256), 0, stream, partial, chunks, cols, grad_bias);
   }
   return cudaSuccess;
 }

@@ -1,0 +1,401 @@
+// The threads of an emulated block: one fiber per CUDA thread, all on the worker thread of the
+// stream that runs the grid, switched at __syncthreads and at the warp intrinsics under a seeded
+// random schedule. Misuse that would hang or be undefined on a GPU is reported instead: a block
+// whose threads split between a barrier and an exit, a shuffle whose mask names a lane that
+// exited or waits elsewhere, a lane outside its own mask, a source lane outside the mask.
+//
+// ThreadSanitizer sees each fiber as a thread of its own (its fiber API); switches carry no
+// synchronisation, and the only happens-before edges among the threads of a block are the ones
+// the hardware gives: the barrier, __syncwarp, and the start and end of the grid. A missing
+// barrier is then a race report. This file is built without TSan instrumentation: its own
+// bookkeeping is not kernel memory.
+#include <sys/mman.h>
+#include <ucontext.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <memory>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "cuda.h"
+#include "emu.h"
+#include "internal.h"
+
+#if defined(DPCUDA_EMU_TSAN)
+#include <sanitizer/tsan_interface.h>
+#endif
+#if defined(__SANITIZE_ADDRESS__)
+#define DPCUDA_EMU_ASAN 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define DPCUDA_EMU_ASAN 1
+#endif
+#endif
+#if defined(DPCUDA_EMU_ASAN)
+#include <sanitizer/asan_interface.h>
+#include <sanitizer/common_interface_defs.h>
+#endif
+
+namespace dpcuda {
+namespace emu {
+namespace {
+
+// Kernels are small; sanitizers grow frames several times.
+constexpr size_t kStackBytes = 256 * 1024;
+
+enum class State { kReady, kBarrier, kWarp, kDone };
+
+struct Fiber {
+  ucontext_t context;
+  char* stack = nullptr;
+  ThreadBuiltins builtins;
+  int linear = 0;
+  State state = State::kReady;
+  // The warp intrinsic this fiber waits in.
+  unsigned mask = 0;
+  uint64_t bits = 0;
+  int src = 0;
+  bool fence = false;
+  const char* what = "";
+  uint64_t result = 0;
+  void* fake_stack = nullptr;
+  void* tsan = nullptr;
+};
+
+struct Runner {
+  std::vector<std::unique_ptr<Fiber>> fibers;
+  ucontext_t main;
+  Fiber* current = nullptr;
+  const std::function<void()>* body = nullptr;
+  const char* site = "";
+  int nthreads = 0;
+  int at_barrier = 0;
+  int done = 0;
+  bool failed = false;
+  std::vector<int> ready;
+  std::mt19937_64 rng;
+  void* tsan_main = nullptr;
+  const void* main_stack_bottom = nullptr;
+  size_t main_stack_size = 0;
+  void* main_fake_stack = nullptr;
+  // Addresses that stand for the synchronisation objects of the block (TSan keys on them).
+  char launch_sync = 0, end_sync = 0, barrier_sync = 0, warp_sync[32] = {};
+};
+
+thread_local Runner tl_runner;
+
+inline void tsan_release(void* addr) {
+#if defined(DPCUDA_EMU_TSAN)
+  __tsan_release(addr);
+#else
+  (void)addr;
+#endif
+}
+
+inline void tsan_acquire(void* addr) {
+#if defined(DPCUDA_EMU_TSAN)
+  __tsan_acquire(addr);
+#else
+  (void)addr;
+#endif
+}
+
+std::string describe(const Fiber& f) {
+  std::ostringstream s;
+  s << "thread (" << f.builtins.thread_idx.x << "," << f.builtins.thread_idx.y << ","
+    << f.builtins.thread_idx.z << ") of block (" << f.builtins.block_idx.x << ","
+    << f.builtins.block_idx.y << "," << f.builtins.block_idx.z << ")";
+  return s.str();
+}
+
+void fiber_entry();
+
+// From the scheduler into fiber f.
+void switch_to(Runner& r, Fiber* f) {
+  r.current = f;
+#if defined(DPCUDA_EMU_TSAN)
+  __tsan_switch_to_fiber(f->tsan, __tsan_switch_to_fiber_no_sync);
+#endif
+#if defined(DPCUDA_EMU_ASAN)
+  __sanitizer_start_switch_fiber(&r.main_fake_stack, f->stack, kStackBytes);
+#endif
+  swapcontext(&r.main, &f->context);
+#if defined(DPCUDA_EMU_ASAN)
+  __sanitizer_finish_switch_fiber(r.main_fake_stack, nullptr, nullptr);
+#endif
+  r.current = nullptr;
+}
+
+// From the running fiber back to the scheduler; returns when the scheduler resumes it.
+void switch_to_main(Runner& r, Fiber* f) {
+#if defined(DPCUDA_EMU_TSAN)
+  __tsan_switch_to_fiber(r.tsan_main, __tsan_switch_to_fiber_no_sync);
+#endif
+#if defined(DPCUDA_EMU_ASAN)
+  __sanitizer_start_switch_fiber(f->state == State::kDone ? nullptr : &f->fake_stack,
+                                 r.main_stack_bottom, r.main_stack_size);
+#endif
+  swapcontext(&f->context, &r.main);
+#if defined(DPCUDA_EMU_ASAN)
+  __sanitizer_finish_switch_fiber(f->fake_stack, nullptr, nullptr);
+#endif
+}
+
+// A misuse found in the running fiber: report it, abandon the block (the fibers are never
+// resumed; their stacks are reset before reuse) and go back to the scheduler.
+[[noreturn]] void fail(Runner& r, const std::string& what) {
+  report(std::string("kernel ") + r.site + ": " + what);
+  r.failed = true;
+  Fiber* f = r.current;
+  f->state = State::kDone;
+  switch_to_main(r, f);
+  std::abort();  // never resumed
+}
+
+void fiber_entry() {
+  Runner& r = tl_runner;
+  Fiber* f = r.current;
+#if defined(DPCUDA_EMU_ASAN)
+  __sanitizer_finish_switch_fiber(nullptr, &r.main_stack_bottom, &r.main_stack_size);
+#endif
+  // Everything the stream did before the launch happens before the kernel's threads.
+  tsan_acquire(&r.launch_sync);
+  (*r.body)();
+  tsan_release(&r.end_sync);
+  f->state = State::kDone;
+  ++r.done;
+  switch_to_main(r, f);
+  std::abort();  // a finished fiber is never resumed
+}
+
+Fiber* make_fiber() {
+  auto f = std::make_unique<Fiber>();
+  void* mem = mmap(nullptr, kStackBytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS,
+                   -1, 0);
+  if (mem == MAP_FAILED) {
+    std::fprintf(stderr, "dpcuda-emu: cannot map a fiber stack\n");
+    std::abort();
+  }
+  f->stack = static_cast<char*>(mem);
+  getcontext(&f->context);
+#if defined(DPCUDA_EMU_TSAN)
+  f->tsan = __tsan_create_fiber(0);
+#endif
+  Runner& r = tl_runner;
+  r.fibers.push_back(std::move(f));
+  return r.fibers.back().get();
+}
+
+void make_ready(Runner& r, Fiber* f) {
+  f->state = State::kReady;
+  r.ready.push_back(f->linear);
+}
+
+void run_block(Runner& r, uint3 block_idx, dim3 block_dim, dim3 grid_dim) {
+  const int n = r.nthreads;
+  while (static_cast<int>(r.fibers.size()) < n) make_fiber();
+  r.ready.clear();
+  r.at_barrier = 0;
+  r.done = 0;
+  for (int i = 0; i < n; ++i) {
+    Fiber* f = r.fibers[i].get();
+    f->linear = i;
+    f->builtins.thread_idx = make_uint3(i % block_dim.x, (i / block_dim.x) % block_dim.y,
+                                        i / (block_dim.x * block_dim.y));
+    f->builtins.block_idx = block_idx;
+    f->builtins.block_dim = block_dim;
+    f->builtins.grid_dim = grid_dim;
+    f->fake_stack = nullptr;
+#if defined(DPCUDA_EMU_ASAN)
+    // A fiber abandoned by a failure leaves its frames' redzones poisoned.
+    ASAN_UNPOISON_MEMORY_REGION(f->stack, kStackBytes);
+#endif
+    f->context.uc_stack.ss_sp = f->stack;
+    f->context.uc_stack.ss_size = kStackBytes;
+    f->context.uc_link = nullptr;
+    makecontext(&f->context, fiber_entry, 0);
+    make_ready(r, f);
+  }
+  while (!r.ready.empty() && !r.failed) {
+    const size_t k = static_cast<size_t>(r.rng() % r.ready.size());
+    const int i = r.ready[k];
+    r.ready[k] = r.ready.back();
+    r.ready.pop_back();
+    switch_to(r, r.fibers[i].get());
+  }
+  if (r.failed || r.done == n) return;
+  // Nobody can run and not everyone finished: the block would hang on a GPU.
+  std::ostringstream s;
+  int exited = 0, barrier = 0, warp = 0;
+  const Fiber* first_barrier = nullptr;
+  const Fiber* first_warp = nullptr;
+  for (int i = 0; i < n; ++i) {
+    const Fiber& f = *r.fibers[i];
+    if (f.state == State::kDone) ++exited;
+    if (f.state == State::kBarrier && !first_barrier) first_barrier = &f;
+    if (f.state == State::kBarrier) ++barrier;
+    if (f.state == State::kWarp && !first_warp) first_warp = &f;
+    if (f.state == State::kWarp) ++warp;
+  }
+  s << "kernel " << r.site << ": block (" << block_idx.x << "," << block_idx.y << ","
+    << block_idx.z << ") of " << n << " threads cannot go on (it would hang on a GPU): " << barrier
+    << " wait at __syncthreads, " << warp << " wait in warp intrinsics, " << exited
+    << " have exited";
+  if (barrier > 0 && exited > 0) s << "; the threads split between a barrier and an exit";
+  if (first_warp) {
+    s << "; " << describe(*first_warp) << " waits in " << first_warp->what << " with mask 0x"
+      << std::hex << first_warp->mask << std::dec;
+    const int base = first_warp->linear - first_warp->linear % 32;
+    for (int l = 0; l < 32; ++l) {
+      if (!(first_warp->mask >> l & 1u) || base + l >= n) continue;
+      const Fiber& g = *r.fibers[base + l];
+      if (g.state == State::kWarp && g.mask == first_warp->mask) continue;
+      s << "; lane " << l << " of that mask "
+        << (g.state == State::kDone      ? "has exited"
+            : g.state == State::kBarrier ? "waits at __syncthreads"
+                                         : "waits in another warp intrinsic or mask");
+      break;
+    }
+  } else if (first_barrier) {
+    s << "; " << describe(*first_barrier) << " waits at __syncthreads";
+  }
+  r.failed = true;
+  report(s.str());
+}
+
+}  // namespace
+
+const ThreadBuiltins& builtins() {
+  Fiber* f = tl_runner.current;
+  if (f == nullptr) {
+    std::fprintf(stderr, "dpcuda-emu: threadIdx/blockIdx read outside a kernel\n");
+    std::abort();
+  }
+  return f->builtins;
+}
+
+int lane_id() {
+  (void)builtins();  // aborts outside a kernel
+  return tl_runner.current->linear % 32;
+}
+
+int checked_width(int width, const char* what) {
+  if (width < 1 || width > 32 || (width & (width - 1)) != 0) {
+    fail(tl_runner, std::string(what) + ": width " + std::to_string(width) +
+                        " is not a power of two from 1 to 32");
+  }
+  return width;
+}
+
+void sync_block() {
+  Runner& r = tl_runner;
+  Fiber* f = r.current;
+  if (f == nullptr) {
+    std::fprintf(stderr, "dpcuda-emu: __syncthreads called outside a kernel\n");
+    std::abort();
+  }
+  tsan_release(&r.barrier_sync);
+  f->state = State::kBarrier;
+  if (++r.at_barrier == r.nthreads) {
+    r.at_barrier = 0;
+    for (int i = 0; i < r.nthreads; ++i) {
+      if (r.fibers[i]->state == State::kBarrier) make_ready(r, r.fibers[i].get());
+    }
+  }
+  // Always yield: who passes the barrier first is the scheduler's choice.
+  switch_to_main(r, f);
+  tsan_acquire(&r.barrier_sync);
+}
+
+uint64_t warp_exchange(unsigned mask, uint64_t bits, int src, const char* what) {
+  Runner& r = tl_runner;
+  Fiber* f = r.current;
+  if (f == nullptr) {
+    std::fprintf(stderr, "dpcuda-emu: %s called outside a kernel\n", what);
+    std::abort();
+  }
+  const int lane = f->linear % 32;
+  const int base = f->linear - lane;
+  const bool fence = std::string(what) == "__syncwarp";
+  std::ostringstream where;
+  where << what << " in " << describe(*f) << " (lane " << lane << ", mask 0x" << std::hex << mask
+        << std::dec << ")";
+  if (!(mask >> lane & 1u)) fail(r, where.str() + ": the calling lane is not in the mask");
+  for (int l = 0; l < 32; ++l) {
+    if ((mask >> l & 1u) && base + l >= r.nthreads) {
+      fail(r, where.str() + ": the mask names lane " + std::to_string(l) +
+                  ", which this block of " + std::to_string(r.nthreads) + " threads lacks");
+    }
+  }
+  if (!fence && src != lane && !(mask >> src & 1u)) {
+    fail(r, where.str() + ": reads lane " + std::to_string(src) + ", which is not in the mask");
+  }
+  f->state = State::kWarp;
+  f->mask = mask;
+  f->bits = bits;
+  f->src = src;
+  f->fence = fence;
+  f->what = what;
+  if (fence) tsan_release(&r.warp_sync[base / 32 % 32]);
+  bool complete = true;
+  for (int l = 0; l < 32; ++l) {
+    if (!(mask >> l & 1u)) continue;
+    const Fiber& g = *r.fibers[base + l];
+    if (g.state == State::kDone) {
+      fail(r, where.str() + ": lane " + std::to_string(l) + " of the mask has exited");
+    }
+    if (g.state == State::kWarp && g.mask != mask) {
+      fail(r, where.str() + ": lane " + std::to_string(l) + " waits in " + g.what +
+                  " with another mask");
+    }
+    if (g.state != State::kWarp) complete = false;
+  }
+  if (complete) {
+    for (int l = 0; l < 32; ++l) {
+      if (!(mask >> l & 1u)) continue;
+      Fiber* g = r.fibers[base + l].get();
+      g->result = r.fibers[base + g->src]->bits;
+      make_ready(r, g);
+    }
+  }
+  switch_to_main(r, f);
+  if (fence) tsan_acquire(&r.warp_sync[base / 32 % 32]);
+  return f->result;
+}
+
+bool run_grid(dim3 grid, dim3 block, const std::function<void()>& body, const char* site,
+              uint64_t seed) {
+  Runner& r = tl_runner;
+#if defined(DPCUDA_EMU_TSAN)
+  if (r.tsan_main == nullptr) r.tsan_main = __tsan_get_current_fiber();
+#endif
+  r.body = &body;
+  r.site = site;
+  r.failed = false;
+  r.nthreads = static_cast<int>(block.x * block.y * block.z);
+  r.rng.seed(seed);
+  const uint64_t blocks = static_cast<uint64_t>(grid.x) * grid.y * grid.z;
+  // Blocks run one after another, in a random order: a kernel must not depend on it.
+  std::vector<uint64_t> order(blocks);
+  for (uint64_t b = 0; b < blocks; ++b) order[b] = b;
+  std::shuffle(order.begin(), order.end(), r.rng);
+  tsan_release(&r.launch_sync);
+  for (uint64_t b : order) {
+    const uint3 idx = make_uint3(static_cast<unsigned>(b % grid.x),
+                                 static_cast<unsigned>(b / grid.x % grid.y),
+                                 static_cast<unsigned>(b / (static_cast<uint64_t>(grid.x) * grid.y)));
+    run_block(r, idx, block, grid);
+    if (r.failed) break;
+  }
+  // The kernel's writes happen before whatever the stream does next.
+  tsan_acquire(&r.end_sync);
+  r.body = nullptr;
+  return !r.failed;
+}
+
+}  // namespace emu
+}  // namespace dpcuda

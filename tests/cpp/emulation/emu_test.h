@@ -1,0 +1,69 @@
+// Helpers of the emulation tests: device buffers, a fresh emulated machine per case, and the
+// rule that a case passes only if the emulator reported nothing it did not expect.
+#pragma once
+
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "check.h"
+#include "emu/emu.h"
+
+namespace emu_test {
+
+#define CUDA_OK(expr) CHECK((expr) == cudaSuccess)
+
+// A device buffer of n elements on the current device.
+template <typename T>
+struct DeviceBuffer {
+  T* ptr = nullptr;
+  size_t n = 0;
+  explicit DeviceBuffer(size_t count) : n(count) {
+    CUDA_OK(cudaMalloc(reinterpret_cast<void**>(&ptr), count * sizeof(T)));
+  }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  ~DeviceBuffer() { cudaFree(ptr); }
+  void upload(const std::vector<T>& host) {
+    CUDA_OK(cudaMemcpy(ptr, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice));
+  }
+  std::vector<T> download() const {
+    std::vector<T> host(n);
+    CUDA_OK(cudaMemcpy(host.data(), ptr, n * sizeof(T), cudaMemcpyDeviceToHost));
+    return host;
+  }
+};
+
+inline dpcuda::emu::Config config(int devices = 1, uint64_t seed = 1, int max_delay_us = 0) {
+  dpcuda::emu::Config c;
+  c.devices = devices;
+  c.seed = seed;
+  c.max_delay_us = max_delay_us;
+  return c;
+}
+
+// Fails the case for every report of the emulator (a misuse nobody asked for).
+inline void expect_no_reports(const char* where) {
+  for (const std::string& r : dpcuda::emu::reports()) {
+    std::printf("%s: unexpected emulator report: %s\n", where, r.c_str());
+    ++dpcuda_test::failures();
+  }
+}
+
+// Checks that some report contains `text`.
+inline void expect_report(const char* text, const char* where) {
+  for (const std::string& r : dpcuda::emu::reports()) {
+    if (r.find(text) != std::string::npos) return;
+  }
+  std::printf("%s: expected an emulator report containing \"%s\"; got %zu reports\n", where, text,
+              dpcuda::emu::reports().size());
+  ++dpcuda_test::failures();
+}
+
+inline int finish(const char* name) {
+  const int failures = dpcuda_test::failures();
+  std::printf("%s: %s (%d failures)\n", name, failures ? "FAILED" : "passed", failures);
+  return failures ? 1 : 0;
+}
+
+}  // namespace emu_test
