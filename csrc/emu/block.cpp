@@ -10,11 +10,11 @@
 // barrier is then a race report. This file is built without TSan instrumentation: its own
 // bookkeeping is not kernel memory.
 #include <sys/mman.h>
-#include <ucontext.h>
 
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <memory>
 #include <random>
 #include <sstream>
@@ -40,6 +40,44 @@
 #include <sanitizer/common_interface_defs.h>
 #endif
 
+#if !defined(__x86_64__)
+#error "the emulator's fiber switch is written for x86-64"
+#endif
+
+// Saves the callee-saved registers and the floating-point control words on the current stack,
+// stores the stack pointer to *save, and resumes the stack `to` (saved the same way). Written
+// out because ucontext's swapcontext makes a system call per switch, and the emulator switches
+// at every barrier and every shuffle of every thread.
+extern "C" void dpcuda_emu_switch(void** save, void* to);
+asm(R"(
+  .text
+  .globl dpcuda_emu_switch
+  .type dpcuda_emu_switch,@function
+dpcuda_emu_switch:
+  pushq %rbp
+  pushq %rbx
+  pushq %r12
+  pushq %r13
+  pushq %r14
+  pushq %r15
+  subq $8, %rsp
+  stmxcsr (%rsp)
+  fnstcw 4(%rsp)
+  movq %rsp, (%rdi)
+  movq %rsi, %rsp
+  ldmxcsr (%rsp)
+  fldcw 4(%rsp)
+  addq $8, %rsp
+  popq %r15
+  popq %r14
+  popq %r13
+  popq %r12
+  popq %rbx
+  popq %rbp
+  ret
+  .size dpcuda_emu_switch,.-dpcuda_emu_switch
+)");
+
 namespace dpcuda {
 namespace emu {
 namespace {
@@ -50,7 +88,7 @@ constexpr size_t kStackBytes = 256 * 1024;
 enum class State { kReady, kBarrier, kWarp, kDone };
 
 struct Fiber {
-  ucontext_t context;
+  void* sp = nullptr;
   char* stack = nullptr;
   ThreadBuiltins builtins;
   int linear = 0;
@@ -68,7 +106,7 @@ struct Fiber {
 
 struct Runner {
   std::vector<std::unique_ptr<Fiber>> fibers;
-  ucontext_t main;
+  void* main_sp = nullptr;
   Fiber* current = nullptr;
   const std::function<void()>* body = nullptr;
   const char* site = "";
@@ -123,7 +161,7 @@ void switch_to(Runner& r, Fiber* f) {
 #if defined(DPCUDA_EMU_ASAN)
   __sanitizer_start_switch_fiber(&r.main_fake_stack, f->stack, kStackBytes);
 #endif
-  swapcontext(&r.main, &f->context);
+  dpcuda_emu_switch(&r.main_sp, f->sp);
 #if defined(DPCUDA_EMU_ASAN)
   __sanitizer_finish_switch_fiber(r.main_fake_stack, nullptr, nullptr);
 #endif
@@ -139,7 +177,7 @@ void switch_to_main(Runner& r, Fiber* f) {
   __sanitizer_start_switch_fiber(f->state == State::kDone ? nullptr : &f->fake_stack,
                                  r.main_stack_bottom, r.main_stack_size);
 #endif
-  swapcontext(&f->context, &r.main);
+  dpcuda_emu_switch(&f->sp, r.main_sp);
 #if defined(DPCUDA_EMU_ASAN)
   __sanitizer_finish_switch_fiber(f->fake_stack, nullptr, nullptr);
 #endif
@@ -181,13 +219,31 @@ Fiber* make_fiber() {
     std::abort();
   }
   f->stack = static_cast<char*>(mem);
-  getcontext(&f->context);
 #if defined(DPCUDA_EMU_TSAN)
   f->tsan = __tsan_create_fiber(0);
 #endif
   Runner& r = tl_runner;
   r.fibers.push_back(std::move(f));
   return r.fibers.back().get();
+}
+
+// A stack that dpcuda_emu_switch resumes into fiber_entry, as if fiber_entry had been called
+// (the stack pointer 8 bytes past a 16-byte boundary at its entry), with a null return address.
+void* initial_stack(char* stack) {
+  auto* top = reinterpret_cast<uint64_t*>(
+      (reinterpret_cast<uintptr_t>(stack) + kStackBytes) & ~uintptr_t(15));
+  uint64_t* ret = top - 2;  // 16-byte aligned
+  ret[1] = 0;
+  ret[0] = reinterpret_cast<uint64_t>(&fiber_entry);
+  uint64_t* sp = ret - 7;  // control words, r15, r14, r13, r12, rbx, rbp
+  for (int i = 1; i < 7; ++i) sp[i] = 0;
+  uint32_t mxcsr;
+  uint16_t fpucw;
+  asm volatile("stmxcsr %0" : "=m"(mxcsr));
+  asm volatile("fnstcw %0" : "=m"(fpucw));
+  std::memcpy(reinterpret_cast<char*>(sp), &mxcsr, 4);
+  std::memcpy(reinterpret_cast<char*>(sp) + 4, &fpucw, 2);
+  return sp;
 }
 
 void make_ready(Runner& r, Fiber* f) {
@@ -214,10 +270,7 @@ void run_block(Runner& r, uint3 block_idx, dim3 block_dim, dim3 grid_dim) {
     // A fiber abandoned by a failure leaves its frames' redzones poisoned.
     ASAN_UNPOISON_MEMORY_REGION(f->stack, kStackBytes);
 #endif
-    f->context.uc_stack.ss_sp = f->stack;
-    f->context.uc_stack.ss_size = kStackBytes;
-    f->context.uc_link = nullptr;
-    makecontext(&f->context, fiber_entry, 0);
+    f->sp = initial_stack(f->stack);
     make_ready(r, f);
   }
   while (!r.ready.empty() && !r.failed) {
@@ -320,19 +373,24 @@ uint64_t warp_exchange(unsigned mask, uint64_t bits, int src, const char* what) 
   }
   const int lane = f->linear % 32;
   const int base = f->linear - lane;
-  const bool fence = std::string(what) == "__syncwarp";
-  std::ostringstream where;
-  where << what << " in " << describe(*f) << " (lane " << lane << ", mask 0x" << std::hex << mask
-        << std::dec << ")";
-  if (!(mask >> lane & 1u)) fail(r, where.str() + ": the calling lane is not in the mask");
-  for (int l = 0; l < 32; ++l) {
-    if ((mask >> l & 1u) && base + l >= r.nthreads) {
-      fail(r, where.str() + ": the mask names lane " + std::to_string(l) +
-                  ", which this block of " + std::to_string(r.nthreads) + " threads lacks");
+  const bool fence = what[0] == '_' && std::strcmp(what, "__syncwarp") == 0;
+  auto where = [&] {
+    std::ostringstream w;
+    w << what << " in " << describe(*f) << " (lane " << lane << ", mask 0x" << std::hex << mask
+      << std::dec << ")";
+    return w.str();
+  };
+  if (!(mask >> lane & 1u)) fail(r, where() + ": the calling lane is not in the mask");
+  if (base + 32 > r.nthreads) {
+    for (int l = 0; l < 32; ++l) {
+      if ((mask >> l & 1u) && base + l >= r.nthreads) {
+        fail(r, where() + ": the mask names lane " + std::to_string(l) +
+                    ", which this block of " + std::to_string(r.nthreads) + " threads lacks");
+      }
     }
   }
   if (!fence && src != lane && !(mask >> src & 1u)) {
-    fail(r, where.str() + ": reads lane " + std::to_string(src) + ", which is not in the mask");
+    fail(r, where() + ": reads lane " + std::to_string(src) + ", which is not in the mask");
   }
   f->state = State::kWarp;
   f->mask = mask;
@@ -346,10 +404,10 @@ uint64_t warp_exchange(unsigned mask, uint64_t bits, int src, const char* what) 
     if (!(mask >> l & 1u)) continue;
     const Fiber& g = *r.fibers[base + l];
     if (g.state == State::kDone) {
-      fail(r, where.str() + ": lane " + std::to_string(l) + " of the mask has exited");
+      fail(r, where() + ": lane " + std::to_string(l) + " of the mask has exited");
     }
     if (g.state == State::kWarp && g.mask != mask) {
-      fail(r, where.str() + ": lane " + std::to_string(l) + " waits in " + g.what +
+      fail(r, where() + ": lane " + std::to_string(l) + " waits in " + g.what +
                   " with another mask");
     }
     if (g.state != State::kWarp) complete = false;

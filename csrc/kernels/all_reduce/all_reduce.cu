@@ -93,7 +93,9 @@ __global__ void reduce_sgd_kernel(const __grid_constant__ Replicas<const T> grad
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t i = begin + static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
        i < end; i += stride) {
-    const acc_t<T> g = fixed_sum(grads, ngrads, i, mean);
+    // The reduced gradient is rounded to T, as the unfused path (all-reduce, then SGD) stores
+    // it, so every algorithm gives the same bits for the half types too.
+    const acc_t<T> g = to_acc(from_acc<T>(fixed_sum(grads, ngrads, i, mean)));
     acc_t<T> m = nmomenta ? to_acc(momenta.ptr[0][i]) : acc_t<T>(0);
     const T p = from_acc<T>(sgd_step(g, to_acc(params.ptr[0][i]), nmomenta ? &m : nullptr, sgd));
     for (int o = 0; o < nparams; ++o) params.ptr[o][i] = p;

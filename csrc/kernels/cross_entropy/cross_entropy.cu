@@ -24,7 +24,9 @@ struct MaxSum {
 template <typename acc>
 __device__ __forceinline__ MaxSum<acc> combine(MaxSum<acc> a, MaxSum<acc> b) {
   const acc m = a.m > b.m ? a.m : b.m;
-  if (m == -std::numeric_limits<acc>::infinity()) return {m, acc(0)};
+  // Both sides hold only masked classes: their sums are 0, or NaN if a NaN logit was seen
+  // (a NaN never becomes the max), which must survive.
+  if (m == -std::numeric_limits<acc>::infinity()) return {m, a.s + b.s};
   return {m, a.s * math_exp(a.m - m) + b.s * math_exp(b.m - m)};
 }
 
@@ -82,7 +84,9 @@ __global__ void __launch_bounds__(kThreads)
       if (v > ms.m) {
         ms.s = ms.s * math_exp(ms.m - v) + acc(1);
         ms.m = v;
-      } else {
+      } else if (v != -std::numeric_limits<acc>::infinity()) {
+        // A masked class (-inf) adds nothing; exp(v - m) would be NaN while m is still -inf.
+        // NaN takes this branch and makes the sum NaN.
         ms.s += math_exp(v - ms.m);
       }
       zsum += v;
@@ -90,13 +94,18 @@ __global__ void __launch_bounds__(kThreads)
     block_reduce(ms, zsum);
     const bool valid = y >= 0 && y < classes;
     const acc nan = std::numeric_limits<acc>::quiet_NaN();
+    // A +inf logit makes the whole row NaN, as torch's log_softmax (z - max is NaN there); a
+    // row of only -inf logits is NaN too (its sum of exponentials is 0).
+    const acc nan_if_inf = ms.m == std::numeric_limits<acc>::infinity()
+                               ? std::numeric_limits<acc>::quiet_NaN()
+                               : acc(0);
     if (threadIdx.x == 0) {
-      const acc lse = ms.m + math_log(ms.s);
+      const acc lse = ms.m + math_log(ms.s) + nan_if_inf;
       loss[row] = valid ? scale * (lse - (acc(1) - eps) * to_acc(z[y]) - eps_per_class * zsum)
                         : nan;
     }
     if (g != nullptr) {
-      const acc inv = acc(1) / ms.s;
+      const acc inv = acc(1) / ms.s + nan_if_inf;
       for (int64_t c = threadIdx.x; c < classes; c += kThreads) {
         const acc p = math_exp(to_acc(z[c]) - ms.m) * inv;
         const acc target = c == y ? (acc(1) - eps) + eps_per_class : eps_per_class;

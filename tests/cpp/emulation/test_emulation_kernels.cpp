@@ -1,0 +1,523 @@
+// Every CUDA kernel of csrc/kernels, run in the emulation: every dtype it is built for (float,
+// double, half, bfloat16), every activation, with and without the bias gradient, on shapes with
+// 0, 1, 3, 17 and 1000 rows and columns, with outputs poisoned with NaN before the launch, and
+// with the grid cap lowered so the grid-stride loops run too. Results are compared with a
+// float64 reference (tolerance per dtype) and, for float and double, with the CPU kernels. The
+// all-reduce kernels must give the fixed-order sum bit for bit.
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <random>
+#include <vector>
+
+#include "cpu/cross_entropy.h"
+#include "cpu/fused_linear.h"
+#include "emu_test.h"
+#include "kernels/all_reduce/all_reduce.h"
+#include "kernels/common.cuh"
+#include "kernels/cross_entropy/cross_entropy.h"
+#include "kernels/fused_linear/epilogue.h"
+
+using dpcuda::Activation;
+using emu_test::DeviceBuffer;
+
+namespace {
+
+const double kNaN = std::numeric_limits<double>::quiet_NaN();
+const double kInf = std::numeric_limits<double>::infinity();
+
+template <typename T> double to_double(T v) { return static_cast<double>(v); }
+template <> double to_double<__half>(__half v) { return __half2float(v); }
+template <> double to_double<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
+template <typename T> T from_double(double v) { return static_cast<T>(v); }
+template <> __half from_double<__half>(double v) { return __float2half_rn(static_cast<float>(v)); }
+template <> __nv_bfloat16 from_double<__nv_bfloat16>(double v) {
+  return __float2bfloat16_rn(static_cast<float>(v));
+}
+
+// Relative tolerance of one result against the float64 reference: the storage type's rounding
+// plus the device functions' few ulp.
+template <typename T> double tolerance();
+template <> double tolerance<float>() { return 2e-5; }
+template <> double tolerance<double>() { return 1e-12; }
+template <> double tolerance<__half>() { return 2e-3; }
+template <> double tolerance<__nv_bfloat16>() { return 1.6e-2; }
+
+template <typename T> const char* name();
+template <> const char* name<float>() { return "float"; }
+template <> const char* name<double>() { return "double"; }
+template <> const char* name<__half>() { return "half"; }
+template <> const char* name<__nv_bfloat16>() { return "bfloat16"; }
+
+// got matches want: the same NaN-ness and infinities, else within tol * (1 + scale).
+bool close(double got, double want, double tol, double scale) {
+  if (std::isnan(want) || std::isnan(got)) return std::isnan(want) && std::isnan(got);
+  if (std::isinf(want) || std::isinf(got)) return got == want;
+  return std::fabs(got - want) <= tol * (1.0 + scale);
+}
+
+int g_reported = 0;
+void expect_close(double got, double want, double tol, double scale, const char* what,
+                  const char* dtype, int64_t i) {
+  if (close(got, want, tol, scale)) return;
+  if (++g_reported <= 20) {
+    std::printf("%s (%s) element %lld: got %.9g, want %.9g\n", what, dtype,
+                static_cast<long long>(i), got, want);
+  }
+  ++dpcuda_test::failures();
+}
+
+const Activation kAll[] = {Activation::kNone, Activation::kRelu,    Activation::kGelu,
+                           Activation::kGeluTanh, Activation::kSilu, Activation::kSigmoid,
+                           Activation::kTanh};
+
+double act_ref(Activation act, double z) {
+  switch (act) {
+    case Activation::kNone: return z;
+    case Activation::kRelu: return z > 0 ? z : 0;
+    case Activation::kGelu: return 0.5 * z * std::erfc(-z / std::sqrt(2.0));
+    case Activation::kGeluTanh:
+      return 0.5 * z * (1 + std::tanh(std::sqrt(2 / M_PI) * (z + 0.044715 * z * z * z)));
+    case Activation::kSilu: return z / (1 + std::exp(-z));
+    case Activation::kSigmoid: return 1 / (1 + std::exp(-z));
+    case Activation::kTanh: return std::tanh(z);
+  }
+  return 0;
+}
+
+// The derivative from what the forward pass saved (the output for relu, sigmoid and tanh).
+double grad_ref(Activation act, double s) {
+  switch (act) {
+    case Activation::kNone: return 1;
+    case Activation::kRelu: return s > 0 ? 1 : 0;
+    case Activation::kSigmoid: return s * (1 - s);
+    case Activation::kTanh: return 1 - s * s;
+    default: {
+      const double h = 1e-6 * (1 + std::fabs(s));
+      return (act_ref(act, s + h) - act_ref(act, s - h)) / (2 * h);
+    }
+  }
+}
+
+struct Shape {
+  int64_t rows, cols;
+};
+const Shape kShapes[] = {{0, 3},  {3, 0},   {1, 1},   {1, 17},   {3, 3},   {17, 1},
+                         {17, 17}, {3, 1000}, {1000, 3}, {1000, 17}, {33, 65}, {1, 1000}};
+
+template <typename T>
+void test_activation_forward(std::mt19937& rng) {
+  std::normal_distribution<double> dist(0.0, 3.0);
+  for (const Shape& s : kShapes) {
+    for (Activation act : kAll) {
+      // Offset 1: the pointers are not 16-byte aligned.
+      for (int64_t offset : {0, 1}) {
+        const int64_t n = s.rows * s.cols;
+        std::vector<T> z(n + offset);
+        for (auto& v : z) v = from_double<T>(dist(rng));
+        DeviceBuffer<T> dz(n + offset), dout(n + offset);
+        dz.upload(z);
+        dout.upload(std::vector<T>(n + offset, from_double<T>(kNaN)));
+        CHECK(dpcuda::cuda::activation_forward<T>(dz.ptr + offset, dout.ptr + offset, n, act,
+                                                  nullptr) == cudaSuccess);
+        const std::vector<T> out = dout.download();
+        for (int64_t i = 0; i < n; ++i) {
+          const double zi = to_double(z[offset + i]);
+          expect_close(to_double(out[offset + i]), act_ref(act, zi), tolerance<T>(),
+                       std::fabs(zi), "activation_forward", name<T>(), i);
+        }
+        // In place (out aliases z), as the adapter runs it for relu's saved output.
+        CHECK(dpcuda::cuda::activation_forward<T>(dz.ptr + offset, dz.ptr + offset, n, act,
+                                                  nullptr) == cudaSuccess);
+        const std::vector<T> inplace = dz.download();
+        for (int64_t i = 0; i < n; ++i) CHECK(std::memcmp(&inplace[offset + i], &out[offset + i], sizeof(T)) == 0);
+        if constexpr (std::is_same<T, float>::value || std::is_same<T, double>::value) {
+          // The CPU kernel on the same inputs (no bias: the GEMM's output is z).
+          std::vector<T> cpu(z.begin() + offset, z.end());
+          dpcuda::cpu::bias_activation_forward<T>(cpu.data(), nullptr, nullptr, 0, s.rows,
+                                                  s.cols, act);
+          for (int64_t i = 0; i < n; ++i) {
+            expect_close(to_double(out[offset + i]), to_double(cpu[i]), 4 * tolerance<T>(),
+                         std::fabs(to_double(z[offset + i])), "forward vs CPU", name<T>(), i);
+          }
+        }
+      }
+    }
+  }
+}
+
+template <typename T>
+void test_activation_backward(std::mt19937& rng) {
+  using Acc = dpcuda::cuda::acc_t<T>;
+  std::normal_distribution<double> dist(0.0, 2.0);
+  for (const Shape& s : kShapes) {
+    for (Activation act : kAll) {
+      for (bool bias : {false, true}) {
+        for (bool write_grad : {true, false}) {
+          const int64_t n = s.rows * s.cols;
+          const bool saves_output = dpcuda::saved_for_backward(act) == dpcuda::Saved::kOutput;
+          std::vector<T> go(n), saved(n);
+          for (int64_t i = 0; i < n; ++i) {
+            go[i] = from_double<T>(dist(rng));
+            const double z = dist(rng);
+            saved[i] = from_double<T>(saves_output ? act_ref(act, z) : z);
+          }
+          DeviceBuffer<T> dgo(n), dsaved(n), dpre(n), dbias(s.cols);
+          DeviceBuffer<Acc> work(dpcuda::cuda::activation_backward_workspace(s.rows, s.cols) + 1);
+          dgo.upload(go);
+          dsaved.upload(saved);
+          dpre.upload(std::vector<T>(n, from_double<T>(kNaN)));
+          dbias.upload(std::vector<T>(s.cols, from_double<T>(kNaN)));
+          CHECK(dpcuda::cuda::activation_backward<T>(
+                    dgo.ptr, dsaved.ptr, write_grad ? dpre.ptr : nullptr,
+                    bias ? dbias.ptr : nullptr, work.ptr, s.rows, s.cols, act,
+                    nullptr) == cudaSuccess);
+          const std::vector<T> pre = dpre.download(), gb = dbias.download();
+          std::vector<double> want_bias(s.cols, 0.0), scale_bias(s.cols, 0.0);
+          for (int64_t r = 0; r < s.rows; ++r) {
+            for (int64_t c = 0; c < s.cols; ++c) {
+              const int64_t i = r * s.cols + c;
+              const double g = act == Activation::kNone || !write_grad
+                                   ? to_double(go[i])
+                                   : to_double(go[i]) * grad_ref(act, to_double(saved[i]));
+              want_bias[c] += g;
+              scale_bias[c] += std::fabs(g);
+              if (write_grad && act != Activation::kNone) {
+                expect_close(to_double(pre[i]), g, tolerance<T>() + 1e-6,
+                             std::fabs(to_double(go[i])), "activation_backward grad", name<T>(), i);
+              }
+            }
+          }
+          if (bias) {
+            for (int64_t c = 0; c < s.cols; ++c) {
+              expect_close(to_double(gb[c]), want_bias[c], tolerance<T>() + 1e-6, scale_bias[c],
+                           "activation_backward bias", name<T>(), c);
+            }
+          }
+          if constexpr (std::is_same<T, float>::value || std::is_same<T, double>::value) {
+            if (write_grad && act != Activation::kNone) {
+              std::vector<T> cpu(n);
+              dpcuda::cpu::activation_backward_rows<T>(go.data(), saved.data(), cpu.data(),
+                                                       nullptr, 0, s.rows, s.cols, act);
+              for (int64_t i = 0; i < n; ++i) {
+                expect_close(to_double(pre[i]), to_double(cpu[i]), 4 * tolerance<T>(),
+                             std::fabs(to_double(go[i])), "backward vs CPU", name<T>(), i);
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+// The loss of one row as torch computes it: log_softmax = z - max - log(sum exp(z - max)), so a
+// row with +inf or with only -inf logits is NaN throughout, as torch's is.
+template <typename Acc>
+void cross_entropy_ref(const std::vector<double>& z, int64_t y, double scale, double eps,
+                       int64_t ignore, double* loss, std::vector<double>* grad) {
+  const int64_t C = static_cast<int64_t>(z.size());
+  grad->assign(C, 0.0);
+  if (y == ignore) {
+    *loss = 0;
+    return;
+  }
+  double m = -kInf;
+  for (double v : z) m = std::isnan(v) ? v : (v > m ? v : m);
+  double sum = 0;
+  for (double v : z) sum += std::exp(v - m);
+  const double lse = m + std::log(sum);
+  double smooth = 0;
+  for (int64_t c = 0; c < C; ++c) smooth += lse - z[c];
+  *loss = scale * ((1 - eps) * (lse - z[y]) + eps / C * smooth);
+  for (int64_t c = 0; c < C; ++c) {
+    const double p = std::exp(z[c] - lse);
+    (*grad)[c] = scale * (p - (c == y ? 1 - eps : 0) - eps / C);
+  }
+}
+
+template <typename T>
+void test_cross_entropy(std::mt19937& rng) {
+  using Acc = std::conditional_t<std::is_same<T, double>::value, double, float>;
+  std::normal_distribution<double> dist(0.0, 3.0);
+  const int64_t kIgnore = -100;
+  for (int64_t C : {1, 2, 5, 31, 32, 33, 255, 256, 257, 1000}) {
+    // Rows: plain; one -inf (masked class) at each of several positions; all but one -inf;
+    // all -inf; +inf; NaN; huge values; an ignored row.
+    std::vector<std::vector<double>> rows;
+    std::vector<int64_t> labels;
+    auto plain = [&] {
+      std::vector<double> z(C);
+      for (auto& v : z) v = dist(rng);
+      return z;
+    };
+    rows.push_back(plain());
+    labels.push_back(C - 1);
+    for (int64_t pos : {int64_t(0), C / 2, C - 1, std::min<int64_t>(C - 1, 31),
+                        std::min<int64_t>(C - 1, 32), std::min<int64_t>(C - 1, 255)}) {
+      auto z = plain();
+      z[pos] = -kInf;
+      rows.push_back(z);
+      labels.push_back(pos == 0 ? C - 1 : 0);
+    }
+    {
+      std::vector<double> z(C, -kInf);
+      z[C / 3] = 1.5;
+      rows.push_back(z);
+      labels.push_back(C / 3);
+      // Masked classes everywhere except a few: the first thread's slice all -inf.
+      auto w = plain();
+      for (int64_t c = 0; c < C; ++c) if (c % 7 != 3) w[c] = -kInf;
+      rows.push_back(w);
+      labels.push_back(C > 3 ? 3 : 0);
+    }
+    rows.push_back(std::vector<double>(C, -kInf));
+    labels.push_back(0);
+    {
+      auto z = plain();
+      z[C / 2] = kInf;
+      rows.push_back(z);
+      labels.push_back(0);
+      auto n = plain();
+      n[C - 1] = kNaN;
+      rows.push_back(n);
+      labels.push_back(0);
+      auto h = plain();
+      for (auto& v : h) v *= 1e4;
+      h[0] = 3e4;
+      rows.push_back(h);
+      labels.push_back(C - 1);
+    }
+    rows.push_back(plain());
+    labels.push_back(kIgnore);
+    const int64_t R = static_cast<int64_t>(rows.size());
+    for (double eps : {0.0, 0.1}) {
+      for (bool with_grad : {true, false}) {
+        std::vector<T> logits(R * C);
+        for (int64_t r = 0; r < R; ++r)
+          for (int64_t c = 0; c < C; ++c) logits[r * C + c] = from_double<T>(rows[r][c]);
+        DeviceBuffer<T> dl(R * C), dg(R * C);
+        DeviceBuffer<int64_t> dy(R);
+        DeviceBuffer<Acc> dloss(R);
+        dl.upload(logits);
+        dy.upload(labels);
+        dg.upload(std::vector<T>(R * C, from_double<T>(kNaN)));
+        dloss.upload(std::vector<Acc>(R, Acc(kNaN)));
+        const double scale = 0.25;
+        CHECK((dpcuda::cuda::cross_entropy_forward_backward<T, Acc>(
+                  dl.ptr, dy.ptr, dloss.ptr, with_grad ? dg.ptr : nullptr, R, C, scale, eps,
+                  kIgnore, nullptr)) == cudaSuccess);
+        const std::vector<Acc> loss = dloss.download();
+        const std::vector<T> grad = dg.download();
+        std::vector<T> cpu_loss(R), cpu_grad(R * C);
+        if constexpr (std::is_same<T, float>::value || std::is_same<T, double>::value) {
+          dpcuda::cpu::cross_entropy_rows<T>(logits.data(), labels.data(), cpu_loss.data(),
+                                             cpu_grad.data(), 0, R, C, scale, eps, kIgnore);
+        }
+        for (int64_t r = 0; r < R; ++r) {
+          std::vector<double> z(C);
+          double zmax = 0;
+          for (int64_t c = 0; c < C; ++c) {
+            z[c] = to_double(logits[r * C + c]);
+            if (std::isfinite(z[c])) zmax = std::max(zmax, std::fabs(z[c]));
+          }
+          double want;
+          std::vector<double> want_grad;
+          cross_entropy_ref<Acc>(z, labels[r], scale, eps, kIgnore, &want, &want_grad);
+          const double tol = std::is_same<T, double>::value ? 1e-12 : 2e-5;
+          expect_close(loss[r], want, tol, zmax, "cross_entropy loss", name<T>(), r);
+          if constexpr (std::is_same<T, float>::value || std::is_same<T, double>::value) {
+            expect_close(loss[r], cpu_loss[r], 4 * tol, zmax, "cross_entropy loss vs CPU",
+                         name<T>(), r);
+          }
+          if (!with_grad) continue;
+          for (int64_t c = 0; c < C; ++c) {
+            expect_close(to_double(grad[r * C + c]), want_grad[c], tolerance<T>() + 1e-6, 0,
+                         "cross_entropy grad", name<T>(), r * C + c);
+          }
+        }
+      }
+    }
+  }
+}
+
+// The fixed-order reduction as the kernels promise it, in the accumulation type.
+template <typename T>
+T fixed_sum(const std::vector<std::vector<T>>& x, int64_t i, bool mean) {
+  using Acc = dpcuda::cuda::acc_t<T>;
+  auto acc_of = [](T v) { return static_cast<Acc>(to_double(v)); };
+  Acc acc = acc_of(x[0][i]);
+  for (size_t r = 1; r < x.size(); ++r) acc = acc + acc_of(x[r][i]);
+  if (mean) acc = acc / static_cast<Acc>(x.size());
+  return from_double<T>(acc);
+}
+
+template <typename T>
+bool same_bits(T a, T b) {
+  return std::memcmp(&a, &b, sizeof(T)) == 0;
+}
+
+template <typename T>
+void test_all_reduce_kernels(std::mt19937& rng) {
+  using Acc = dpcuda::cuda::acc_t<T>;
+  std::normal_distribution<double> dist(0.0, 100.0);
+  for (int R : {1, 2, 3, 5, 16}) {
+    for (int64_t n : {1, 7, 8, 9, 1000, 4099}) {
+      for (int64_t begin : {int64_t(0), int64_t(1), int64_t(3)}) {
+        if (begin >= n) continue;
+        std::vector<std::vector<T>> x(R, std::vector<T>(n));
+        for (auto& b : x)
+          for (auto& v : b) v = from_double<T>(dist(rng));
+        for (bool mean : {false, true}) {
+          std::vector<std::unique_ptr<DeviceBuffer<T>>> bufs;
+          dpcuda::cuda::Replicas<const T> in{};
+          dpcuda::cuda::Replicas<T> out{};
+          for (int r = 0; r < R; ++r) {
+            bufs.push_back(std::make_unique<DeviceBuffer<T>>(n));
+            bufs.back()->upload(x[r]);
+            in.ptr[r] = bufs.back()->ptr;
+            out.ptr[r] = bufs.back()->ptr;
+          }
+          CHECK(dpcuda::cuda::reduce_range<T>(in, R, out, R, begin, n, mean, nullptr) ==
+                cudaSuccess);
+          for (int r = 0; r < R; ++r) {
+            const std::vector<T> got = bufs[r]->download();
+            for (int64_t i = 0; i < n; ++i) {
+              const T want = i < begin ? x[r][i] : fixed_sum(x, i, mean);
+              if (!same_bits(got[i], want)) {
+                ++dpcuda_test::failures();
+                if (++g_reported <= 20)
+                  std::printf("reduce_range (%s) R=%d n=%lld begin=%lld: element %lld differs\n",
+                              name<T>(), R, (long long)n, (long long)begin, (long long)i);
+                break;
+              }
+            }
+          }
+        }
+        // reduce_sgd_range: params[0] and momenta[0] hold the state; every copy gets the update.
+        for (bool momentum : {false, true}) {
+          const dpcuda::cuda::SgdArgs sgd{0.1f, momentum ? 0.9f : 0.0f, 0.01f, 0.1,
+                                          momentum ? 0.9 : 0.0, 0.01};
+          std::vector<T> p0(n), m0(n);
+          for (auto& v : p0) v = from_double<T>(dist(rng));
+          for (auto& v : m0) v = from_double<T>(dist(rng) * 0.01);
+          std::vector<std::unique_ptr<DeviceBuffer<T>>> g, p, m;
+          dpcuda::cuda::Replicas<const T> gin{};
+          dpcuda::cuda::Replicas<T> pout{}, mout{};
+          for (int r = 0; r < R; ++r) {
+            g.push_back(std::make_unique<DeviceBuffer<T>>(n));
+            g.back()->upload(x[r]);
+            gin.ptr[r] = g.back()->ptr;
+            p.push_back(std::make_unique<DeviceBuffer<T>>(n));
+            p.back()->upload(p0);
+            pout.ptr[r] = p.back()->ptr;
+            m.push_back(std::make_unique<DeviceBuffer<T>>(n));
+            m.back()->upload(m0);
+            mout.ptr[r] = m.back()->ptr;
+          }
+          CHECK(dpcuda::cuda::reduce_sgd_range<T>(gin, R, pout, R, mout, momentum ? R : 0, begin,
+                                                  n, true, sgd, nullptr) == cudaSuccess);
+          // sgd_range on the reduced gradient: the same element formula, the same bits.
+          std::vector<T> reduced(n);
+          for (int64_t i = 0; i < n; ++i) reduced[i] = fixed_sum(x, i, true);
+          DeviceBuffer<T> dr(n), dp(n), dm(n);
+          dr.upload(reduced);
+          dp.upload(p0);
+          dm.upload(m0);
+          CHECK(dpcuda::cuda::sgd_range<T>(dr.ptr + begin, dp.ptr + begin,
+                                           momentum ? dm.ptr + begin : nullptr, n - begin, sgd,
+                                           nullptr) == cudaSuccess);
+          const std::vector<T> sp = dp.download(), sm = dm.download();
+          for (int r = 0; r < R; ++r) {
+            const std::vector<T> gp = p[r]->download(), gm = m[r]->download();
+            for (int64_t i = begin; i < n; ++i) {
+              const Acc gr = static_cast<Acc>(to_double(reduced[i]));
+              const Acc pv = static_cast<Acc>(to_double(p0[i]));
+              const Acc lr = sizeof(Acc) == 8 ? Acc(0.1) : Acc(0.1f);
+              const Acc wd = sizeof(Acc) == 8 ? Acc(0.01) : Acc(0.01f);
+              const Acc mu = sizeof(Acc) == 8 ? Acc(0.9) : Acc(0.9f);
+              Acc d = gr + wd * pv;
+              if (momentum) d = mu * static_cast<Acc>(to_double(m0[i])) + d;
+              const T want_p = from_double<T>(pv - lr * d);
+              const bool ok = same_bits(gp[i], want_p) && same_bits(sp[i], want_p) &&
+                              (!momentum || (same_bits(gm[i], from_double<T>(d)) &&
+                                             same_bits(sm[i], from_double<T>(d))));
+              if (!ok) {
+                ++dpcuda_test::failures();
+                if (++g_reported <= 20)
+                  std::printf("reduce_sgd/sgd (%s) R=%d n=%lld: element %lld differs\n",
+                              name<T>(), R, (long long)n, (long long)i);
+                break;
+              }
+            }
+          }
+        }
+        // The ring's chain step: the partial of replicas 0..r-1 plus replica r, in Acc.
+        if (R >= 2) {
+          std::vector<std::unique_ptr<DeviceBuffer<T>>> own;
+          for (int r = 0; r < R; ++r) {
+            own.push_back(std::make_unique<DeviceBuffer<T>>(n));
+            own.back()->upload(x[r]);
+          }
+          DeviceBuffer<Acc> w0(n), w1(n);
+          Acc* work[2] = {w0.ptr, w1.ptr};
+          for (int r = 1; r < R; ++r) {
+            const bool last = r == R - 1;
+            CHECK((dpcuda::cuda::chain_accumulate<T, Acc>(
+                      r == 1 ? own[0]->ptr + begin : nullptr,
+                      r == 1 ? nullptr : work[(r - 1) % 2] + begin, own[r]->ptr + begin,
+                      work[r % 2] + begin, last ? own[r]->ptr + begin : nullptr, 0, n - begin,
+                      last ? R : 0, nullptr)) == cudaSuccess);
+          }
+          const std::vector<T> got = own[R - 1]->download();
+          for (int64_t i = begin; i < n; ++i) {
+            if (!same_bits(got[i], fixed_sum(x, i, true))) {
+              ++dpcuda_test::failures();
+              if (++g_reported <= 20)
+                std::printf("chain_accumulate (%s) R=%d n=%lld: element %lld differs\n",
+                            name<T>(), R, (long long)n, (long long)i);
+              break;
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+template <typename T>
+void test_dtype(uint64_t seed) {
+  std::mt19937 rng(static_cast<unsigned>(seed));
+  auto t0 = std::chrono::steady_clock::now();
+  auto lap = [&](const char* what) {
+    const auto t1 = std::chrono::steady_clock::now();
+    std::printf("  %s %s: %.2f s\n", name<T>(), what, std::chrono::duration<double>(t1 - t0).count());
+    t0 = t1;
+  };
+  test_activation_forward<T>(rng);
+  lap("activation_forward");
+  test_activation_backward<T>(rng);
+  lap("activation_backward");
+  test_cross_entropy<T>(rng);
+  lap("cross_entropy");
+  test_all_reduce_kernels<T>(rng);
+  lap("all-reduce kernels");
+}
+
+}  // namespace
+
+int main() {
+  // The default grid cap, then a cap of 3 blocks: every grid-stride loop takes several turns.
+  for (int64_t cap : {dpcuda::cuda::kMaxGridX, int64_t(3)}) {
+    dpcuda::cuda::grid_cap() = cap;
+    dpcuda::emu::reset(emu_test::config(1, static_cast<uint64_t>(cap)));
+    test_dtype<float>(1);
+    test_dtype<double>(2);
+    test_dtype<__half>(3);
+    test_dtype<__nv_bfloat16>(4);
+    emu_test::expect_no_reports("kernels");
+  }
+  return emu_test::finish("test_emulation_kernels");
+}
