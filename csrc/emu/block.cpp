@@ -114,6 +114,7 @@ struct Runner {
   int at_barrier = 0;
   int done = 0;
   bool failed = false;
+  std::string message;
   std::vector<int> ready;
   std::mt19937_64 rng;
   void* tsan_main = nullptr;
@@ -168,8 +169,11 @@ void switch_to(Runner& r, Fiber* f) {
   r.current = nullptr;
 }
 
-// From the running fiber back to the scheduler; returns when the scheduler resumes it.
+// From the running fiber back to the scheduler; returns when the scheduler resumes it. What the
+// fiber did so far happens before the end of the grid, even if it is never resumed (a block
+// abandoned after a misuse).
 void switch_to_main(Runner& r, Fiber* f) {
+  tsan_release(&r.end_sync);
 #if defined(DPCUDA_EMU_TSAN)
   __tsan_switch_to_fiber(r.tsan_main, __tsan_switch_to_fiber_no_sync);
 #endif
@@ -183,10 +187,11 @@ void switch_to_main(Runner& r, Fiber* f) {
 #endif
 }
 
-// A misuse found in the running fiber: report it, abandon the block (the fibers are never
-// resumed; their stacks are reset before reuse) and go back to the scheduler.
-[[noreturn]] void fail(Runner& r, const std::string& what) {
-  report(std::string("kernel ") + r.site + ": " + what);
+// A misuse found in the running fiber: abandon the block (the fibers are never resumed; their
+// stacks are reset before reuse) and go back to the scheduler, which reports `what`. The message
+// is moved out of this frame first: nothing left on an abandoned stack may own memory.
+[[noreturn]] void fail(Runner& r, std::string&& what) {
+  r.message = std::move(what);
   r.failed = true;
   Fiber* f = r.current;
   f->state = State::kDone;
@@ -203,7 +208,6 @@ void fiber_entry() {
   // Everything the stream did before the launch happens before the kernel's threads.
   tsan_acquire(&r.launch_sync);
   (*r.body)();
-  tsan_release(&r.end_sync);
   f->state = State::kDone;
   ++r.done;
   switch_to_main(r, f);
@@ -280,7 +284,12 @@ void run_block(Runner& r, uint3 block_idx, dim3 block_dim, dim3 grid_dim) {
     r.ready.pop_back();
     switch_to(r, r.fibers[i].get());
   }
-  if (r.failed || r.done == n) return;
+  if (r.failed) {
+    report(std::string("kernel ") + r.site + ": " + r.message);
+    r.message.clear();
+    return;
+  }
+  if (r.done == n) return;
   // Nobody can run and not everyone finished: the block would hang on a GPU.
   std::ostringstream s;
   int exited = 0, barrier = 0, warp = 0;

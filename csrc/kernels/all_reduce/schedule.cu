@@ -1,0 +1,400 @@
+// The all-reduce schedules over the CUDA runtime API (see schedule.h). Host code only: the
+// kernels are the launchers of all_reduce.h.
+#include "schedule.h"
+
+#include <algorithm>
+
+#include "../../cpu/all_reduce.h"
+#include "../common.cuh"
+
+namespace dpcuda {
+namespace cuda {
+namespace {
+
+size_t round_up(size_t bytes) { return (bytes + 255) / 256 * 256; }
+
+// The first error of a call; later calls still run where they must (the closing barrier).
+struct Status {
+  cudaError_t err = cudaSuccess;
+  bool ok(cudaError_t e) {
+    if (err == cudaSuccess && e != cudaSuccess) err = e;
+    return err == cudaSuccess;
+  }
+  bool good() const { return err == cudaSuccess; }
+};
+
+// Restores the caller's current device.
+struct DeviceScope {
+  int saved = 0;
+  DeviceScope() { cudaGetDevice(&saved); }
+  ~DeviceScope() { cudaSetDevice(saved); }
+};
+
+// Sub-buffers of one device's scratch allocation, each 256-byte aligned.
+struct Arena {
+  char* base = nullptr;
+  size_t used = 0;
+  void* take(size_t bytes) {
+    void* p = base + used;
+    used += round_up(bytes);
+    return p;
+  }
+};
+
+bool reads(const AllReducePlan& p, int d, int e) {
+  return d == e || (d < static_cast<int>(p.readable.size()) &&
+                    e < static_cast<int>(p.readable[d].size()) && p.readable[d][e]);
+}
+
+void shard(const AllReducePlan& p, int k, int64_t* b, int64_t* e) {
+  cpu::shard_range(p.n, p.replicas, k, static_cast<int64_t>(16 / p.elem_size), b, e);
+}
+
+int64_t ring_chunks(int64_t n) {
+  return std::min<int64_t>(kRingMaxChunks, std::max<int64_t>(1, n / kRingMinChunk));
+}
+
+void ring_chunk(const AllReducePlan& p, int64_t c, int64_t* b, int64_t* e) {
+  cpu::shard_range(p.n, static_cast<int>(ring_chunks(p.n)), static_cast<int>(c),
+                   static_cast<int64_t>(16 / p.elem_size), b, e);
+}
+
+// After it, work queued on any device's stream runs after everything queued so far on all. It
+// runs in full even after an error, so that no device frees what a peer may still read.
+void barrier(const AllReducePlan& p, Status& st) {
+  if (p.devices.size() < 2) return;
+  std::vector<cudaEvent_t> ev(p.devices.size(), nullptr);
+  for (size_t i = 0; i < p.devices.size(); ++i) {
+    const int d = p.devices[i];
+    cudaSetDevice(d);
+    const cudaError_t e = cudaEventCreateWithFlags(&ev[i], cudaEventDisableTiming);
+    st.ok(e);
+    if (e != cudaSuccess) {
+      ev[i] = nullptr;
+      continue;
+    }
+    st.ok(cudaEventRecord(ev[i], p.stream[d]));
+  }
+  for (size_t i = 0; i < p.devices.size(); ++i) {
+    cudaSetDevice(p.devices[i]);
+    for (size_t j = 0; j < p.devices.size(); ++j) {
+      if (j != i && ev[j] != nullptr) st.ok(cudaStreamWaitEvent(p.stream[p.devices[i]], ev[j], 0));
+    }
+  }
+  for (cudaEvent_t e : ev) {
+    if (e != nullptr) cudaEventDestroy(e);
+  }
+}
+
+// A range of replica i's buffer as kernels on device d may read it: the buffer itself, or a copy
+// staged into d's scratch.
+template <typename V>
+const V* readable_from(const AllReducePlan& p, int d, const V* src, int src_device, int64_t len,
+                       Arena& arena, Status& st) {
+  if (reads(p, d, src_device) || len == 0) return src;
+  V* staged = static_cast<V*>(arena.take(static_cast<size_t>(len) * sizeof(V)));
+  st.ok(cudaMemcpyPeerAsync(staged, d, src, src_device, static_cast<size_t>(len) * sizeof(V),
+                            p.stream[d]));
+  return staged;
+}
+
+template <typename T>
+void two_shot(const AllReducePlan& p, const ScheduleReplicas<T>& grads,
+              const std::vector<T*>& params, const std::vector<T*>& momenta, const SgdArgs* sgd,
+              bool mean, std::vector<Arena>& arena, Status& st) {
+  const int R = p.replicas;
+  for (int k = 0; k < R && st.good(); ++k) {
+    int64_t b, e;
+    shard(p, k, &b, &e);
+    if (e <= b) continue;
+    const int d = grads.device[k];
+    cudaSetDevice(d);
+    Replicas<const T> in{};
+    for (int i = 0; i < R; ++i) {
+      in.ptr[i] = readable_from<T>(p, d, grads.data[i] + b, grads.device[i], e - b, arena[d], st);
+    }
+    if (sgd) {
+      Replicas<T> out{}, mom{};
+      out.ptr[0] = params[k] + b;
+      if (!momenta.empty()) mom.ptr[0] = momenta[k] + b;
+      st.ok(reduce_sgd_range<T>(in, R, out, 1, mom, momenta.empty() ? 0 : 1, 0, e - b, mean,
+                                *sgd, p.stream[d]));
+    } else {
+      Replicas<T> out{};
+      out.ptr[0] = grads.data[k] + b;
+      st.ok(reduce_range<T>(in, R, out, 1, 0, e - b, mean, p.stream[d]));
+    }
+  }
+  barrier(p, st);
+  // All-gather: replica j copies every other shard from its owner.
+  const std::vector<T*>& out = sgd ? params : grads.data;
+  for (int j = 0; j < R && st.good(); ++j) {
+    const int d = grads.device[j];
+    cudaSetDevice(d);
+    for (int k = 0; k < R; ++k) {
+      int64_t b, e;
+      shard(p, k, &b, &e);
+      if (k == j || e <= b) continue;
+      const size_t bytes = static_cast<size_t>(e - b) * sizeof(T);
+      st.ok(cudaMemcpyPeerAsync(out[j] + b, d, out[k] + b, grads.device[k], bytes, p.stream[d]));
+      if (sgd && !momenta.empty()) {
+        st.ok(cudaMemcpyPeerAsync(momenta[j] + b, d, momenta[k] + b, grads.device[k], bytes,
+                                  p.stream[d]));
+      }
+    }
+  }
+}
+
+template <typename T>
+void one_shot(const AllReducePlan& p, const ScheduleReplicas<T>& bufs, bool mean,
+              std::vector<Arena>& arena, Status& st) {
+  const int R = p.replicas;
+  const int64_t n = p.n;
+  // Inputs a device cannot read are staged once per device; every replica reduces into scratch.
+  std::vector<std::vector<const T*>> input(arena.size(), std::vector<const T*>(R, nullptr));
+  for (int d : p.devices) {
+    cudaSetDevice(d);
+    for (int i = 0; i < R; ++i) {
+      input[d][i] = readable_from<T>(p, d, bufs.data[i], bufs.device[i], n, arena[d], st);
+    }
+  }
+  std::vector<T*> out(R);
+  for (int r = 0; r < R && st.good(); ++r) {
+    const int d = bufs.device[r];
+    cudaSetDevice(d);
+    out[r] = static_cast<T*>(arena[d].take(static_cast<size_t>(n) * sizeof(T)));
+    Replicas<const T> in{};
+    for (int i = 0; i < R; ++i) in.ptr[i] = input[d][i];
+    Replicas<T> o{};
+    o.ptr[0] = out[r];
+    st.ok(reduce_range<T>(in, R, o, 1, 0, n, mean, p.stream[d]));
+  }
+  // Nobody overwrites a buffer that a peer may still be reading.
+  barrier(p, st);
+  for (int r = 0; r < R && st.good(); ++r) {
+    const int d = bufs.device[r];
+    cudaSetDevice(d);
+    st.ok(cudaMemcpyAsync(bufs.data[r], out[r], static_cast<size_t>(n) * sizeof(T),
+                          cudaMemcpyDeviceToDevice, p.stream[d]));
+  }
+}
+
+template <typename T>
+void ring(const AllReducePlan& p, const ScheduleReplicas<T>& bufs, bool mean,
+          std::vector<Arena>& arena, Status& st) {
+  using A = acc_t<T>;
+  const int R = p.replicas;
+  const int64_t chunks = ring_chunks(p.n);
+  int64_t b0, e0;
+  ring_chunk(p, 0, &b0, &e0);
+  const int64_t chunk_max = e0 - b0;
+  std::vector<A*> work(R, nullptr);
+  std::vector<void*> stage(R, nullptr);
+  std::vector<cudaEvent_t> done(static_cast<size_t>(R * chunks), nullptr);
+  for (int r = 1; r < R; ++r) {
+    const int d = bufs.device[r];
+    cudaSetDevice(d);
+    work[r] = static_cast<A*>(arena[d].take(static_cast<size_t>(p.n) * sizeof(A)));
+    // One chunk of staging per replica, reused chunk after chunk on the same stream.
+    if (!reads(p, d, bufs.device[r - 1])) {
+      stage[r] = arena[d].take(static_cast<size_t>(chunk_max) * (r == 1 ? sizeof(T) : sizeof(A)));
+    }
+    for (int64_t c = 0; c < chunks; ++c) {
+      cudaEvent_t& ev = done[r * chunks + c];
+      if (!st.ok(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming))) ev = nullptr;
+    }
+  }
+  for (int64_t c = 0; c < chunks && st.good(); ++c) {
+    int64_t b, e;
+    ring_chunk(p, c, &b, &e);
+    const size_t len = static_cast<size_t>(e - b);
+    for (int r = 1; r < R && st.good(); ++r) {
+      const int d = bufs.device[r];
+      const int prev = bufs.device[r - 1];
+      cudaSetDevice(d);
+      if (r > 1) st.ok(cudaStreamWaitEvent(p.stream[d], done[(r - 1) * chunks + c], 0));
+      const T* prev_x = nullptr;
+      const A* prev_acc = nullptr;
+      if (r == 1) {
+        prev_x = bufs.data[0] + b;
+        if (stage[r]) {
+          st.ok(cudaMemcpyPeerAsync(stage[r], d, prev_x, prev, len * sizeof(T), p.stream[d]));
+          prev_x = static_cast<const T*>(stage[r]);
+        }
+      } else {
+        prev_acc = work[r - 1] + b;
+        if (stage[r]) {
+          st.ok(cudaMemcpyPeerAsync(stage[r], d, prev_acc, prev, len * sizeof(A), p.stream[d]));
+          prev_acc = static_cast<const A*>(stage[r]);
+        }
+      }
+      const bool last = r == R - 1;
+      st.ok(chain_accumulate<T, A>(prev_x, prev_acc, bufs.data[r] + b, work[r] + b,
+                                   last ? bufs.data[r] + b : nullptr, 0, e - b,
+                                   last && mean ? R : 0, p.stream[d]));
+      st.ok(cudaEventRecord(done[r * chunks + c], p.stream[d]));
+    }
+  }
+  // Every replica copies each finished chunk of the last one.
+  for (int64_t c = 0; c < chunks && st.good(); ++c) {
+    int64_t b, e;
+    ring_chunk(p, c, &b, &e);
+    for (int j = 0; j < R - 1 && st.good(); ++j) {
+      const int d = bufs.device[j];
+      cudaSetDevice(d);
+      st.ok(cudaStreamWaitEvent(p.stream[d], done[(R - 1) * chunks + c], 0));
+      st.ok(cudaMemcpyPeerAsync(bufs.data[j] + b, d, bufs.data[R - 1] + b, bufs.device[R - 1],
+                                static_cast<size_t>(e - b) * sizeof(T), p.stream[d]));
+    }
+  }
+  for (cudaEvent_t ev : done) {
+    if (ev != nullptr) cudaEventDestroy(ev);
+  }
+}
+
+std::vector<Arena> arenas(const std::vector<void*>& scratch) {
+  std::vector<Arena> a(scratch.size());
+  for (size_t d = 0; d < scratch.size(); ++d) a[d].base = static_cast<char*>(scratch[d]);
+  return a;
+}
+
+template <typename T>
+Replicas<T> all_of(const std::vector<T*>& v) {
+  Replicas<T> r{};
+  for (size_t i = 0; i < v.size(); ++i) r.ptr[i] = v[i];
+  return r;
+}
+
+}  // namespace
+
+AllReducePlan plan_all_reduce(const std::vector<int>& replica_device,
+                              const std::vector<cudaStream_t>& stream,
+                              const std::vector<std::vector<bool>>& readable,
+                              ScheduleAlgorithm algorithm, int64_t n, size_t elem_size) {
+  AllReducePlan p;
+  p.algorithm = algorithm;
+  p.replicas = static_cast<int>(replica_device.size());
+  p.n = n;
+  p.elem_size = elem_size;
+  p.replica_device = replica_device;
+  p.stream = stream;
+  p.readable = readable;
+  int max_device = 0;
+  for (int d : replica_device) {
+    if (std::find(p.devices.begin(), p.devices.end(), d) == p.devices.end()) p.devices.push_back(d);
+    max_device = std::max(max_device, d);
+  }
+  p.scratch_bytes.assign(static_cast<size_t>(max_device) + 1, 0);
+  if (n == 0 || p.replicas < 2 || p.devices.size() < 2) return p;
+  const int R = p.replicas;
+  const size_t whole = round_up(static_cast<size_t>(n) * elem_size);
+  if (algorithm == ScheduleAlgorithm::kOneShot) {
+    for (int d : p.devices) {
+      for (int r = 0; r < R; ++r) {
+        if (replica_device[r] == d) p.scratch_bytes[d] += whole;
+        if (!reads(p, d, replica_device[r])) p.scratch_bytes[d] += whole;
+      }
+    }
+  } else if (algorithm == ScheduleAlgorithm::kTwoShot) {
+    for (int k = 0; k < R; ++k) {
+      int64_t b, e;
+      shard(p, k, &b, &e);
+      const int d = replica_device[k];
+      for (int r = 0; r < R; ++r) {
+        if (!reads(p, d, replica_device[r]) && e > b) {
+          p.scratch_bytes[d] += round_up(static_cast<size_t>(e - b) * elem_size);
+        }
+      }
+    }
+  } else {
+    const size_t acc = elem_size == 8 ? 8 : 4;
+    int64_t b0, e0;
+    ring_chunk(p, 0, &b0, &e0);
+    for (int r = 1; r < R; ++r) {
+      const int d = replica_device[r];
+      p.scratch_bytes[d] += round_up(static_cast<size_t>(n) * acc);
+      if (!reads(p, d, replica_device[r - 1])) {
+        p.scratch_bytes[d] += round_up(static_cast<size_t>(e0 - b0) * (r == 1 ? elem_size : acc));
+      }
+    }
+  }
+  return p;
+}
+
+template <typename T>
+cudaError_t all_reduce(const AllReducePlan& p, const ScheduleReplicas<T>& bufs,
+                       const std::vector<void*>& scratch, bool mean) {
+  if (p.n == 0 || p.replicas < 2) return cudaSuccess;  // x / 1 == x
+  const DeviceScope scope;
+  Status st;
+  if (p.devices.size() == 1) {
+    // Replicas sharing one device: one kernel reads every buffer once and writes every buffer
+    // once; each thread reads its elements from every input before writing them.
+    const int d = p.devices[0];
+    cudaSetDevice(d);
+    Replicas<const T> in{};
+    for (int r = 0; r < p.replicas; ++r) in.ptr[r] = bufs.data[r];
+    return reduce_range<T>(in, p.replicas, all_of(bufs.data), p.replicas, 0, p.n, mean,
+                           p.stream[d]);
+  }
+  std::vector<Arena> arena = arenas(scratch);
+  barrier(p, st);  // every buffer is complete before any peer reads it
+  if (p.algorithm == ScheduleAlgorithm::kTwoShot) {
+    two_shot<T>(p, bufs, {}, {}, nullptr, mean, arena, st);
+  } else if (p.algorithm == ScheduleAlgorithm::kOneShot) {
+    one_shot<T>(p, bufs, mean, arena, st);
+  } else {
+    ring<T>(p, bufs, mean, arena, st);
+  }
+  barrier(p, st);  // nobody reuses a buffer or scratch before every peer is done with it
+  return st.err;
+}
+
+template <typename T>
+cudaError_t reduce_sgd(const AllReducePlan& p, const ScheduleReplicas<T>& grads,
+                       const std::vector<T*>& params, const std::vector<T*>& momenta,
+                       SgdArgs sgd, bool mean, const std::vector<void*>& scratch) {
+  if (p.n == 0) return cudaSuccess;
+  const DeviceScope scope;
+  Status st;
+  const int R = p.replicas;
+  if (p.devices.size() == 1) {
+    const int d = p.devices[0];
+    cudaSetDevice(d);
+    Replicas<const T> in{};
+    for (int r = 0; r < R; ++r) in.ptr[r] = grads.data[r];
+    return reduce_sgd_range<T>(in, R, all_of(params), R, all_of(momenta),
+                               static_cast<int>(momenta.size()), 0, p.n, mean, sgd, p.stream[d]);
+  }
+  if (p.algorithm == ScheduleAlgorithm::kTwoShot) {
+    std::vector<Arena> arena = arenas(scratch);
+    barrier(p, st);
+    two_shot<T>(p, grads, params, momenta, &sgd, mean, arena, st);
+    barrier(p, st);
+    return st.err;
+  }
+  if (!st.ok(all_reduce<T>(p, grads, scratch, mean))) return st.err;
+  for (int r = 0; r < R && st.good(); ++r) {
+    const int d = grads.device[r];
+    cudaSetDevice(d);
+    st.ok(sgd_range<T>(grads.data[r], params[r], momenta.empty() ? nullptr : momenta[r], p.n, sgd,
+                       p.stream[d]));
+  }
+  return st.err;
+}
+
+#define DPCUDA_INSTANTIATE(T)                                                                   \
+  template cudaError_t all_reduce<T>(const AllReducePlan&, const ScheduleReplicas<T>&,         \
+                                     const std::vector<void*>&, bool);                         \
+  template cudaError_t reduce_sgd<T>(const AllReducePlan&, const ScheduleReplicas<T>&,         \
+                                     const std::vector<T*>&, const std::vector<T*>&, SgdArgs,  \
+                                     bool, const std::vector<void*>&);
+
+DPCUDA_INSTANTIATE(float)
+DPCUDA_INSTANTIATE(double)
+DPCUDA_INSTANTIATE(__half)
+DPCUDA_INSTANTIATE(__nv_bfloat16)
+#undef DPCUDA_INSTANTIATE
+
+}  // namespace cuda
+}  // namespace dpcuda

@@ -1,0 +1,87 @@
+// The multi-device all-reduce schedules, torch-free, over the CUDA runtime API: raw pointers,
+// the caller's streams, events between the devices, peer reads where the caller has enabled
+// peer access and staged copies (cudaMemcpyPeerAsync into scratch memory) where not. The same
+// source runs against the real runtime (the ATen adapter csrc/torch/all_reduce.cpp) and against
+// the emulated one (csrc/emu, tests/cpp/emulation).
+//
+//   one_shot  every replica reduces every peer's whole buffer into scratch; after a barrier each
+//             copies its scratch over its own buffer.
+//   two_shot  replica k owns shard k: it reduces shard k of every peer (reduce-scatter, with the
+//             SGD step fused in for reduce_sgd) and, after a barrier, every replica copies the
+//             other shards from their owners (all-gather).
+//   ring      a pipelined chain: replica r adds chunk c to the partial sum (in the accumulation
+//             type) of replicas 0..r-1 once replica r-1 has produced it; the last replica's
+//             chunks are then copied to all. All chain work is queued before any copy-back, so
+//             the chunks flow through the devices in chunks + R - 2 steps.
+// All three compute every element as acc = x[0]; acc += x[1]; ...; acc /= R (mean), so every
+// replica ends with the same bits whichever algorithm ran. Replicas that share one device are
+// reduced by one kernel that reads every buffer once and writes every buffer once.
+//
+// Ordering: a barrier (every device's stream waits for every other's) opens and closes every
+// call, so buffers are complete before any peer reads them and no peer still reads scratch or a
+// buffer when the call's work is done. On an error the schedule stops queueing work, still
+// queues the closing barrier, and returns the first error.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "all_reduce.h"
+
+namespace dpcuda {
+namespace cuda {
+
+enum class ScheduleAlgorithm { kOneShot, kTwoShot, kRing };
+
+// One buffer per replica and the device it lives on.
+template <typename T>
+struct ScheduleReplicas {
+  std::vector<T*> data;
+  std::vector<int> device;
+};
+
+// What a call needs besides the buffers: the algorithm, the devices' streams and which device
+// may read which, and the scratch memory each device must provide.
+struct AllReducePlan {
+  ScheduleAlgorithm algorithm = ScheduleAlgorithm::kTwoShot;
+  int replicas = 0;
+  int64_t n = 0;
+  size_t elem_size = 0;
+  std::vector<int> replica_device;
+  std::vector<int> devices;  // the distinct devices, in order of first appearance
+  // Indexed by device ordinal: the stream each device works on, whether kernels on device d
+  // may read device e's memory (peer access enabled by the caller), the scratch bytes device d
+  // must provide (each a separate allocation on that device).
+  std::vector<cudaStream_t> stream;
+  std::vector<std::vector<bool>> readable;
+  std::vector<size_t> scratch_bytes;
+};
+
+// The most chunks the ring cuts a buffer into, and the fewest elements per chunk.
+constexpr int64_t kRingMaxChunks = 8;
+constexpr int64_t kRingMinChunk = 1 << 16;
+
+AllReducePlan plan_all_reduce(const std::vector<int>& replica_device,
+                              const std::vector<cudaStream_t>& stream,
+                              const std::vector<std::vector<bool>>& readable,
+                              ScheduleAlgorithm algorithm, int64_t n, size_t elem_size);
+
+// In place: every buffer ends holding the fixed-order sum (or mean) of all of them. T is float,
+// double, __half or __nv_bfloat16; scratch[d] holds plan.scratch_bytes[d] bytes on device d.
+template <typename T>
+cudaError_t all_reduce(const AllReducePlan& plan, const ScheduleReplicas<T>& buffers,
+                       const std::vector<void*>& scratch, bool mean);
+
+// The reduction of grads fused with torch.optim.SGD's step: every params[r] (and momenta[r],
+// empty when sgd.momentum is 0) ends holding the same updated values. grads is reduced in place
+// unless the plan's algorithm is two_shot (which never writes grads).
+template <typename T>
+cudaError_t reduce_sgd(const AllReducePlan& plan, const ScheduleReplicas<T>& grads,
+                       const std::vector<T*>& params, const std::vector<T*>& momenta,
+                       SgdArgs sgd, bool mean, const std::vector<void*>& scratch);
+
+}  // namespace cuda
+}  // namespace dpcuda

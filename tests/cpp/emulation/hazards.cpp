@@ -1,0 +1,190 @@
+// Deliberately broken kernels and schedules: each must be reported by the checker that is meant
+// to catch it, or that checker proves nothing. Run as `emulation_hazards VARIANT`; ctest
+// (CMakeLists.txt) names the report each build must print:
+//   shared_race      a shared-memory write, then a read of another thread's slot, no barrier:
+//                    ThreadSanitizer reports the race; without TSan the random fiber schedule
+//                    gives a wrong result
+//   oob_store        a store one element past the end of a device buffer: AddressSanitizer
+//   shuffle_lane     a shuffle whose mask names a lane that has exited: the emulator
+//   misaligned_load  a 16-byte vector load from an address that is not 16-byte aligned: UBSan
+//   dropped_wait     the all-reduce schedule with one cudaStreamWaitEvent dropped: TSan
+//                    reports the cross-stream race; without TSan, under random stream delays,
+//                    a wrong result
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "emu_test.h"
+#include "kernels/all_reduce/schedule.h"
+#include "kernels/launch.cuh"
+
+using dpcuda::cuda::launch;
+using emu_test::DeviceBuffer;
+
+namespace {
+
+__global__ void shared_race_kernel(const float* in, float* out) {
+  __shared__ float buf[256];
+  const int t = threadIdx.x;
+  buf[t] = in[t];
+  // The barrier that belongs here is missing.
+  out[t] = buf[(t + 1) % 256];
+}
+
+__global__ void oob_store_kernel(float* out, int n) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i <= n) out[i] = 1.0f;  // <= : one past the end
+}
+
+__global__ void shuffle_lane_kernel(float* out) {
+  if (threadIdx.x == 7) return;
+  out[threadIdx.x] = __shfl_xor_sync(0xffffffffu, 1.0f, 1);
+}
+
+struct alignas(16) Vec4 {
+  float v[4];
+};
+
+__global__ void misaligned_load_kernel(const float* in, float* out) {
+  // in + 1 is 4 bytes past a 256-byte boundary.
+  const Vec4 x = *reinterpret_cast<const Vec4*>(in + 1 + 4 * threadIdx.x);
+  out[threadIdx.x] = x.v[0] + x.v[1] + x.v[2] + x.v[3];
+}
+
+void wrong_result(const char* what) { std::printf("%s: wrong result\n", what); }
+
+int shared_race() {
+  dpcuda::emu::reset(emu_test::config(1, 5));
+  std::vector<float> host(256);
+  for (int i = 0; i < 256; ++i) host[i] = static_cast<float>(i + 1);
+  DeviceBuffer<float> in(256), out(256);
+  in.upload(host);
+  for (int trial = 0; trial < 4; ++trial) {
+    if (launch(shared_race_kernel, dim3(1), dim3(256), 0, nullptr, in.ptr, out.ptr) != cudaSuccess) {
+      return 1;
+    }
+    const std::vector<float> got = out.download();
+    for (int t = 0; t < 256; ++t) {
+      if (got[t] != host[(t + 1) % 256]) {
+        wrong_result("shared_race");
+        return 0;
+      }
+    }
+  }
+  std::printf("shared_race: not detected\n");
+  return 1;
+}
+
+int oob_store() {
+  dpcuda::emu::reset(emu_test::config());
+  DeviceBuffer<float> out(100);
+  if (launch(oob_store_kernel, dim3(1), dim3(128), 0, nullptr, out.ptr, 100) != cudaSuccess) return 1;
+  cudaDeviceSynchronize();
+  std::printf("oob_store: not detected\n");
+  return 1;
+}
+
+int shuffle_lane() {
+  dpcuda::emu::reset(emu_test::config());
+  DeviceBuffer<float> out(32);
+  if (launch(shuffle_lane_kernel, dim3(1), dim3(32), 0, nullptr, out.ptr) != cudaSuccess) return 1;
+  const cudaError_t err = cudaDeviceSynchronize();
+  std::printf("shuffle_lane: cudaDeviceSynchronize: %s\n", cudaGetErrorName(err));
+  return err == cudaErrorLaunchFailure ? 0 : 1;
+}
+
+int misaligned_load() {
+  dpcuda::emu::reset(emu_test::config());
+  DeviceBuffer<float> in(256), out(32);
+  in.upload(std::vector<float>(256, 1.0f));
+  if (launch(misaligned_load_kernel, dim3(1), dim3(32), 0, nullptr, in.ptr, out.ptr) != cudaSuccess) {
+    return 1;
+  }
+  cudaDeviceSynchronize();
+  std::printf("misaligned_load: not detected\n");
+  return 1;
+}
+
+// The two-shot all-reduce across 4 devices without peer access, with the k-th stream wait of
+// the schedule dropped, for every k; a wrong result for any k counts.
+int dropped_wait() {
+  const int R = 4;
+  const int64_t n = 4096;
+  int waits = 0;
+  bool wrong = false;
+  for (int drop = -1; drop < waits || drop == -1; ++drop) {
+    dpcuda::emu::Config c = emu_test::config(R, 11 + drop, 500);
+    c.peer.assign(R, std::vector<bool>(R, false));
+    dpcuda::emu::reset(c);
+    std::vector<std::unique_ptr<DeviceBuffer<float>>> bufs;
+    std::vector<cudaStream_t> streams(R);
+    std::vector<float> want(n, 0.0f);
+    dpcuda::cuda::ScheduleReplicas<float> reps;
+    for (int r = 0; r < R; ++r) {
+      cudaSetDevice(r);
+      cudaStreamCreate(&streams[r]);
+      bufs.push_back(std::make_unique<DeviceBuffer<float>>(n));
+      std::vector<float> host(n);
+      for (int64_t i = 0; i < n; ++i) host[i] = static_cast<float>((i * (r + 3)) % 97);
+      for (int64_t i = 0; i < n; ++i) want[i] = r == 0 ? host[i] : want[i] + host[i];
+      bufs.back()->upload(host);
+      reps.data.push_back(bufs.back()->ptr);
+      reps.device.push_back(r);
+    }
+    cudaSetDevice(0);
+    dpcuda::cuda::AllReducePlan plan = dpcuda::cuda::plan_all_reduce(
+        reps.device, streams, std::vector<std::vector<bool>>(R, std::vector<bool>(R, false)),
+        dpcuda::cuda::ScheduleAlgorithm::kTwoShot, n, sizeof(float));
+    std::vector<std::unique_ptr<DeviceBuffer<char>>> scratch;
+    std::vector<void*> scratch_ptrs;
+    for (int d = 0; d < R; ++d) {
+      cudaSetDevice(d);
+      scratch.push_back(std::make_unique<DeviceBuffer<char>>(plan.scratch_bytes[d] + 1));
+      scratch_ptrs.push_back(scratch.back()->ptr);
+    }
+    cudaSetDevice(0);
+    dpcuda::emu::drop_stream_wait(drop);
+    const int before = dpcuda::emu::stream_wait_count();
+    if (dpcuda::cuda::all_reduce<float>(plan, reps, scratch_ptrs, false) != cudaSuccess) return 1;
+    if (drop == -1) waits = dpcuda::emu::stream_wait_count() - before;
+    for (int r = 0; r < R; ++r) {
+      cudaSetDevice(r);
+      cudaStreamSynchronize(streams[r]);
+    }
+    for (int r = 0; r < R && !wrong; ++r) {
+      const std::vector<float> got = bufs[r]->download();
+      for (int64_t i = 0; i < n; ++i) {
+        if (got[i] != want[i]) {
+          if (drop == -1) {
+            std::printf("dropped_wait: the intact schedule is wrong\n");
+            return 1;
+          }
+          wrong = true;
+          break;
+        }
+      }
+    }
+  }
+  if (wrong) {
+    wrong_result("dropped_wait");
+    return 0;
+  }
+  std::printf("dropped_wait: not detected (%d waits)\n", waits);
+  return 1;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const std::string v = argc > 1 ? argv[1] : "";
+  if (v == "shared_race") return shared_race();
+  if (v == "oob_store") return oob_store();
+  if (v == "shuffle_lane") return shuffle_lane();
+  if (v == "misaligned_load") return misaligned_load();
+  if (v == "dropped_wait") return dropped_wait();
+  std::fprintf(stderr, "usage: emulation_hazards shared_race|oob_store|shuffle_lane|"
+                       "misaligned_load|dropped_wait\n");
+  return 2;
+}

@@ -1,0 +1,185 @@
+// Every all-reduce schedule (csrc/kernels/all_reduce/schedule.cu) on emulated devices: one_shot,
+// two_shot and ring, plain and with SGD fused, for 1 to 8 and 16 replicas on their own devices
+// or sharing them, with peer access all on, all off and mixed, under random stream delays.
+// Every replica must end bit-identical to the fixed-order CPU sum (and SGD step).
+#include <cstring>
+#include <memory>
+#include <random>
+#include <vector>
+
+#include "cpu/all_reduce.h"
+#include "emu_test.h"
+#include "kernels/all_reduce/schedule.h"
+#include "kernels/common.cuh"
+
+using dpcuda::cuda::ScheduleAlgorithm;
+using emu_test::DeviceBuffer;
+
+namespace {
+
+template <typename T> double to_float(T v) { return static_cast<double>(v); }
+template <> double to_float<__half>(__half v) { return __half2float(v); }
+template <typename T> T from_float(double v) { return static_cast<T>(v); }
+template <> __half from_float<__half>(double v) {
+  return __float2half_rn(static_cast<float>(v));  // v holds a float: exact
+}
+
+enum class Peers { kAll, kNone, kMixed };
+
+struct Case {
+  int replicas;
+  int devices;  // replica r lives on device r % devices
+  Peers peers;
+  ScheduleAlgorithm algorithm;
+  int64_t n;
+  bool sgd;
+  bool momentum;
+};
+
+template <typename T>
+void run_case(const Case& c, uint64_t seed) {
+  using Acc = dpcuda::cuda::acc_t<T>;
+  const int R = c.replicas, D = c.devices;
+  dpcuda::emu::Config cfg = emu_test::config(D, seed, 50);
+  std::mt19937 rng(static_cast<unsigned>(seed));
+  cfg.peer.assign(D, std::vector<bool>(D, c.peers == Peers::kAll));
+  if (c.peers == Peers::kMixed) {
+    for (int d = 0; d < D; ++d)
+      for (int e = 0; e < D; ++e) cfg.peer[d][e] = rng() % 2 == 0;
+  }
+  dpcuda::emu::reset(cfg);
+  // Enable what the hardware allows (at most 8 peers per device); the rest is staged.
+  std::vector<std::vector<bool>> readable(D, std::vector<bool>(D, false));
+  std::vector<cudaStream_t> streams(D);
+  for (int d = 0; d < D; ++d) {
+    CUDA_OK(cudaSetDevice(d));
+    CUDA_OK(cudaStreamCreate(&streams[d]));
+    for (int e = 0; e < D; ++e) {
+      int can = 0;
+      CUDA_OK(cudaDeviceCanAccessPeer(&can, d, e));
+      if (can) readable[d][e] = cudaDeviceEnablePeerAccess(e, 0) == cudaSuccess;
+    }
+    (void)cudaGetLastError();
+  }
+  std::normal_distribution<float> dist(0.0f, 10.0f);
+  std::vector<std::vector<T>> x(R, std::vector<T>(c.n));
+  for (auto& b : x)
+    for (auto& v : b) v = from_float<T>(dist(rng));
+  std::vector<T> p0(c.n), m0(c.n);
+  for (auto& v : p0) v = from_float<T>(dist(rng));
+  for (auto& v : m0) v = from_float<T>(dist(rng) * 0.1f);
+  // The expected bits: the fixed-order mean, rounded to T, then the SGD element formula.
+  std::vector<T> want(c.n), want_p(c.n), want_m(c.n);
+  const dpcuda::cuda::SgdArgs sgd{0.05f, c.momentum ? 0.9f : 0.0f, 0.01f, 0.05,
+                                  c.momentum ? 0.9 : 0.0, 0.01};
+  for (int64_t i = 0; i < c.n; ++i) {
+    Acc acc = static_cast<Acc>(to_float(x[0][i]));
+    for (int r = 1; r < R; ++r) acc = acc + static_cast<Acc>(to_float(x[r][i]));
+    acc = acc / static_cast<Acc>(R);
+    want[i] = from_float<T>(acc);
+    const Acc g = static_cast<Acc>(to_float(want[i])), p = static_cast<Acc>(to_float(p0[i]));
+    // The kernels take float64 buffers' hyperparameters in double, the others' in float.
+    const bool dbl = sizeof(Acc) == 8;
+    const Acc wd = dbl ? Acc(0.01) : Acc(0.01f), mu = dbl ? Acc(0.9) : Acc(0.9f);
+    const Acc lr = dbl ? Acc(0.05) : Acc(0.05f);
+    Acc d = g + wd * p;
+    if (c.momentum) d = mu * static_cast<Acc>(to_float(m0[i])) + d;
+    want_p[i] = from_float<T>(p - lr * d);
+    want_m[i] = from_float<T>(d);
+  }
+  std::vector<std::unique_ptr<DeviceBuffer<T>>> g, p, m;
+  dpcuda::cuda::ScheduleReplicas<T> reps;
+  std::vector<T*> params, momenta;
+  for (int r = 0; r < R; ++r) {
+    CUDA_OK(cudaSetDevice(r % D));
+    g.push_back(std::make_unique<DeviceBuffer<T>>(c.n));
+    g.back()->upload(x[r]);
+    reps.data.push_back(g.back()->ptr);
+    reps.device.push_back(r % D);
+    if (c.sgd) {
+      p.push_back(std::make_unique<DeviceBuffer<T>>(c.n));
+      p.back()->upload(p0);
+      params.push_back(p.back()->ptr);
+      if (c.momentum) {
+        m.push_back(std::make_unique<DeviceBuffer<T>>(c.n));
+        m.back()->upload(m0);
+        momenta.push_back(m.back()->ptr);
+      }
+    }
+  }
+  const dpcuda::cuda::AllReducePlan plan = dpcuda::cuda::plan_all_reduce(
+      reps.device, streams, readable, c.algorithm, c.n, sizeof(T));
+  std::vector<std::unique_ptr<DeviceBuffer<char>>> scratch;
+  std::vector<void*> scratch_ptrs;
+  for (int d = 0; d < D; ++d) {
+    CUDA_OK(cudaSetDevice(d));
+    scratch.push_back(std::make_unique<DeviceBuffer<char>>(plan.scratch_bytes[d] + 1));
+    scratch_ptrs.push_back(scratch.back()->ptr);
+  }
+  CUDA_OK(cudaSetDevice(0));
+  if (c.sgd) {
+    CUDA_OK(dpcuda::cuda::reduce_sgd<T>(plan, reps, params, momenta, sgd, true, scratch_ptrs));
+  } else {
+    CUDA_OK(dpcuda::cuda::all_reduce<T>(plan, reps, scratch_ptrs, true));
+  }
+  int current = -1;
+  CUDA_OK(cudaGetDevice(&current));
+  CHECK(current == 0);  // the schedule restores the caller's device
+  for (int d = 0; d < D; ++d) {
+    CUDA_OK(cudaSetDevice(d));
+    CUDA_OK(cudaStreamSynchronize(streams[d]));
+  }
+  auto same = [](const std::vector<T>& a, const std::vector<T>& b) {
+    return std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
+  };
+  bool ok = true;
+  for (int r = 0; r < R; ++r) {
+    if (c.sgd) {
+      ok = ok && same(p[r]->download(), want_p);
+      if (c.momentum) ok = ok && same(m[r]->download(), want_m);
+    } else {
+      ok = ok && same(g[r]->download(), want);
+    }
+  }
+  if (!ok) {
+    std::printf("schedule %d R=%d devices=%d peers=%d n=%lld sgd=%d momentum=%d (%zu-byte): "
+                "replicas differ from the fixed-order sum\n",
+                static_cast<int>(c.algorithm), R, D, static_cast<int>(c.peers),
+                static_cast<long long>(c.n), c.sgd, c.momentum, sizeof(T));
+    ++dpcuda_test::failures();
+  }
+  emu_test::expect_no_reports("schedules");
+}
+
+}  // namespace
+
+int main() {
+  uint64_t seed = 100;
+  const ScheduleAlgorithm kAlgorithms[] = {ScheduleAlgorithm::kOneShot, ScheduleAlgorithm::kTwoShot,
+                                           ScheduleAlgorithm::kRing};
+  for (ScheduleAlgorithm a : kAlgorithms) {
+    for (int R : {1, 2, 3, 4, 5, 6, 7, 8, 16}) {
+      for (Peers peers : {Peers::kAll, Peers::kNone, Peers::kMixed}) {
+        for (int64_t n : {int64_t(1), int64_t(1000), int64_t(4099)}) {
+          run_case<float>({R, R, peers, a, n, false, false}, ++seed);
+          run_case<float>({R, R, peers, a, n, true, n != 1}, ++seed);
+        }
+      }
+      // Replicas sharing devices, and the half type.
+      run_case<float>({R, (R + 1) / 2, Peers::kMixed, a, 1000, false, false}, ++seed);
+      run_case<float>({R, 1, Peers::kAll, a, 1000, true, true}, ++seed);
+      run_case<__half>({R, R, Peers::kMixed, a, 1001, false, false}, ++seed);
+      run_case<__half>({R, R, Peers::kNone, a, 1001, true, true}, ++seed);
+      run_case<double>({R, R, Peers::kAll, a, 999, true, false}, ++seed);
+    }
+  }
+  // Buffers long enough for the ring to pipeline several chunks.
+  for (Peers peers : {Peers::kAll, Peers::kNone}) {
+    for (int R : {2, 3, 5}) {
+      run_case<float>({R, R, peers, ScheduleAlgorithm::kRing, 3 * dpcuda::cuda::kRingMinChunk + 5,
+                       false, false},
+                      ++seed);
+    }
+  }
+  return emu_test::finish("test_emulation_schedules");
+}
