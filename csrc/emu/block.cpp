@@ -452,6 +452,10 @@ bool run_grid(dim3 grid, dim3 block, const std::function<void()>& body, const ch
   std::shuffle(order.begin(), order.end(), r.rng);
   tsan_release(&r.launch_sync);
   for (uint64_t b : order) {
+    // Blocks of one grid reuse the worker's shared memory one after another: everything an
+    // earlier block did happens before the next block's threads start.
+    tsan_acquire(&r.end_sync);
+    tsan_release(&r.launch_sync);
     const uint3 idx = make_uint3(static_cast<unsigned>(b % grid.x),
                                  static_cast<unsigned>(b / grid.x % grid.y),
                                  static_cast<unsigned>(b / (static_cast<uint64_t>(grid.x) * grid.y)));
