@@ -102,6 +102,13 @@ struct Fiber {
   uint64_t result = 0;
   void* fake_stack = nullptr;
   void* tsan = nullptr;
+  // A stream's worker ends with its stream: its fibers' stacks go with it.
+  ~Fiber() {
+    if (stack != nullptr) munmap(stack, kStackBytes);
+#if defined(DPCUDA_EMU_TSAN)
+    if (tsan != nullptr) __tsan_destroy_fiber(tsan);
+#endif
+  }
 };
 
 struct Runner {
