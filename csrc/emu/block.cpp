@@ -16,6 +16,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <mutex>
 #include <random>
 #include <sstream>
 #include <string>
@@ -102,13 +103,6 @@ struct Fiber {
   uint64_t result = 0;
   void* fake_stack = nullptr;
   void* tsan = nullptr;
-  // A stream's worker ends with its stream: its fibers' stacks go with it.
-  ~Fiber() {
-    if (stack != nullptr) munmap(stack, kStackBytes);
-#if defined(DPCUDA_EMU_TSAN)
-    if (tsan != nullptr) __tsan_destroy_fiber(tsan);
-#endif
-  }
 };
 
 struct Runner {
@@ -130,7 +124,25 @@ struct Runner {
   void* main_fake_stack = nullptr;
   // Addresses that stand for the synchronisation objects of the block (TSan keys on them).
   char launch_sync = 0, end_sync = 0, barrier_sync = 0, warp_sync[32] = {};
+  ~Runner();
 };
+
+// Fibers outlive the worker thread that made them: a stream's worker ends with its stream, and
+// a later worker takes its fibers (stacks and TSan contexts) instead of mapping new ones.
+struct FiberPool {
+  std::mutex m;
+  std::vector<std::unique_ptr<Fiber>> free;
+};
+
+FiberPool& pool() {
+  static FiberPool* p = new FiberPool;  // never destroyed: workers may end at exit
+  return *p;
+}
+
+Runner::~Runner() {
+  const std::lock_guard<std::mutex> lock(pool().m);
+  for (auto& f : fibers) pool().free.push_back(std::move(f));
+}
 
 thread_local Runner tl_runner;
 
@@ -222,6 +234,15 @@ void fiber_entry() {
 }
 
 Fiber* make_fiber() {
+  Runner& r = tl_runner;
+  {
+    const std::lock_guard<std::mutex> lock(pool().m);
+    if (!pool().free.empty()) {
+      r.fibers.push_back(std::move(pool().free.back()));
+      pool().free.pop_back();
+      return r.fibers.back().get();
+    }
+  }
   auto f = std::make_unique<Fiber>();
   void* mem = mmap(nullptr, kStackBytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS,
                    -1, 0);
@@ -233,7 +254,6 @@ Fiber* make_fiber() {
 #if defined(DPCUDA_EMU_TSAN)
   f->tsan = __tsan_create_fiber(0);
 #endif
-  Runner& r = tl_runner;
   r.fibers.push_back(std::move(f));
   return r.fibers.back().get();
 }
@@ -292,6 +312,7 @@ void run_block(Runner& r, uint3 block_idx, dim3 block_dim, dim3 grid_dim) {
     switch_to(r, r.fibers[i].get());
   }
   if (r.failed) {
+    tsan_acquire(&r.end_sync);  // the message was written by the failing fiber
     report(std::string("kernel ") + r.site + ": " + r.message);
     r.message.clear();
     return;
