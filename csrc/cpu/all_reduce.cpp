@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <cstring>
+#include <utility>
+#include <vector>
 
 #include "target.h"
 
@@ -105,7 +107,133 @@ DPCUDA_CPU_CLONES void sgd_range(const T* grad, T* param, T* momentum, int64_t b
   }
 }
 
+namespace {
+
+// Elements per unit of work handed to a thread.
+constexpr int64_t kPiece = 1 << 16;
+
+using Ranges = std::vector<std::pair<int64_t, int64_t>>;
+
+// [begin, end) cut into pieces of kPiece elements.
+void add_pieces(int64_t begin, int64_t end, Ranges* out) {
+  for (int64_t b = begin; b < end; b += kPiece) out->emplace_back(b, std::min(end, b + kPiece));
+}
+
+// Every replica's two-shot shard, cut into pieces.
+template <typename T>
+Ranges shard_pieces(int64_t n, int replicas) {
+  Ranges pieces;
+  for (int k = 0; k < replicas; ++k) {
+    int64_t b, e;
+    shard_range(n, replicas, k, 16 / sizeof(T), &b, &e);
+    add_pieces(b, e, &pieces);
+  }
+  return pieces;
+}
+
+template <typename T>
+void sgd_all(T* const* params, T* const* grads, T* const* momenta, int replicas, int64_t n,
+             Sgd sgd, const ParallelFor& parallel) {
+  Ranges pieces;
+  add_pieces(0, n, &pieces);
+  const int64_t np = static_cast<int64_t>(pieces.size());
+  parallel(0, replicas * np, [&](int64_t lo, int64_t hi) {
+    for (int64_t w = lo; w < hi; ++w) {
+      const int64_t r = w / np;
+      sgd_range<T>(grads[r], params[r], momenta ? momenta[r] : nullptr, pieces[w % np].first,
+                   pieces[w % np].second, sgd);
+    }
+  });
+}
+
+}  // namespace
+
+int64_t all_reduce_scratch(AllReduceAlgorithm algorithm, int replicas, int64_t n) {
+  return algorithm == AllReduceAlgorithm::kOneShot && replicas > 1 ? replicas * n : 0;
+}
+
+template <typename T>
+void all_reduce(T* const* bufs, int R, int64_t n, bool mean, AllReduceAlgorithm algorithm,
+                T* scratch, const ParallelFor& parallel) {
+  if (n == 0 || R == 1) return;  // x / 1 == x: a single replica's mean is itself
+  std::vector<const T*> in(bufs, bufs + R);
+  if (algorithm == AllReduceAlgorithm::kTwoShot) {
+    const Ranges pieces = shard_pieces<T>(n, R);
+    parallel(0, static_cast<int64_t>(pieces.size()), [&](int64_t lo, int64_t hi) {
+      for (int64_t p = lo; p < hi; ++p) {
+        reduce_range<T>(in.data(), R, bufs, R, pieces[p].first, pieces[p].second, mean);
+      }
+    });
+  } else if (algorithm == AllReduceAlgorithm::kOneShot) {
+    Ranges pieces;
+    add_pieces(0, n, &pieces);
+    const int64_t np = static_cast<int64_t>(pieces.size());
+    parallel(0, R * np, [&](int64_t lo, int64_t hi) {
+      for (int64_t w = lo; w < hi; ++w) {
+        T* out = scratch + (w / np) * n;
+        reduce_range<T>(in.data(), R, &out, 1, pieces[w % np].first, pieces[w % np].second,
+                        mean);
+      }
+    });
+    parallel(0, R * np, [&](int64_t lo, int64_t hi) {
+      for (int64_t w = lo; w < hi; ++w) {
+        const auto [b, e] = pieces[w % np];
+        std::copy(scratch + (w / np) * n + b, scratch + (w / np) * n + e, bufs[w / np] + b);
+      }
+    });
+  } else {
+    const int64_t chunks = ring_chunks(n);
+    auto chunk = [&](int64_t c, int64_t* b, int64_t* e) {
+      shard_range(n, static_cast<int>(chunks), static_cast<int>(c), 16 / sizeof(T), b, e);
+    };
+    // Reduce: at step s, replica r (1..R-1) adds chunk s - (r - 1) to replica r-1's partial.
+    for (int64_t s = 0; s < chunks + R - 2; ++s) {
+      parallel(1, R, [&](int64_t lo, int64_t hi) {
+        for (int64_t r = lo; r < hi; ++r) {
+          const int64_t c = s - (r - 1);
+          if (c < 0 || c >= chunks) continue;
+          int64_t b, e;
+          chunk(c, &b, &e);
+          chain_accumulate<T>(bufs[r - 1], bufs[r], b, e, r == R - 1 && mean ? R : 0);
+        }
+      });
+    }
+    // Broadcast: every other replica copies the last replica's result.
+    parallel(0, (R - 1) * chunks, [&](int64_t lo, int64_t hi) {
+      for (int64_t w = lo; w < hi; ++w) {
+        int64_t b, e;
+        chunk(w % chunks, &b, &e);
+        std::copy(bufs[R - 1] + b, bufs[R - 1] + e, bufs[w / chunks] + b);
+      }
+    });
+  }
+}
+
+template <typename T>
+void reduce_sgd(T* const* params, T* const* grads, T* const* momenta, int R, int64_t n,
+                bool mean, AllReduceAlgorithm algorithm, Sgd sgd, T* scratch,
+                const ParallelFor& parallel) {
+  if (n == 0) return;
+  if (algorithm != AllReduceAlgorithm::kTwoShot) {
+    all_reduce<T>(grads, R, n, mean, algorithm, scratch, parallel);
+    sgd_all<T>(params, grads, momenta, R, n, sgd, parallel);
+    return;
+  }
+  std::vector<const T*> g(grads, grads + R);
+  const Ranges pieces = shard_pieces<T>(n, R);
+  parallel(0, static_cast<int64_t>(pieces.size()), [&](int64_t lo, int64_t hi) {
+    for (int64_t w = lo; w < hi; ++w) {
+      reduce_sgd_range<T>(g.data(), R, params, R, momenta, momenta ? R : 0, pieces[w].first,
+                          pieces[w].second, mean, sgd);
+    }
+  });
+}
+
 #define DPCUDA_INSTANTIATE(T)                                                                  \
+  template void all_reduce<T>(T* const*, int, int64_t, bool, AllReduceAlgorithm, T*,          \
+                              const ParallelFor&);                                             \
+  template void reduce_sgd<T>(T* const*, T* const*, T* const*, int, int64_t, bool,            \
+                              AllReduceAlgorithm, Sgd, T*, const ParallelFor&);               \
   template void reduce_range<T>(const T* const*, int, T* const*, int, int64_t, int64_t, bool); \
   template void chain_accumulate<T>(const T*, T*, int64_t, int64_t, int);                      \
   template void reduce_sgd_range<T>(const T* const*, int, T* const*, int, T* const*, int,      \

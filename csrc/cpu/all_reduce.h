@@ -1,7 +1,7 @@
-// CPU kernels of the replica all-reduce and of the SGD step fused into it. Torch-free (raw
-// pointers, element ranges) so the CMake build tests them without libtorch; the ATen adapter
-// (csrc/torch/all_reduce.cpp) runs the algorithms (one-shot, two-shot, ring) by handing threads
-// shards and blocks of these ranges.
+// CPU kernels of the replica all-reduce and of the SGD step fused into it, and the algorithms
+// (one-shot, two-shot, ring) that hand threads shards and pieces of them. Torch-free (raw
+// pointers, element ranges, a parallel-for passed in) so the CMake build tests them without
+// libtorch; the ATen adapter (csrc/torch/all_reduce.cpp) passes at::parallel_for.
 //
 // The summation order is fixed: acc = x[0]; acc = acc + x[r] for r = 1..R-1; acc = acc / R for
 // a mean. Every algorithm computes each element with exactly this sequence of operations, so
@@ -9,6 +9,9 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
+
+#include "../kernels/all_reduce/algorithm.h"
 
 namespace dpcuda {
 namespace cpu {
@@ -58,6 +61,27 @@ inline void shard_range(int64_t n, int replicas, int k, int64_t align, int64_t* 
   *begin = b < n ? b : n;
   *end = b + per < n ? b + per : n;
 }
+
+// Runs body(lo, hi) over subranges of [begin, end), on as many threads as it likes.
+using ParallelFor =
+    std::function<void(int64_t begin, int64_t end, const std::function<void(int64_t, int64_t)>&)>;
+
+// Elements of T that all_reduce and reduce_sgd need as scratch (one-shot: a copy per replica).
+int64_t all_reduce_scratch(AllReduceAlgorithm algorithm, int replicas, int64_t n);
+
+// In place: every bufs[r] ends holding the fixed-order sum (or mean) of all. On the CPU the
+// replicas share one memory, so two-shot is one pass: each shard is read from every replica and
+// written to every replica at once.
+template <typename T>
+void all_reduce(T* const* bufs, int replicas, int64_t n, bool mean, AllReduceAlgorithm algorithm,
+                T* scratch, const ParallelFor& parallel);
+
+// The reduction of grads fused with the SGD step (momenta null when sgd.momentum is 0): every
+// params[r] ends with the same updated values. grads is reduced in place except by two-shot.
+template <typename T>
+void reduce_sgd(T* const* params, T* const* grads, T* const* momenta, int replicas, int64_t n,
+                bool mean, AllReduceAlgorithm algorithm, Sgd sgd, T* scratch,
+                const ParallelFor& parallel);
 
 }  // namespace cpu
 }  // namespace dpcuda

@@ -238,6 +238,21 @@ bool copy_range_ok(const void* p, size_t bytes, int want_device, const char* wha
   return true;
 }
 
+// Queues a copy on the stream after checking both ranges (device -1: any memory).
+cudaError_t copy_async(void* dst, int dst_device, const void* src, int src_device, size_t count,
+                       cudaStream_t stream, const char* what) {
+  if (!copy_range_ok(dst, count, dst_device, (std::string(what) + " destination").c_str()) ||
+      !copy_range_ok(src, count, src_device, (std::string(what) + " source").c_str())) {
+    return fail(cudaErrorInvalidValue);
+  }
+  CUstream_st* s = resolve(stream);
+  const int device = s->device;
+  s->push([=] {
+    if (sticky_error(device) == cudaSuccess && count) std::memcpy(dst, src, count);
+  });
+  return cudaSuccess;
+}
+
 bool synchronize_device(int device) {
   std::vector<CUstream_st*> streams;
   {
@@ -494,30 +509,13 @@ cudaError_t cudaMemcpy(void* dst, const void* src, size_t count, enum cudaMemcpy
 
 cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t count, enum cudaMemcpyKind,
                             cudaStream_t stream) {
-  if (!dpcuda::emu::copy_range_ok(dst, count, -1, "cudaMemcpyAsync destination") ||
-      !dpcuda::emu::copy_range_ok(src, count, -1, "cudaMemcpyAsync source")) {
-    return fail(cudaErrorInvalidValue);
-  }
-  CUstream_st* s = resolve(stream);
-  const int device = s->device;
-  s->push([=] {
-    if (dpcuda::emu::sticky_error(device) == cudaSuccess && count) std::memcpy(dst, src, count);
-  });
-  return cudaSuccess;
+  return dpcuda::emu::copy_async(dst, -1, src, -1, count, stream, "cudaMemcpyAsync");
 }
 
 cudaError_t cudaMemcpyPeerAsync(void* dst, int dst_device, const void* src, int src_device,
                                 size_t count, cudaStream_t stream) {
-  if (!dpcuda::emu::copy_range_ok(dst, count, dst_device, "cudaMemcpyPeerAsync destination") ||
-      !dpcuda::emu::copy_range_ok(src, count, src_device, "cudaMemcpyPeerAsync source")) {
-    return fail(cudaErrorInvalidValue);
-  }
-  CUstream_st* s = resolve(stream);
-  const int device = s->device;
-  s->push([=] {
-    if (dpcuda::emu::sticky_error(device) == cudaSuccess && count) std::memcpy(dst, src, count);
-  });
-  return cudaSuccess;
+  return dpcuda::emu::copy_async(dst, dst_device, src, src_device, count, stream,
+                                 "cudaMemcpyPeerAsync");
 }
 
 cudaError_t cudaMemsetAsync(void* ptr, int value, size_t count, cudaStream_t stream) {

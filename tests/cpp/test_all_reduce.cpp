@@ -2,6 +2,7 @@
 // the same bits as the one-pass reduction, the fused SGD step against torch.optim.SGD's
 // formula, and shard boundaries that cover a buffer exactly once.
 #include <cstdio>
+#include <functional>
 #include <random>
 #include <vector>
 
@@ -94,6 +95,48 @@ int main() {
   for (int64_t i = 0; i < n; ++i) gsum[i] = (g[0][i] + g[1][i]) + g[2][i];
   dpcuda::cpu::sgd_range<double>(gsum.data(), p1.data(), m1.data(), 0, n, sgd);
   for (int64_t i = 0; i < n; ++i) CHECK(p1[i] == p[0][i] && m1[i] == m[0][i]);
+
+  // The algorithms (csrc/cpu/all_reduce.h), on a serial parallel-for that runs the pieces in
+  // reverse order: every algorithm ends with the fixed-order bits on every replica, plain and
+  // with SGD fused, for buffers long enough for the ring to use several chunks.
+  const dpcuda::cpu::ParallelFor reversed =
+      [](int64_t begin, int64_t end, const std::function<void(int64_t, int64_t)>& body) {
+        for (int64_t i = end - 1; i >= begin; --i) body(i, i + 1);
+      };
+  for (auto algo : {dpcuda::AllReduceAlgorithm::kOneShot, dpcuda::AllReduceAlgorithm::kTwoShot,
+                    dpcuda::AllReduceAlgorithm::kRing}) {
+    for (int R2 : {1, 2, 3, 7}) {
+      for (int64_t n2 : {int64_t(1), int64_t(1001), 3 * dpcuda::kRingMinChunk + 9}) {
+        std::vector<std::vector<float>> x(R2, std::vector<float>(n2));
+        for (auto& b : x)
+          for (auto& v : b) v = normal(rng);
+        std::vector<float> want(n2), p0f(n2), want_p(n2);
+        for (int64_t i = 0; i < n2; ++i) {
+          float acc = x[0][i];
+          for (int r = 1; r < R2; ++r) acc = acc + x[r][i];
+          want[i] = acc / static_cast<float>(R2);
+          p0f[i] = normal(rng);
+          want_p[i] = p0f[i] - 0.5f * want[i];
+        }
+        std::vector<float> scratch(dpcuda::cpu::all_reduce_scratch(algo, R2, n2) + 1);
+        auto bufs = x;
+        std::vector<float*> ptrs;
+        for (auto& b : bufs) ptrs.push_back(b.data());
+        dpcuda::cpu::all_reduce<float>(ptrs.data(), R2, n2, true, algo, scratch.data(), reversed);
+        for (int r = 0; r < R2; ++r) CHECK(bufs[r] == want);
+        auto grads = x;
+        std::vector<std::vector<float>> params(R2, p0f);
+        std::vector<float*> gptr, pptr;
+        for (int r = 0; r < R2; ++r) {
+          gptr.push_back(grads[r].data());
+          pptr.push_back(params[r].data());
+        }
+        dpcuda::cpu::reduce_sgd<float>(pptr.data(), gptr.data(), nullptr, R2, n2, true, algo,
+                                       {0.5, 0.0, 0.0}, scratch.data(), reversed);
+        for (int r = 0; r < R2; ++r) CHECK(params[r] == want_p);
+      }
+    }
+  }
 
   if (dpcuda_test::failures()) {
     std::printf("%d failures\n", dpcuda_test::failures());

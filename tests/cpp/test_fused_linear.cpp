@@ -4,30 +4,16 @@
 #include <random>
 #include <vector>
 
+#include "activation_reference.h"
 #include "check.h"
 #include "cpu/fused_linear.h"
 
 using dpcuda::Activation;
+using dpcuda_test::activation_reference;
 
 namespace {
 
-double textbook(Activation act, double z) {
-  switch (act) {
-    case Activation::kNone: return z;
-    case Activation::kRelu: return z > 0 ? z : 0;
-    case Activation::kGelu: return 0.5 * z * std::erfc(-z / std::sqrt(2.0));
-    case Activation::kGeluTanh:
-      return 0.5 * z * (1 + std::tanh(std::sqrt(2 / M_PI) * (z + 0.044715 * z * z * z)));
-    case Activation::kSilu: return z / (1 + std::exp(-z));
-    case Activation::kSigmoid: return 1 / (1 + std::exp(-z));
-    case Activation::kTanh: return std::tanh(z);
-  }
-  return 0;
-}
 
-const Activation kAll[] = {Activation::kNone, Activation::kRelu,    Activation::kGelu,
-                           Activation::kGeluTanh, Activation::kSilu, Activation::kSigmoid,
-                           Activation::kTanh};
 
 template <typename T>
 void test_forward(int64_t rows, int64_t cols, Activation act, std::mt19937& rng, double tol) {
@@ -45,7 +31,7 @@ void test_forward(int64_t rows, int64_t cols, Activation act, std::mt19937& rng,
     for (int64_t c = 0; c < cols; ++c) {
       const double z = double(gemm[r * cols + c]) + double(bias[c]);
       CHECK_CLOSE(double(pre[r * cols + c]), z, tol);
-      CHECK_CLOSE(double(out[r * cols + c]), textbook(act, z), tol);
+      CHECK_CLOSE(double(out[r * cols + c]), activation_reference(act, z), tol);
     }
   }
 }
@@ -54,8 +40,8 @@ void test_activation_grad(Activation act) {
   const auto saved = dpcuda::saved_for_backward(act);
   for (double z = -6.0; z <= 6.0; z += 0.37) {
     const double h = 1e-6;
-    const double numeric = (textbook(act, z + h) - textbook(act, z - h)) / (2 * h);
-    const double s = saved == dpcuda::Saved::kOutput ? textbook(act, z) : z;
+    const double numeric = (activation_reference(act, z + h) - activation_reference(act, z - h)) / (2 * h);
+    const double s = saved == dpcuda::Saved::kOutput ? activation_reference(act, z) : z;
     CHECK_CLOSE(dpcuda::activation_grad<double>(act, s), numeric, 1e-6);
   }
 }
@@ -67,7 +53,7 @@ void test_backward(int64_t rows, int64_t cols, Activation act, std::mt19937& rng
   for (auto& v : z) v = T(dist(rng));
   for (auto& v : go) v = T(dist(rng));
   const bool from_output = dpcuda::saved_for_backward(act) == dpcuda::Saved::kOutput;
-  for (size_t i = 0; i < z.size(); ++i) saved[i] = from_output ? T(textbook(act, z[i])) : z[i];
+  for (size_t i = 0; i < z.size(); ++i) saved[i] = from_output ? T(activation_reference(act, z[i])) : z[i];
   const int64_t chunk = dpcuda::cpu::bias_chunk_rows(rows);
   const int64_t chunks = (rows + chunk - 1) / chunk;
   std::vector<T> partials(chunks * cols, T(NAN)), grad_bias(cols, T(NAN));
@@ -85,7 +71,7 @@ void test_backward(int64_t rows, int64_t cols, Activation act, std::mt19937& rng
       const int64_t i = r * cols + c;
       const double zz = z[i];
       const double d = act == Activation::kRelu ? (zz > 0 ? 1.0 : 0.0)
-                       : (textbook(act, zz + 1e-6) - textbook(act, zz - 1e-6)) / 2e-6;
+                       : (activation_reference(act, zz + 1e-6) - activation_reference(act, zz - 1e-6)) / 2e-6;
       CHECK_CLOSE(double(g[i]), double(go[i]) * d, tol);
       want_bias += double(go[i]) * d;
     }
@@ -98,7 +84,7 @@ void test_backward(int64_t rows, int64_t cols, Activation act, std::mt19937& rng
 int main() {
   std::mt19937 rng(1234);
   const int64_t sizes[] = {1, 3, 17, 100};
-  for (Activation act : kAll) {
+  for (Activation act : dpcuda_test::kAllActivations) {
     test_activation_grad(act);
     for (int64_t rows : sizes) {
       for (int64_t cols : sizes) {

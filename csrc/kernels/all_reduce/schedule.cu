@@ -50,10 +50,6 @@ void shard(const AllReducePlan& p, int k, int64_t* b, int64_t* e) {
   cpu::shard_range(p.n, p.replicas, k, static_cast<int64_t>(16 / p.elem_size), b, e);
 }
 
-int64_t ring_chunks(int64_t n) {
-  return std::min<int64_t>(kRingMaxChunks, std::max<int64_t>(1, n / kRingMinChunk));
-}
-
 void ring_chunk(const AllReducePlan& p, int64_t c, int64_t* b, int64_t* e) {
   cpu::shard_range(p.n, static_cast<int>(ring_chunks(p.n)), static_cast<int>(c),
                    static_cast<int64_t>(16 / p.elem_size), b, e);
@@ -270,7 +266,7 @@ Replicas<T> all_of(const std::vector<T*>& v) {
 AllReducePlan plan_all_reduce(const std::vector<int>& replica_device,
                               const std::vector<cudaStream_t>& stream,
                               const std::vector<std::vector<bool>>& readable,
-                              ScheduleAlgorithm algorithm, int64_t n, size_t elem_size) {
+                              AllReduceAlgorithm algorithm, int64_t n, size_t elem_size) {
   AllReducePlan p;
   p.algorithm = algorithm;
   p.replicas = static_cast<int>(replica_device.size());
@@ -288,14 +284,14 @@ AllReducePlan plan_all_reduce(const std::vector<int>& replica_device,
   if (n == 0 || p.replicas < 2 || p.devices.size() < 2) return p;
   const int R = p.replicas;
   const size_t whole = round_up(static_cast<size_t>(n) * elem_size);
-  if (algorithm == ScheduleAlgorithm::kOneShot) {
+  if (algorithm == AllReduceAlgorithm::kOneShot) {
     for (int d : p.devices) {
       for (int r = 0; r < R; ++r) {
         if (replica_device[r] == d) p.scratch_bytes[d] += whole;
         if (!reads(p, d, replica_device[r])) p.scratch_bytes[d] += whole;
       }
     }
-  } else if (algorithm == ScheduleAlgorithm::kTwoShot) {
+  } else if (algorithm == AllReduceAlgorithm::kTwoShot) {
     for (int k = 0; k < R; ++k) {
       int64_t b, e;
       shard(p, k, &b, &e);
@@ -339,9 +335,9 @@ cudaError_t all_reduce(const AllReducePlan& p, const ScheduleReplicas<T>& bufs,
   }
   std::vector<Arena> arena = arenas(scratch);
   barrier(p, st);  // every buffer is complete before any peer reads it
-  if (p.algorithm == ScheduleAlgorithm::kTwoShot) {
+  if (p.algorithm == AllReduceAlgorithm::kTwoShot) {
     two_shot<T>(p, bufs, {}, {}, nullptr, mean, arena, st);
-  } else if (p.algorithm == ScheduleAlgorithm::kOneShot) {
+  } else if (p.algorithm == AllReduceAlgorithm::kOneShot) {
     one_shot<T>(p, bufs, mean, arena, st);
   } else {
     ring<T>(p, bufs, mean, arena, st);
@@ -366,7 +362,7 @@ cudaError_t reduce_sgd(const AllReducePlan& p, const ScheduleReplicas<T>& grads,
     return reduce_sgd_range<T>(in, R, all_of(params), R, all_of(momenta),
                                static_cast<int>(momenta.size()), 0, p.n, mean, sgd, p.stream[d]);
   }
-  if (p.algorithm == ScheduleAlgorithm::kTwoShot) {
+  if (p.algorithm == AllReduceAlgorithm::kTwoShot) {
     std::vector<Arena> arena = arenas(scratch);
     barrier(p, st);
     two_shot<T>(p, grads, params, momenta, &sgd, mean, arena, st);

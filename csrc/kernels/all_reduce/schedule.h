@@ -29,12 +29,12 @@
 #include <cstdint>
 #include <vector>
 
+#include "algorithm.h"
 #include "all_reduce.h"
 
 namespace dpcuda {
 namespace cuda {
 
-enum class ScheduleAlgorithm { kOneShot, kTwoShot, kRing };
 
 // One buffer per replica and the device it lives on.
 template <typename T>
@@ -46,7 +46,7 @@ struct ScheduleReplicas {
 // What a call needs besides the buffers: the algorithm, the devices' streams and which device
 // may read which, and the scratch memory each device must provide.
 struct AllReducePlan {
-  ScheduleAlgorithm algorithm = ScheduleAlgorithm::kTwoShot;
+  AllReduceAlgorithm algorithm = AllReduceAlgorithm::kTwoShot;
   int replicas = 0;
   int64_t n = 0;
   size_t elem_size = 0;
@@ -60,14 +60,10 @@ struct AllReducePlan {
   std::vector<size_t> scratch_bytes;
 };
 
-// The most chunks the ring cuts a buffer into, and the fewest elements per chunk.
-constexpr int64_t kRingMaxChunks = 8;
-constexpr int64_t kRingMinChunk = 1 << 16;
-
 AllReducePlan plan_all_reduce(const std::vector<int>& replica_device,
                               const std::vector<cudaStream_t>& stream,
                               const std::vector<std::vector<bool>>& readable,
-                              ScheduleAlgorithm algorithm, int64_t n, size_t elem_size);
+                              AllReduceAlgorithm algorithm, int64_t n, size_t elem_size);
 
 // In place: every buffer ends holding the fixed-order sum (or mean) of all of them. T is float,
 // double, __half or __nv_bfloat16; scratch[d] holds plan.scratch_bytes[d] bytes on device d.

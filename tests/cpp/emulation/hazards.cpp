@@ -136,7 +136,7 @@ int dropped_wait() {
     cudaSetDevice(0);
     dpcuda::cuda::AllReducePlan plan = dpcuda::cuda::plan_all_reduce(
         reps.device, streams, std::vector<std::vector<bool>>(R, std::vector<bool>(R, false)),
-        dpcuda::cuda::ScheduleAlgorithm::kTwoShot, n, sizeof(float));
+        dpcuda::AllReduceAlgorithm::kTwoShot, n, sizeof(float));
     std::vector<std::unique_ptr<DeviceBuffer<char>>> scratch;
     std::vector<void*> scratch_ptrs;
     for (int d = 0; d < R; ++d) {

@@ -14,6 +14,7 @@
 
 #include "cpu/cross_entropy.h"
 #include "cpu/fused_linear.h"
+#include "activation_reference.h"
 #include "emu_test.h"
 #include "kernels/all_reduce/all_reduce.h"
 #include "kernels/common.cuh"
@@ -21,6 +22,7 @@
 #include "kernels/fused_linear/epilogue.h"
 
 using dpcuda::Activation;
+using dpcuda_test::activation_reference;
 using emu_test::DeviceBuffer;
 
 namespace {
@@ -69,23 +71,7 @@ void expect_close(double got, double want, double tol, double scale, const char*
   ++dpcuda_test::failures();
 }
 
-const Activation kAll[] = {Activation::kNone, Activation::kRelu,    Activation::kGelu,
-                           Activation::kGeluTanh, Activation::kSilu, Activation::kSigmoid,
-                           Activation::kTanh};
 
-double act_ref(Activation act, double z) {
-  switch (act) {
-    case Activation::kNone: return z;
-    case Activation::kRelu: return z > 0 ? z : 0;
-    case Activation::kGelu: return 0.5 * z * std::erfc(-z / std::sqrt(2.0));
-    case Activation::kGeluTanh:
-      return 0.5 * z * (1 + std::tanh(std::sqrt(2 / M_PI) * (z + 0.044715 * z * z * z)));
-    case Activation::kSilu: return z / (1 + std::exp(-z));
-    case Activation::kSigmoid: return 1 / (1 + std::exp(-z));
-    case Activation::kTanh: return std::tanh(z);
-  }
-  return 0;
-}
 
 // The derivative from what the forward pass saved (the output for relu, sigmoid and tanh).
 double grad_ref(Activation act, double s) {
@@ -96,7 +82,7 @@ double grad_ref(Activation act, double s) {
     case Activation::kTanh: return 1 - s * s;
     default: {
       const double h = 1e-6 * (1 + std::fabs(s));
-      return (act_ref(act, s + h) - act_ref(act, s - h)) / (2 * h);
+      return (activation_reference(act, s + h) - activation_reference(act, s - h)) / (2 * h);
     }
   }
 }
@@ -111,7 +97,7 @@ template <typename T>
 void test_activation_forward(std::mt19937& rng) {
   std::normal_distribution<double> dist(0.0, 3.0);
   for (const Shape& s : kShapes) {
-    for (Activation act : kAll) {
+    for (Activation act : dpcuda_test::kAllActivations) {
       // Offset 1: the pointers are not 16-byte aligned.
       for (int64_t offset : {0, 1}) {
         const int64_t n = s.rows * s.cols;
@@ -125,7 +111,7 @@ void test_activation_forward(std::mt19937& rng) {
         const std::vector<T> out = dout.download();
         for (int64_t i = 0; i < n; ++i) {
           const double zi = to_double(z[offset + i]);
-          expect_close(to_double(out[offset + i]), act_ref(act, zi), tolerance<T>(),
+          expect_close(to_double(out[offset + i]), activation_reference(act, zi), tolerance<T>(),
                        std::fabs(zi), "activation_forward", name<T>(), i);
         }
         // In place (out aliases z), as the adapter runs it for relu's saved output.
@@ -153,7 +139,7 @@ void test_activation_backward(std::mt19937& rng) {
   using Acc = dpcuda::cuda::acc_t<T>;
   std::normal_distribution<double> dist(0.0, 2.0);
   for (const Shape& s : kShapes) {
-    for (Activation act : kAll) {
+    for (Activation act : dpcuda_test::kAllActivations) {
       for (bool bias : {false, true}) {
         for (bool write_grad : {true, false}) {
           const int64_t n = s.rows * s.cols;
@@ -162,7 +148,7 @@ void test_activation_backward(std::mt19937& rng) {
           for (int64_t i = 0; i < n; ++i) {
             go[i] = from_double<T>(dist(rng));
             const double z = dist(rng);
-            saved[i] = from_double<T>(saves_output ? act_ref(act, z) : z);
+            saved[i] = from_double<T>(saves_output ? activation_reference(act, z) : z);
           }
           DeviceBuffer<T> dgo(n), dsaved(n), dpre(n), dbias(s.cols);
           DeviceBuffer<Acc> work(dpcuda::cuda::activation_backward_workspace(s.rows, s.cols) + 1);

@@ -12,7 +12,7 @@
 #include "kernels/all_reduce/schedule.h"
 #include "kernels/common.cuh"
 
-using dpcuda::cuda::ScheduleAlgorithm;
+using dpcuda::AllReduceAlgorithm;
 using emu_test::DeviceBuffer;
 
 namespace {
@@ -30,7 +30,7 @@ struct Case {
   int replicas;
   int devices;  // replica r lives on device r % devices
   Peers peers;
-  ScheduleAlgorithm algorithm;
+  AllReduceAlgorithm algorithm;
   int64_t n;
   bool sgd;
   bool momentum;
@@ -155,9 +155,9 @@ void run_case(const Case& c, uint64_t seed) {
 
 int main() {
   uint64_t seed = 100;
-  const ScheduleAlgorithm kAlgorithms[] = {ScheduleAlgorithm::kOneShot, ScheduleAlgorithm::kTwoShot,
-                                           ScheduleAlgorithm::kRing};
-  for (ScheduleAlgorithm a : kAlgorithms) {
+  const AllReduceAlgorithm kAlgorithms[] = {AllReduceAlgorithm::kOneShot, AllReduceAlgorithm::kTwoShot,
+                                           AllReduceAlgorithm::kRing};
+  for (AllReduceAlgorithm a : kAlgorithms) {
     for (int R : {1, 2, 3, 4, 5, 6, 7, 8, 16}) {
       for (Peers peers : {Peers::kAll, Peers::kNone, Peers::kMixed}) {
         for (int64_t n : {int64_t(1), int64_t(1000), int64_t(4099)}) {
@@ -176,7 +176,7 @@ int main() {
   // Buffers long enough for the ring to pipeline several chunks.
   for (Peers peers : {Peers::kAll, Peers::kNone}) {
     for (int R : {2, 3, 5}) {
-      run_case<float>({R, R, peers, ScheduleAlgorithm::kRing, 3 * dpcuda::cuda::kRingMinChunk + 5,
+      run_case<float>({R, R, peers, AllReduceAlgorithm::kRing, 3 * dpcuda::kRingMinChunk + 5,
                        false, false},
                       ++seed);
     }

@@ -1,0 +1,116 @@
+"""Reads the resource usage of every kernel image that the CUDA build makes (ptxas -v through
+nvcc --resource-usage, for each architecture of the build) and fails on any stack frame, spill
+or local memory, or on more than 48 KiB of static shared memory. Prints the table.
+
+    python scripts/check_kernel_resources.py [--arch 80 --arch 90] [--jobs 2]
+
+Local memory is where by-value parameter arrays indexed at run time, or locals whose address
+escapes, end up: slow on a GPU and invisible in the emulation, so it is checked here.
+"""
+
+import argparse
+import concurrent.futures
+import glob
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SHARED_LIMIT = 48 * 1024
+
+
+def nvcc_path():
+    for base in (os.environ.get("CUDA_HOME"), "/usr/local/cuda"):
+        if base and os.path.isfile(os.path.join(base, "bin", "nvcc")):
+            return os.path.join(base, "bin", "nvcc")
+    return shutil.which("nvcc")
+
+
+def compile_one(nvcc, source, arch):
+    cmd = [nvcc, "-std=c++17", "--expt-relaxed-constexpr", "-O3", "--resource-usage",
+           f"-gencode=arch=compute_{arch},code=sm_{arch}", "-I", os.path.join(ROOT, "csrc"),
+           "-c", source, "-o", os.devnull]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"nvcc failed on {source}:\n{done.stderr}")
+    return done.stdout + done.stderr
+
+
+def parse(text, arch):
+    """One row per entry function: name, registers, stack, spill stores/loads, lmem, smem."""
+    rows = []
+    current = None
+    for line in text.splitlines():
+        m = re.search(r"Compiling entry function '([^']+)' for 'sm_(\d+)'", line)
+        if m:
+            current = {"name": m.group(1), "arch": m.group(2), "regs": 0, "stack": 0,
+                       "spill_st": 0, "spill_ld": 0, "lmem": 0, "smem": 0}
+            rows.append(current)
+            continue
+        if current is None:
+            continue
+        m = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads",
+                      line)
+        if m:
+            current["stack"], current["spill_st"], current["spill_ld"] = map(int, m.groups())
+        m = re.search(r"Used (\d+) registers", line)
+        if m:
+            current["regs"] = int(m.group(1))
+            lmem = re.search(r"(\d+) bytes lmem", line)
+            smem = re.search(r"(\d+) bytes smem", line)
+            current["lmem"] = int(lmem.group(1)) if lmem else 0
+            current["smem"] = int(smem.group(1)) if smem else 0
+    return rows
+
+
+def demangle(names):
+    filt = shutil.which("c++filt")
+    if not filt:
+        return names
+    out = subprocess.run([filt], input="\n".join(names), capture_output=True, text=True).stdout
+    short = []
+    for name in out.splitlines():
+        name = re.sub(r"\(anonymous namespace\)::|dpcuda::cuda::|dpcuda::", "", name)
+        short.append(name)
+    return short
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", action="append", default=None,
+                        help="compute capability digits, e.g. 80 (default: 80 and 90)")
+    parser.add_argument("--jobs", type=int, default=int(os.environ.get("MAX_JOBS", "2")))
+    args = parser.parse_args()
+    nvcc = nvcc_path()
+    if nvcc is None:
+        print("check_kernel_resources: nvcc not found (set CUDA_HOME)", file=sys.stderr)
+        return 2
+    archs = args.arch or ["80", "90"]
+    sources = sorted(glob.glob(os.path.join(ROOT, "csrc", "kernels", "**", "*.cu"),
+                               recursive=True))
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+        outputs = list(pool.map(lambda sa: (sa, compile_one(nvcc, *sa)),
+                                [(s, a) for s in sources for a in archs]))
+    rows = []
+    for (source, arch), text in outputs:
+        for row in parse(text, arch):
+            row["file"] = os.path.relpath(source, ROOT)
+            rows.append(row)
+    names = demangle([r["name"] for r in rows])
+    bad = 0
+    print(f"{'arch':>4} {'regs':>4} {'stack':>5} {'spill':>5} {'lmem':>5} {'smem':>6}  kernel")
+    for row, name in sorted(zip(rows, names), key=lambda rn: (rn[0]["file"], rn[1], rn[0]["arch"])):
+        spill = row["spill_st"] + row["spill_ld"]
+        flag = row["stack"] or spill or row["lmem"] or row["smem"] > SHARED_LIMIT
+        bad += 1 if flag else 0
+        print(f"{row['arch']:>4} {row['regs']:>4} {row['stack']:>5} {spill:>5} {row['lmem']:>5} "
+              f"{row['smem']:>6}  {name}{'   <-- FAILS' if flag else ''}")
+    print(f"{len(rows)} kernel images, {bad} with stack, spills, local memory or over "
+          f"{SHARED_LIMIT} bytes of static shared memory")
+    return 1 if bad or not rows else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
