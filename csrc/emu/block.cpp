@@ -116,7 +116,14 @@ struct Runner {
   int done = 0;
   bool failed = false;
   std::string message;
-  std::vector<int> ready;
+  // The fibers that can run, by warp, and how the next one is picked: in a block run in
+  // "priority" mode the warps go in a fixed random order, the first warp with a runnable lane
+  // first (one warp races ahead of the others, as warps drift apart on a GPU); otherwise a
+  // random warp, then a random lane.
+  std::vector<std::vector<int>> ready;
+  int ready_count = 0;
+  bool priority = false;
+  std::vector<int> warp_order;
   std::mt19937_64 rng;
   void* tsan_main = nullptr;
   const void* main_stack_bottom = nullptr;
@@ -279,13 +286,20 @@ void* initial_stack(char* stack) {
 
 void make_ready(Runner& r, Fiber* f) {
   f->state = State::kReady;
-  r.ready.push_back(f->linear);
+  r.ready[f->linear / 32].push_back(f->linear);
+  ++r.ready_count;
 }
 
 void run_block(Runner& r, uint3 block_idx, dim3 block_dim, dim3 grid_dim) {
   const int n = r.nthreads;
   while (static_cast<int>(r.fibers.size()) < n) make_fiber();
-  r.ready.clear();
+  const int warps = (n + 31) / 32;
+  r.ready.assign(warps, {});
+  r.ready_count = 0;
+  r.priority = r.rng() % 2 == 0;
+  r.warp_order.resize(warps);
+  for (int w = 0; w < warps; ++w) r.warp_order[w] = w;
+  std::shuffle(r.warp_order.begin(), r.warp_order.end(), r.rng);
   r.at_barrier = 0;
   r.done = 0;
   for (int i = 0; i < n; ++i) {
@@ -304,11 +318,25 @@ void run_block(Runner& r, uint3 block_idx, dim3 block_dim, dim3 grid_dim) {
     f->sp = initial_stack(f->stack);
     make_ready(r, f);
   }
-  while (!r.ready.empty() && !r.failed) {
-    const size_t k = static_cast<size_t>(r.rng() % r.ready.size());
-    const int i = r.ready[k];
-    r.ready[k] = r.ready.back();
-    r.ready.pop_back();
+  while (r.ready_count > 0 && !r.failed) {
+    std::vector<int>* lanes = nullptr;
+    if (r.priority) {
+      for (int w : r.warp_order) {
+        if (!r.ready[w].empty()) {
+          lanes = &r.ready[w];
+          break;
+        }
+      }
+    } else {
+      do {
+        lanes = &r.ready[r.rng() % r.ready.size()];
+      } while (lanes->empty());
+    }
+    const size_t k = static_cast<size_t>(r.rng() % lanes->size());
+    const int i = (*lanes)[k];
+    (*lanes)[k] = lanes->back();
+    lanes->pop_back();
+    --r.ready_count;
     switch_to(r, r.fibers[i].get());
   }
   if (r.failed) {

@@ -22,18 +22,29 @@ template <typename T> __device__ __forceinline__ T sgd_value(double d, float f);
 template <> __device__ __forceinline__ double sgd_value<double>(double d, float) { return d; }
 template <> __device__ __forceinline__ float sgd_value<float>(double, float f) { return f; }
 
-// The SGD element formula in the accumulation type.
+// The SGD hyperparameters in the accumulation type A (double for float64 buffers, else float).
 template <typename A>
-__device__ __forceinline__ A sgd_step(A g, A p, A* m, const SgdArgs& s) {
-  const A lr = sgd_value<A>(s.lr_d, s.lr);
-  const A mu = sgd_value<A>(s.momentum_d, s.momentum);
-  const A wd = sgd_value<A>(s.weight_decay_d, s.weight_decay);
-  A d = s.weight_decay_d != 0.0 ? g + wd * p : g;
-  if (m) {
-    d = mu * *m + d;
-    *m = d;
+struct SgdIn {
+  A lr, mu, wd;
+  bool decay;
+  __device__ __forceinline__ explicit SgdIn(const SgdArgs& s)
+      : lr(sgd_value<A>(s.lr_d, s.lr)),
+        mu(sgd_value<A>(s.momentum_d, s.momentum)),
+        wd(sgd_value<A>(s.weight_decay_d, s.weight_decay)),
+        decay(s.weight_decay_d != 0.0) {}
+};
+
+// The SGD element formula in the accumulation type: returns the new parameter; `m` holds the
+// momentum buffer's value and receives the new one (used only with momentum). Everything is
+// passed by value or by register reference, so nothing lands in local memory.
+template <typename A>
+__device__ __forceinline__ A sgd_step(A g, A p, bool use_m, A& m, const SgdIn<A>& s) {
+  A d = s.decay ? g + s.wd * p : g;
+  if (use_m) {
+    d = s.mu * m + d;
+    m = d;
   }
-  return p - lr * d;
+  return p - s.lr * d;
 }
 
 template <typename T>
@@ -90,6 +101,7 @@ __global__ void reduce_sgd_kernel(const __grid_constant__ Replicas<const T> grad
                                   const __grid_constant__ Replicas<T> momenta, int nmomenta,
                                   int64_t begin, int64_t end, bool mean,
                                   const __grid_constant__ SgdArgs sgd) {
+  const SgdIn<acc_t<T>> in(sgd);
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t i = begin + static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
        i < end; i += stride) {
@@ -97,7 +109,7 @@ __global__ void reduce_sgd_kernel(const __grid_constant__ Replicas<const T> grad
     // it, so every algorithm gives the same bits for the half types too.
     const acc_t<T> g = to_acc(from_acc<T>(fixed_sum(grads, ngrads, i, mean)));
     acc_t<T> m = nmomenta ? to_acc(momenta.ptr[0][i]) : acc_t<T>(0);
-    const T p = from_acc<T>(sgd_step(g, to_acc(params.ptr[0][i]), nmomenta ? &m : nullptr, sgd));
+    const T p = from_acc<T>(sgd_step(g, to_acc(params.ptr[0][i]), nmomenta > 0, m, in));
     for (int o = 0; o < nparams; ++o) params.ptr[o][i] = p;
     const T mt = from_acc<T>(m);
     for (int o = 0; o < nmomenta; ++o) momenta.ptr[o][i] = mt;
@@ -121,13 +133,15 @@ __global__ void chain_kernel(const T* prev_x, const A* prev_acc, const T* own, A
 }
 
 template <typename T>
-__global__ void sgd_kernel(const T* grad, T* param, T* momentum, int64_t n, SgdArgs sgd) {
+__global__ void sgd_kernel(const T* grad, T* param, T* momentum, int64_t n,
+                           const __grid_constant__ SgdArgs sgd) {
+  const SgdIn<acc_t<T>> in(sgd);
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
        i += stride) {
     acc_t<T> m = momentum ? to_acc(momentum[i]) : acc_t<T>(0);
-    param[i] = from_acc<T>(sgd_step(to_acc(grad[i]), to_acc(param[i]),
-                                    momentum ? &m : nullptr, sgd));
+    param[i] = from_acc<T>(sgd_step(to_acc(grad[i]), to_acc(param[i]), momentum != nullptr, m,
+                                    in));
     if (momentum) momentum[i] = from_acc<T>(m);
   }
 }
