@@ -49,6 +49,33 @@ def test_softmax_cross_entropy_matches_torch(device, reduction, smoothing, ignor
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+@pytest.mark.parametrize("seed", range(4))
+def test_non_finite_logits_match_torch(device, smoothing, seed):
+    # Masked classes (-inf away from the label) at random positions, and rows with +inf, NaN or
+    # only -inf: loss and gradient as torch's, NaN where torch's is NaN.
+    g = torch.Generator().manual_seed(seed)
+    rows, classes = 24, 37
+    z = torch.randn(rows, classes, generator=g, dtype=torch.float64) * 3
+    y = torch.randint(0, classes, (rows,), generator=g)
+    masked = torch.rand(rows, classes, generator=g) < 0.3
+    masked[torch.arange(rows), y] = False
+    z[masked] = float("-inf")
+    z[0] = float("-inf")
+    z[1, 5] = float("inf")
+    z[2, 7] = float("nan")
+    z = z.to(device).requires_grad_(True)
+    y = y.to(device)
+    ours = ops.softmax_cross_entropy(z, y, "none", smoothing)
+    want = F.cross_entropy(z, y, reduction="none", label_smoothing=smoothing)
+    torch.testing.assert_close(ours, want, equal_nan=True)
+    w = torch.rand(rows, dtype=torch.float64, device=device)
+    (g_ours,) = torch.autograd.grad((torch.nan_to_num(ours) * w).sum(), z)
+    (g_want,) = torch.autograd.grad((torch.nan_to_num(want) * w).sum(), z)
+    torch.testing.assert_close(g_ours[3:], g_want[3:], equal_nan=True)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_unbatched_and_empty(device):
     z = torch.randn(5, device=device)
     y = torch.tensor(3, device=device)

@@ -54,7 +54,10 @@ DPCUDA_CPU_CLONES void cross_entropy_rows(const T* logits, const int64_t* labels
       for (int64_t c = 0; c < len; ++c) sumexp += e[c];
     }
     const T lse = zmax + math_log(sumexp);
-    loss[r] = s * (lse - (T(1) - eps) * z[y] - eps_per_class * zsum);
+    // Without smoothing the sum of the logits takes no part: 0 * (-inf) for a masked class
+    // would make the loss NaN where torch's is finite.
+    const T smooth = eps != T(0) ? eps_per_class * zsum : T(0);
+    loss[r] = s * (lse - (T(1) - eps) * z[y] - smooth);
     if (g) {
       const T inv = s / sumexp;
       const T shift = s * eps_per_class;

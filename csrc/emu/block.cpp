@@ -7,8 +7,9 @@
 // ThreadSanitizer sees each fiber as a thread of its own (its fiber API); switches carry no
 // synchronisation, and the only happens-before edges among the threads of a block are the ones
 // the hardware gives: the barrier, __syncwarp, and the start and end of the grid. A missing
-// barrier is then a race report. This file is built without TSan instrumentation: its own
-// bookkeeping is not kernel memory.
+// barrier is then a race report. Blocks of one grid run one after another and are ordered for
+// TSan (they reuse the worker's shared memory), so races between blocks are not seen. This file
+// is built without TSan instrumentation (csrc/emu/tsan.h).
 #include <sys/mman.h>
 
 #include <algorithm>
@@ -25,9 +26,15 @@
 #include "cuda.h"
 #include "emu.h"
 #include "internal.h"
+#include "tsan.h"
 
 #if defined(DPCUDA_EMU_TSAN)
-#include <sanitizer/tsan_interface.h>
+extern "C" {
+void* __tsan_get_current_fiber(void);
+void* __tsan_create_fiber(unsigned flags);
+void __tsan_switch_to_fiber(void* fiber, unsigned flags);
+}
+constexpr unsigned kTsanNoSync = 1;  // __tsan_switch_to_fiber_no_sync
 #endif
 #if defined(__SANITIZE_ADDRESS__)
 #define DPCUDA_EMU_ASAN 1
@@ -101,6 +108,7 @@ struct Fiber {
   bool fence = false;
   const char* what = "";
   uint64_t result = 0;
+  int generation = 0;  // of the barrier or __syncwarp the fiber waits in
   void* fake_stack = nullptr;
   void* tsan = nullptr;
 };
@@ -129,45 +137,34 @@ struct Runner {
   const void* main_stack_bottom = nullptr;
   size_t main_stack_size = 0;
   void* main_fake_stack = nullptr;
+  // Barriers completed in this block, and __syncwarp groups completed per warp: a fiber waits
+  // on one generation, and generations alternate between two synchronisation objects (a fiber
+  // cannot be two generations ahead of one still waiting).
+  int barrier_generation = 0;
+  int warp_generation[32] = {};
   // Addresses that stand for the synchronisation objects of the block (TSan keys on them).
-  char launch_sync = 0, end_sync = 0, barrier_sync = 0, warp_sync[32] = {};
+  char launch_sync = 0, end_sync = 0, barrier_sync[2] = {}, warp_sync[32][2] = {};
   ~Runner();
 };
 
 // Fibers outlive the worker thread that made them: a stream's worker ends with its stream, and
-// a later worker takes its fibers (stacks and TSan contexts) instead of mapping new ones.
+// a later worker takes its fibers (stack and TSan context) instead of making new ones, which
+// under TSan is most of the cost of a short stream. A reused context brings no false ordering:
+// a stream is drained before its worker ends, and the host that destroyed it is ordered after
+// everything it ran. Made at start-up, before any worker exists.
 struct FiberPool {
   std::mutex m;
   std::vector<std::unique_ptr<Fiber>> free;
 };
-
-FiberPool& pool() {
-  static FiberPool* p = new FiberPool;  // never destroyed: workers may end at exit
-  return *p;
-}
+FiberPool* const g_pool = new FiberPool;  // never destroyed: workers may end at exit
 
 Runner::~Runner() {
-  const std::lock_guard<std::mutex> lock(pool().m);
-  for (auto& f : fibers) pool().free.push_back(std::move(f));
+  const Quiet quiet;
+  const std::lock_guard<std::mutex> lock(g_pool->m);
+  for (auto& f : fibers) g_pool->free.push_back(std::move(f));
 }
 
 thread_local Runner tl_runner;
-
-inline void tsan_release(void* addr) {
-#if defined(DPCUDA_EMU_TSAN)
-  __tsan_release(addr);
-#else
-  (void)addr;
-#endif
-}
-
-inline void tsan_acquire(void* addr) {
-#if defined(DPCUDA_EMU_TSAN)
-  __tsan_acquire(addr);
-#else
-  (void)addr;
-#endif
-}
 
 std::string describe(const Fiber& f) {
   std::ostringstream s;
@@ -183,7 +180,7 @@ void fiber_entry();
 void switch_to(Runner& r, Fiber* f) {
   r.current = f;
 #if defined(DPCUDA_EMU_TSAN)
-  __tsan_switch_to_fiber(f->tsan, __tsan_switch_to_fiber_no_sync);
+  __tsan_switch_to_fiber(f->tsan, kTsanNoSync);
 #endif
 #if defined(DPCUDA_EMU_ASAN)
   __sanitizer_start_switch_fiber(&r.main_fake_stack, f->stack, kStackBytes);
@@ -201,7 +198,7 @@ void switch_to(Runner& r, Fiber* f) {
 void switch_to_main(Runner& r, Fiber* f) {
   tsan_release(&r.end_sync);
 #if defined(DPCUDA_EMU_TSAN)
-  __tsan_switch_to_fiber(r.tsan_main, __tsan_switch_to_fiber_no_sync);
+  __tsan_switch_to_fiber(r.tsan_main, kTsanNoSync);
 #endif
 #if defined(DPCUDA_EMU_ASAN)
   __sanitizer_start_switch_fiber(f->state == State::kDone ? nullptr : &f->fake_stack,
@@ -243,17 +240,19 @@ void fiber_entry() {
 Fiber* make_fiber() {
   Runner& r = tl_runner;
   {
-    const std::lock_guard<std::mutex> lock(pool().m);
-    if (!pool().free.empty()) {
-      r.fibers.push_back(std::move(pool().free.back()));
-      pool().free.pop_back();
+    const Quiet quiet;
+    const std::lock_guard<std::mutex> lock(g_pool->m);
+    if (!g_pool->free.empty()) {
+      r.fibers.push_back(std::move(g_pool->free.back()));
+      g_pool->free.pop_back();
       return r.fibers.back().get();
     }
   }
   auto f = std::make_unique<Fiber>();
+  // A guard page at the stack's low end: an overflow faults instead of corrupting a neighbour.
   void* mem = mmap(nullptr, kStackBytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS,
                    -1, 0);
-  if (mem == MAP_FAILED) {
+  if (mem == MAP_FAILED || mprotect(mem, 4096, PROT_NONE) != 0) {
     std::fprintf(stderr, "dpcuda-emu: cannot map a fiber stack\n");
     std::abort();
   }
@@ -296,6 +295,8 @@ void run_block(Runner& r, uint3 block_idx, dim3 block_dim, dim3 grid_dim) {
   const int warps = (n + 31) / 32;
   r.ready.assign(warps, {});
   r.ready_count = 0;
+  r.barrier_generation = 0;
+  for (int& g : r.warp_generation) g = 0;
   r.priority = r.rng() % 2 == 0;
   r.warp_order.resize(warps);
   for (int w = 0; w < warps; ++w) r.warp_order[w] = w;
@@ -313,7 +314,7 @@ void run_block(Runner& r, uint3 block_idx, dim3 block_dim, dim3 grid_dim) {
     f->fake_stack = nullptr;
 #if defined(DPCUDA_EMU_ASAN)
     // A fiber abandoned by a failure leaves its frames' redzones poisoned.
-    ASAN_UNPOISON_MEMORY_REGION(f->stack, kStackBytes);
+    ASAN_UNPOISON_MEMORY_REGION(f->stack + 4096, kStackBytes - 4096);
 #endif
     f->sp = initial_stack(f->stack);
     make_ready(r, f);
@@ -416,17 +417,19 @@ void sync_block() {
     std::fprintf(stderr, "dpcuda-emu: __syncthreads called outside a kernel\n");
     std::abort();
   }
-  tsan_release(&r.barrier_sync);
+  f->generation = r.barrier_generation;
+  tsan_release(&r.barrier_sync[f->generation % 2]);
   f->state = State::kBarrier;
   if (++r.at_barrier == r.nthreads) {
     r.at_barrier = 0;
+    ++r.barrier_generation;
     for (int i = 0; i < r.nthreads; ++i) {
       if (r.fibers[i]->state == State::kBarrier) make_ready(r, r.fibers[i].get());
     }
   }
   // Always yield: who passes the barrier first is the scheduler's choice.
   switch_to_main(r, f);
-  tsan_acquire(&r.barrier_sync);
+  tsan_acquire(&r.barrier_sync[f->generation % 2]);
 }
 
 uint64_t warp_exchange(unsigned mask, uint64_t bits, int src, const char* what) {
@@ -463,7 +466,9 @@ uint64_t warp_exchange(unsigned mask, uint64_t bits, int src, const char* what) 
   f->src = src;
   f->fence = fence;
   f->what = what;
-  if (fence) tsan_release(&r.warp_sync[base / 32 % 32]);
+  const int warp = base / 32;
+  f->generation = r.warp_generation[warp];
+  if (fence) tsan_release(&r.warp_sync[warp][f->generation % 2]);
   bool complete = true;
   for (int l = 0; l < 32; ++l) {
     if (!(mask >> l & 1u)) continue;
@@ -478,6 +483,7 @@ uint64_t warp_exchange(unsigned mask, uint64_t bits, int src, const char* what) 
     if (g.state != State::kWarp) complete = false;
   }
   if (complete) {
+    ++r.warp_generation[warp];
     for (int l = 0; l < 32; ++l) {
       if (!(mask >> l & 1u)) continue;
       Fiber* g = r.fibers[base + l].get();
@@ -486,7 +492,7 @@ uint64_t warp_exchange(unsigned mask, uint64_t bits, int src, const char* what) 
     }
   }
   switch_to_main(r, f);
-  if (fence) tsan_acquire(&r.warp_sync[base / 32 % 32]);
+  if (fence) tsan_acquire(&r.warp_sync[warp][f->generation % 2]);
   return f->result;
 }
 

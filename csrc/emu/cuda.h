@@ -102,9 +102,10 @@ template <typename T>
 T __shfl_xor_sync(unsigned mask, T var, int lane_mask, int width = 32) {
   width = ::dpcuda::emu::checked_width(width, "__shfl_xor_sync");
   const int lane = ::dpcuda::emu::lane_id();
-  int src = lane ^ lane_mask;
-  // A lane may read from earlier segments but not from later ones: those give its own value.
-  if (src >= (lane & ~(width - 1)) + width || src > 31) src = lane;
+  // The hardware uses the low 5 bits of the lane mask. A lane may read from earlier segments
+  // but not from later ones: those give its own value.
+  int src = lane ^ (lane_mask & 31);
+  if (src >= (lane & ~(width - 1)) + width) src = lane;
   return ::dpcuda::emu::shuffle_as(mask, var, src, "__shfl_xor_sync");
 }
 
@@ -112,7 +113,7 @@ template <typename T>
 T __shfl_down_sync(unsigned mask, T var, unsigned delta, int width = 32) {
   width = ::dpcuda::emu::checked_width(width, "__shfl_down_sync");
   const int lane = ::dpcuda::emu::lane_id();
-  const int src = (lane & (width - 1)) + static_cast<int>(delta) < width
+  const int src = (lane & (width - 1)) + static_cast<int64_t>(delta) < width
                       ? lane + static_cast<int>(delta)
                       : lane;
   return ::dpcuda::emu::shuffle_as(mask, var, src, "__shfl_down_sync");
@@ -122,7 +123,8 @@ template <typename T>
 T __shfl_up_sync(unsigned mask, T var, unsigned delta, int width = 32) {
   width = ::dpcuda::emu::checked_width(width, "__shfl_up_sync");
   const int lane = ::dpcuda::emu::lane_id();
-  const int src =
-      (lane & (width - 1)) >= static_cast<int>(delta) ? lane - static_cast<int>(delta) : lane;
+  const int src = (lane & (width - 1)) >= static_cast<int64_t>(delta)
+                      ? lane - static_cast<int>(delta)
+                      : lane;
   return ::dpcuda::emu::shuffle_as(mask, var, src, "__shfl_up_sync");
 }

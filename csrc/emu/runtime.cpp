@@ -28,6 +28,7 @@
 #include "cuda.h"
 #include "emu.h"
 #include "internal.h"
+#include "tsan.h"
 
 namespace dpcuda {
 namespace emu {
@@ -36,6 +37,18 @@ namespace {
 // The longest any wait lasts (a stream waiting on an event, the host on a stream) before it is
 // reported as a hang.
 constexpr auto kWaitBound = std::chrono::seconds(120);
+
+// A lock of the emulator's own bookkeeping, hidden from TSan (see tsan.h).
+struct QuietLock {
+  Quiet quiet;
+  std::unique_lock<std::mutex> lock;
+  explicit QuietLock(std::mutex& m) : lock(m) {}
+};
+
+inline void notify(std::condition_variable& cv) {
+  const Quiet quiet;
+  cv.notify_all();
+}
 
 struct EventState {
   std::mutex m;
@@ -64,12 +77,17 @@ struct CUstream_st {
   int max_delay_us = 0;
   std::thread worker;
 
+  // The addresses of the stream's happens-before edges: host to stream at every enqueue, stream
+  // to host at every completed operation.
+  char enqueue_sync = 0;
+  char done_sync = 0;
+
   void run() {
     for (;;) {
       std::function<void()> task;
       {
-        std::unique_lock<std::mutex> lock(m);
-        cv.wait(lock, [&] { return stop || !queue.empty(); });
+        dpcuda::emu::QuietLock q(m);
+        cv.wait(q.lock, [&] { return stop || !queue.empty(); });
         if (queue.empty()) return;
         task = std::move(queue.front());
         queue.pop_front();
@@ -82,27 +100,36 @@ struct CUstream_st {
         const uint64_t us = draw % (max_delay_us + 1) * (draw >> 60 == 0 ? 16 : 1);
         std::this_thread::sleep_for(std::chrono::microseconds(us));
       }
+      dpcuda::emu::tsan_acquire(&enqueue_sync);
       task();
+      dpcuda::emu::tsan_release(&done_sync);
       {
-        const std::lock_guard<std::mutex> lock(m);
+        dpcuda::emu::QuietLock q(m);
+        task = nullptr;
         busy = false;
       }
-      cv.notify_all();
+      dpcuda::emu::notify(cv);
     }
   }
 
   void push(std::function<void()> task) {
+    dpcuda::emu::tsan_release(&enqueue_sync);
     {
-      const std::lock_guard<std::mutex> lock(m);
+      dpcuda::emu::QuietLock q(m);
       queue.push_back(std::move(task));
     }
-    cv.notify_all();
+    dpcuda::emu::notify(cv);
   }
 
   // Waits until everything queued so far has run; false after kWaitBound.
   bool drain() {
-    std::unique_lock<std::mutex> lock(m);
-    return cv.wait_for(lock, dpcuda::emu::kWaitBound, [&] { return queue.empty() && !busy; });
+    bool done;
+    {
+      dpcuda::emu::QuietLock q(m);
+      done = cv.wait_for(q.lock, dpcuda::emu::kWaitBound, [&] { return queue.empty() && !busy; });
+    }
+    if (done) dpcuda::emu::tsan_acquire(&done_sync);
+    return done;
   }
 };
 
@@ -163,11 +190,12 @@ CUstream_st* new_stream(Machine& mm, int device) {
 void destroy_stream(CUstream_st* s) {
   if (!s->drain()) report("a stream did not drain within the wait bound at destruction");
   {
-    const std::lock_guard<std::mutex> lock(s->m);
+    const QuietLock lock(s->m);
     s->stop = true;
   }
-  s->cv.notify_all();
+  notify(s->cv);
   s->worker.join();
+  const Quiet quiet;
   delete s;
 }
 
@@ -176,7 +204,7 @@ void destroy_stream(CUstream_st* s) {
 CUstream_st* resolve(cudaStream_t stream) {
   Machine& mm = machine();
   if (stream == nullptr || stream == cudaStreamLegacy || stream == cudaStreamPerThread) {
-    const std::lock_guard<std::mutex> lock(mm.m);
+    const QuietLock lock(mm.m);
     CUstream_st*& s = mm.default_streams[tl_device];
     if (s == nullptr) s = new_stream(mm, tl_device);
     return s;
@@ -190,20 +218,20 @@ int device_count() {
 
 cudaError_t sticky_error(int device) {
   Machine& mm = machine();
-  const std::lock_guard<std::mutex> lock(mm.m);
+  const QuietLock lock(mm.m);
   return mm.sticky[device];
 }
 
 void set_sticky(int device, cudaError_t err) {
   Machine& mm = machine();
-  const std::lock_guard<std::mutex> lock(mm.m);
+  const QuietLock lock(mm.m);
   if (mm.sticky[device] == cudaSuccess) mm.sticky[device] = err;
 }
 
 // The allocation that holds address p, if any.
 bool find_allocation(const void* p, uintptr_t* begin, Allocation* found) {
   Machine& mm = machine();
-  const std::lock_guard<std::mutex> lock(mm.m);
+  const QuietLock lock(mm.m);
   const uintptr_t a = reinterpret_cast<uintptr_t>(p);
   auto it = mm.allocations.upper_bound(a);
   if (it == mm.allocations.begin()) return false;
@@ -257,7 +285,7 @@ bool synchronize_device(int device) {
   std::vector<CUstream_st*> streams;
   {
     Machine& mm = machine();
-    const std::lock_guard<std::mutex> lock(mm.m);
+    const QuietLock lock(mm.m);
     for (CUstream_st* s : mm.streams) {
       if (s->device == device) streams.push_back(s);
     }
@@ -281,13 +309,13 @@ void reset(const Config& config) {
   std::vector<CUstream_st*> streams;
   std::map<uintptr_t, Allocation> allocations;
   {
-    const std::lock_guard<std::mutex> lock(mm.m);
+    const QuietLock lock(mm.m);
     streams.swap(mm.streams);
     allocations.swap(mm.allocations);
   }
   for (CUstream_st* s : streams) destroy_stream(s);
   for (const auto& a : allocations) std::free(reinterpret_cast<void*>(a.first));
-  const std::lock_guard<std::mutex> lock(mm.m);
+  const QuietLock lock(mm.m);
   mm.config = config;
   if (mm.config.devices < 1) mm.config.devices = 1;
   const int n = mm.config.devices;
@@ -305,32 +333,32 @@ void reset(const Config& config) {
 
 std::vector<std::string> reports() {
   Machine& mm = machine();
-  const std::lock_guard<std::mutex> lock(mm.m);
+  const QuietLock lock(mm.m);
   return mm.reports;
 }
 
 void report(const std::string& what) {
   std::fprintf(stderr, "dpcuda-emu: %s\n", what.c_str());
   Machine& mm = machine();
-  const std::lock_guard<std::mutex> lock(mm.m);
+  const QuietLock lock(mm.m);
   mm.reports.push_back(what);
 }
 
 void drop_stream_wait(int index) {
   Machine& mm = machine();
-  const std::lock_guard<std::mutex> lock(mm.m);
+  const QuietLock lock(mm.m);
   mm.drop_wait = index;
 }
 
 int stream_wait_count() {
   Machine& mm = machine();
-  const std::lock_guard<std::mutex> lock(mm.m);
+  const QuietLock lock(mm.m);
   return mm.waits;
 }
 
 int64_t launch_count() {
   Machine& mm = machine();
-  const std::lock_guard<std::mutex> lock(mm.m);
+  const QuietLock lock(mm.m);
   return mm.launches;
 }
 
@@ -352,7 +380,7 @@ cudaError_t launch(dim3 grid, dim3 block, size_t shared_bytes, cudaStream_t stre
   Machine& mm = machine();
   uint64_t seed;
   {
-    const std::lock_guard<std::mutex> lock(mm.m);
+    const QuietLock lock(mm.m);
     seed = mm.config.seed * 0xD1B54A32D192ED03ull + static_cast<uint64_t>(++mm.launches);
   }
   const int device = s->device;
@@ -372,7 +400,7 @@ cudaError_t launch(dim3 grid, dim3 block, size_t shared_bytes, cudaStream_t stre
       if (!find_allocation(p, &begin, &a) || a.device == device) continue;
       bool enabled;
       {
-        const std::lock_guard<std::mutex> lock(m.m);
+        const QuietLock lock(m.m);
         enabled = m.enabled[device][a.device];
       }
       if (!enabled) {
@@ -393,6 +421,8 @@ cudaError_t launch(dim3 grid, dim3 block, size_t shared_bytes, cudaStream_t stre
 }  // namespace dpcuda
 
 using dpcuda::emu::fail;
+using dpcuda::emu::Quiet;
+using dpcuda::emu::QuietLock;
 using dpcuda::emu::machine;
 using dpcuda::emu::resolve;
 using dpcuda::emu::tl_device;
@@ -475,7 +505,7 @@ cudaError_t cudaMalloc(void** ptr, size_t size) {
   if (posix_memalign(&p, 256, size == 0 ? 1 : size) != 0) return fail(cudaErrorMemoryAllocation);
   std::memset(p, 0xff, size);
   auto& mm = machine();
-  const std::lock_guard<std::mutex> lock(mm.m);
+  const QuietLock lock(mm.m);
   mm.allocations[reinterpret_cast<uintptr_t>(p)] = {size == 0 ? 1 : size, tl_device};
   *ptr = p;
   return cudaSuccess;
@@ -487,7 +517,7 @@ cudaError_t cudaFree(void* ptr) {
   dpcuda::emu::synchronize_all();
   auto& mm = machine();
   {
-    const std::lock_guard<std::mutex> lock(mm.m);
+    const QuietLock lock(mm.m);
     auto it = mm.allocations.find(reinterpret_cast<uintptr_t>(ptr));
     if (it == mm.allocations.end()) return fail(cudaErrorInvalidValue);
     mm.allocations.erase(it);
@@ -535,7 +565,7 @@ cudaError_t cudaMemset(void* ptr, int value, size_t count) {
 
 cudaError_t cudaStreamCreateWithFlags(cudaStream_t* stream, unsigned int) {
   auto& mm = machine();
-  const std::lock_guard<std::mutex> lock(mm.m);
+  const QuietLock lock(mm.m);
   *stream = dpcuda::emu::new_stream(mm, tl_device);
   return cudaSuccess;
 }
@@ -547,7 +577,7 @@ cudaError_t cudaStreamCreate(cudaStream_t* stream) {
 cudaError_t cudaStreamDestroy(cudaStream_t stream) {
   auto& mm = machine();
   {
-    const std::lock_guard<std::mutex> lock(mm.m);
+    const QuietLock lock(mm.m);
     auto it = std::find(mm.streams.begin(), mm.streams.end(), stream);
     if (it == mm.streams.end()) return fail(cudaErrorInvalidResourceHandle);
     mm.streams.erase(it);
@@ -567,8 +597,14 @@ cudaError_t cudaStreamSynchronize(cudaStream_t stream) {
 
 cudaError_t cudaStreamQuery(cudaStream_t stream) {
   CUstream_st* s = resolve(stream);
-  const std::lock_guard<std::mutex> lock(s->m);
-  return s->queue.empty() && !s->busy ? cudaSuccess : cudaErrorNotReady;
+  bool done;
+  {
+    const QuietLock lock(s->m);
+    done = s->queue.empty() && !s->busy;
+  }
+  if (!done) return cudaErrorNotReady;
+  dpcuda::emu::tsan_acquire(&s->done_sync);
+  return cudaSuccess;
 }
 
 cudaError_t cudaDeviceSynchronize(void) {
@@ -577,6 +613,7 @@ cudaError_t cudaDeviceSynchronize(void) {
 }
 
 cudaError_t cudaEventCreateWithFlags(cudaEvent_t* event, unsigned int) {
+  const Quiet quiet;
   auto* e = new CUevent_st;
   e->device = tl_device;
   *event = e;
@@ -589,6 +626,7 @@ cudaError_t cudaEventCreate(cudaEvent_t* event) {
 
 cudaError_t cudaEventDestroy(cudaEvent_t event) {
   // Work already queued that refers to the event keeps its state alive.
+  const Quiet quiet;
   delete event;
   return cudaSuccess;
 }
@@ -597,13 +635,19 @@ cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream) {
   CUstream_st* s = resolve(stream);
   if (s->device != event->device) return fail(cudaErrorInvalidResourceHandle);
   const uint64_t generation = ++event->recorded;
-  std::shared_ptr<dpcuda::emu::EventState> state = event->state;
+  std::shared_ptr<dpcuda::emu::EventState> state;
+  {
+    const Quiet quiet;
+    state = event->state;
+  }
   s->push([state, generation] {
+    // What the stream did so far happens before whatever waits on this record.
+    dpcuda::emu::tsan_release(state.get());
     {
-      const std::lock_guard<std::mutex> lock(state->m);
+      const QuietLock lock(state->m);
       if (state->completed < generation) state->completed = generation;
     }
-    state->cv.notify_all();
+    dpcuda::emu::notify(state->cv);
   });
   return cudaSuccess;
 }
@@ -611,20 +655,29 @@ cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream) {
 cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t event, unsigned int) {
   auto& mm = machine();
   {
-    const std::lock_guard<std::mutex> lock(mm.m);
+    const QuietLock lock(mm.m);
     if (mm.waits++ == mm.drop_wait) return cudaSuccess;  // fault injection
   }
   // The wait is for the event's most recent record; an event never recorded is complete.
   const uint64_t generation = event->recorded;
   if (generation == 0) return cudaSuccess;
-  std::shared_ptr<dpcuda::emu::EventState> state = event->state;
+  std::shared_ptr<dpcuda::emu::EventState> state;
+  {
+    const Quiet quiet;
+    state = event->state;
+  }
   CUstream_st* s = resolve(stream);
   const int device = s->device;
   s->push([state, generation, device] {
-    std::unique_lock<std::mutex> lock(state->m);
-    if (!state->cv.wait_for(lock, dpcuda::emu::kWaitBound,
-                            [&] { return state->completed >= generation; })) {
-      lock.unlock();
+    bool done;
+    {
+      QuietLock q(state->m);
+      done = state->cv.wait_for(q.lock, dpcuda::emu::kWaitBound,
+                                [&] { return state->completed >= generation; });
+    }
+    if (done) {
+      dpcuda::emu::tsan_acquire(state.get());
+    } else {
       dpcuda::emu::report("a stream of device " + std::to_string(device) +
                           " waited on an event past the wait bound");
       dpcuda::emu::set_sticky(device, cudaErrorLaunchTimeout);
@@ -635,26 +688,36 @@ cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t event, unsigned
 
 cudaError_t cudaEventSynchronize(cudaEvent_t event) {
   const uint64_t generation = event->recorded;
-  std::unique_lock<std::mutex> lock(event->state->m);
-  if (!event->state->cv.wait_for(lock, dpcuda::emu::kWaitBound,
-                                 [&] { return event->state->completed >= generation; })) {
-    lock.unlock();
+  bool done;
+  {
+    QuietLock q(event->state->m);
+    done = event->state->cv.wait_for(q.lock, dpcuda::emu::kWaitBound,
+                                     [&] { return event->state->completed >= generation; });
+  }
+  if (!done) {
     dpcuda::emu::report("cudaEventSynchronize: the event did not complete within the wait bound");
     return fail(cudaErrorLaunchTimeout);
   }
+  dpcuda::emu::tsan_acquire(event->state.get());
   return cudaSuccess;
 }
 
 cudaError_t cudaEventQuery(cudaEvent_t event) {
-  const std::lock_guard<std::mutex> lock(event->state->m);
-  return event->state->completed >= event->recorded ? cudaSuccess : cudaErrorNotReady;
+  bool done;
+  {
+    const QuietLock lock(event->state->m);
+    done = event->state->completed >= event->recorded;
+  }
+  if (!done) return cudaErrorNotReady;
+  dpcuda::emu::tsan_acquire(event->state.get());
+  return cudaSuccess;
 }
 
 cudaError_t cudaDeviceCanAccessPeer(int* can_access, int device, int peer) {
   const int n = dpcuda::emu::device_count();
   if (device < 0 || device >= n || peer < 0 || peer >= n) return fail(cudaErrorInvalidDevice);
   auto& mm = machine();
-  const std::lock_guard<std::mutex> lock(mm.m);
+  const QuietLock lock(mm.m);
   *can_access = device != peer && mm.config.peer[device][peer] ? 1 : 0;
   return cudaSuccess;
 }
@@ -663,7 +726,7 @@ cudaError_t cudaDeviceEnablePeerAccess(int peer, unsigned int) {
   const int n = dpcuda::emu::device_count();
   if (peer < 0 || peer >= n || peer == tl_device) return fail(cudaErrorInvalidDevice);
   auto& mm = machine();
-  const std::lock_guard<std::mutex> lock(mm.m);
+  const QuietLock lock(mm.m);
   if (!mm.config.peer[tl_device][peer]) return fail(cudaErrorPeerAccessUnsupported);
   if (mm.enabled[tl_device][peer]) return fail(cudaErrorPeerAccessAlreadyEnabled);
   // The hardware maps at most 8 peers per device.
@@ -678,7 +741,7 @@ cudaError_t cudaDeviceDisablePeerAccess(int peer) {
   const int n = dpcuda::emu::device_count();
   if (peer < 0 || peer >= n || peer == tl_device) return fail(cudaErrorInvalidDevice);
   auto& mm = machine();
-  const std::lock_guard<std::mutex> lock(mm.m);
+  const QuietLock lock(mm.m);
   if (!mm.enabled[tl_device][peer]) return fail(cudaErrorPeerAccessNotEnabled);
   mm.enabled[tl_device][peer] = false;
   return cudaSuccess;

@@ -22,6 +22,9 @@
 #include <c10/cuda/CUDAGuard.h>
 
 #include <cstdlib>
+#include <mutex>
+#include <set>
+#include <utility>
 
 #include "../kernels/all_reduce/schedule.h"
 #include "cuda_types.h"
@@ -184,11 +187,18 @@ bool peer_readable(int device, int peer) {
     return v != nullptr && std::string(v) == "0";
   }();
   if (disabled) return false;
+  // torch caches a pair as accessible before it enables it: a pair whose enabling failed once
+  // would be reported accessible on every later call, so the failures are remembered here.
+  static std::mutex mutex;
+  static std::set<std::pair<int, int>> refused;
+  const std::lock_guard<std::mutex> lock(mutex);
+  if (refused.count({device, peer})) return false;
   try {
     return at::cuda::get_p2p_access(static_cast<c10::DeviceIndex>(device),
                                     static_cast<c10::DeviceIndex>(peer));
   } catch (const c10::Error&) {
     (void)cudaGetLastError();  // no sticky error left for the next launch to misreport
+    refused.insert({device, peer});
     return false;
   }
 }

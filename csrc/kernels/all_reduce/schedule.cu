@@ -149,6 +149,7 @@ void one_shot(const AllReducePlan& p, const ScheduleReplicas<T>& bufs, bool mean
   // Inputs a device cannot read are staged once per device; every replica reduces into scratch.
   std::vector<std::vector<const T*>> input(arena.size(), std::vector<const T*>(R, nullptr));
   for (int d : p.devices) {
+    if (!st.good()) break;
     cudaSetDevice(d);
     for (int i = 0; i < R; ++i) {
       input[d][i] = readable_from<T>(p, d, bufs.data[i], bufs.device[i], n, arena[d], st);
@@ -254,6 +255,21 @@ std::vector<Arena> arenas(const std::vector<void*>& scratch) {
   return a;
 }
 
+// What a call must be given: at most kMaxReplicas replicas, the buffers the plan was made for,
+// and scratch for every device the plan asks scratch of.
+template <typename T>
+bool valid_call(const AllReducePlan& p, const ScheduleReplicas<T>& bufs,
+                const std::vector<void*>& scratch) {
+  if (p.replicas > kMaxReplicas || static_cast<int>(bufs.data.size()) != p.replicas ||
+      bufs.device != p.replica_device || scratch.size() < p.scratch_bytes.size()) {
+    return false;
+  }
+  for (size_t d = 0; d < p.scratch_bytes.size(); ++d) {
+    if (p.scratch_bytes[d] > 0 && scratch[d] == nullptr) return false;
+  }
+  return true;
+}
+
 template <typename T>
 Replicas<T> all_of(const std::vector<T*>& v) {
   Replicas<T> r{};
@@ -320,6 +336,7 @@ AllReducePlan plan_all_reduce(const std::vector<int>& replica_device,
 template <typename T>
 cudaError_t all_reduce(const AllReducePlan& p, const ScheduleReplicas<T>& bufs,
                        const std::vector<void*>& scratch, bool mean) {
+  if (!valid_call(p, bufs, scratch)) return cudaErrorInvalidValue;
   if (p.n == 0 || p.replicas < 2) return cudaSuccess;  // x / 1 == x
   const DeviceScope scope;
   Status st;
@@ -350,6 +367,10 @@ template <typename T>
 cudaError_t reduce_sgd(const AllReducePlan& p, const ScheduleReplicas<T>& grads,
                        const std::vector<T*>& params, const std::vector<T*>& momenta,
                        SgdArgs sgd, bool mean, const std::vector<void*>& scratch) {
+  if (!valid_call(p, grads, scratch) || params.size() != grads.data.size() ||
+      (!momenta.empty() && momenta.size() != grads.data.size())) {
+    return cudaErrorInvalidValue;
+  }
   if (p.n == 0) return cudaSuccess;
   const DeviceScope scope;
   Status st;

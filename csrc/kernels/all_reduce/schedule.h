@@ -20,7 +20,9 @@
 // Ordering: a barrier (every device's stream waits for every other's) opens and closes every
 // call, so buffers are complete before any peer reads them and no peer still reads scratch or a
 // buffer when the call's work is done. On an error the schedule stops queueing work, still
-// queues the closing barrier, and returns the first error.
+// queues the closing barrier, and returns the first error. A call whose buffers do not match its
+// plan, with more than kMaxReplicas replicas or without the planned scratch, queues nothing and
+// returns cudaErrorInvalidValue.
 #pragma once
 
 #include <cuda_runtime.h>

@@ -101,7 +101,10 @@ __global__ void __launch_bounds__(kThreads)
                                : acc(0);
     if (threadIdx.x == 0) {
       const acc lse = ms.m + math_log(ms.s) + nan_if_inf;
-      loss[row] = valid ? scale * (lse - (acc(1) - eps) * to_acc(z[y]) - eps_per_class * zsum)
+      // Without smoothing the sum of the logits takes no part: 0 * (-inf) for a masked class
+      // would make the loss NaN where torch's is finite.
+      const acc smooth = eps != acc(0) ? eps_per_class * zsum : acc(0);
+      loss[row] = valid ? scale * (lse - (acc(1) - eps) * to_acc(z[y]) - smooth)
                         : nan;
     }
     if (g != nullptr) {

@@ -10,10 +10,14 @@
 //   dropped_wait     the all-reduce schedule with one cudaStreamWaitEvent dropped: TSan
 //                    reports the cross-stream race; without TSan, under random stream delays,
 //                    a wrong result
+//   missing_wait     a kernel reads another stream's output with no event between them, long
+//                    after it was written: TSan (the emulator's own locks must not hide it)
 #include <cstdio>
 #include <cstring>
 #include <memory>
 #include <string>
+#include <thread>
+#include <chrono>
 #include <vector>
 
 #include "emu_test.h"
@@ -25,12 +29,27 @@ using emu_test::DeviceBuffer;
 
 namespace {
 
+// Two correct phases, then a write and a read of the neighbour's slot with no barrier between.
+// Run in thread order the race would go unnoticed (thread t-1 writes before thread t reads):
+// only a schedule that interleaves the threads, or TSan, can catch it.
 __global__ void shared_race_kernel(const float* in, float* out) {
   __shared__ float buf[256];
   const int t = threadIdx.x;
   buf[t] = in[t];
+  __syncthreads();
+  const float mirrored = buf[255 - t];
+  __syncthreads();
+  buf[t] = mirrored + in[t];
   // The barrier that belongs here is missing.
-  out[t] = buf[(t + 1) % 256];
+  out[t] = t > 0 ? buf[t - 1] : buf[0];
+}
+
+__global__ void write_kernel(float* x, int n, float v) {
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) x[i] = v;
+}
+
+__global__ void copy_kernel(const float* x, float* y, int n) {
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) y[i] = x[i];
 }
 
 __global__ void oob_store_kernel(float* out, int n) {
@@ -57,17 +76,18 @@ void wrong_result(const char* what) { std::printf("%s: wrong result\n", what); }
 
 int shared_race() {
   dpcuda::emu::reset(emu_test::config(1, 5));
-  std::vector<float> host(256);
-  for (int i = 0; i < 256; ++i) host[i] = static_cast<float>(i + 1);
   DeviceBuffer<float> in(256), out(256);
-  in.upload(host);
   for (int trial = 0; trial < 4; ++trial) {
+    std::vector<float> host(256);
+    for (int i = 0; i < 256; ++i) host[i] = static_cast<float>(i + 1 + 1000 * trial);
+    in.upload(host);
     if (launch(shared_race_kernel, dim3(1), dim3(256), 0, nullptr, in.ptr, out.ptr) != cudaSuccess) {
       return 1;
     }
     const std::vector<float> got = out.download();
     for (int t = 0; t < 256; ++t) {
-      if (got[t] != host[(t + 1) % 256]) {
+      const int s = t > 0 ? t - 1 : 0;
+      if (got[t] != host[255 - s] + host[s]) {
         wrong_result("shared_race");
         return 0;
       }
@@ -75,6 +95,24 @@ int shared_race() {
   }
   std::printf("shared_race: not detected\n");
   return 1;
+}
+
+// A kernel on stream B reads what a kernel on stream A wrote, with no event between them; the
+// host sleeps so that the write is long done. Only TSan sees the missing wait.
+int missing_wait() {
+  dpcuda::emu::reset(emu_test::config(1, 3));
+  const int n = 1024;
+  DeviceBuffer<float> x(n), y(n), z(n);
+  cudaStream_t a, b;
+  cudaStreamCreate(&a);
+  cudaStreamCreate(&b);
+  launch(write_kernel, dim3(4), dim3(256), 0, a, x.ptr, n, 2.0f);
+  launch(write_kernel, dim3(4), dim3(256), 0, a, z.ptr, n, 3.0f);
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  launch(copy_kernel, dim3(4), dim3(256), 0, b, x.ptr, y.ptr, n);
+  cudaStreamSynchronize(b);
+  std::printf("missing_wait: done\n");
+  return 0;
 }
 
 int oob_store() {
@@ -108,13 +146,14 @@ int misaligned_load() {
 }
 
 // The two-shot all-reduce across 4 devices without peer access, with the k-th stream wait of
-// the schedule dropped, for every k; a wrong result for any k counts.
-int dropped_wait() {
+// the schedule dropped, for every k; a wrong result for any k counts. intact_only: only the
+// schedule as written, which must be right (and, under TSan, free of reports).
+int dropped_wait(bool intact_only) {
   const int R = 4;
   const int64_t n = 4096;
   int waits = 0;
   bool wrong = false;
-  for (int drop = -1; drop < waits || drop == -1; ++drop) {
+  for (int drop = -1; drop < (intact_only ? 0 : waits) || drop == -1; ++drop) {
     dpcuda::emu::Config c = emu_test::config(R, 11 + drop, 500);
     c.peer.assign(R, std::vector<bool>(R, false));
     dpcuda::emu::reset(c);
@@ -167,6 +206,10 @@ int dropped_wait() {
       }
     }
   }
+  if (intact_only) {
+    std::printf("dropped_wait_intact: right (%d waits)\n", waits);
+    return 0;
+  }
   if (wrong) {
     wrong_result("dropped_wait");
     return 0;
@@ -183,8 +226,10 @@ int main(int argc, char** argv) {
   if (v == "oob_store") return oob_store();
   if (v == "shuffle_lane") return shuffle_lane();
   if (v == "misaligned_load") return misaligned_load();
-  if (v == "dropped_wait") return dropped_wait();
+  if (v == "dropped_wait") return dropped_wait(false);
+  if (v == "dropped_wait_intact") return dropped_wait(true);
+  if (v == "missing_wait") return missing_wait();
   std::fprintf(stderr, "usage: emulation_hazards shared_race|oob_store|shuffle_lane|"
-                       "misaligned_load|dropped_wait\n");
+                       "misaligned_load|dropped_wait|dropped_wait_intact|missing_wait\n");
   return 2;
 }

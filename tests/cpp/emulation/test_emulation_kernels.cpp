@@ -217,7 +217,8 @@ void cross_entropy_ref(const std::vector<double>& z, int64_t y, double scale, do
   const double lse = m + std::log(sum);
   double smooth = 0;
   for (int64_t c = 0; c < C; ++c) smooth += lse - z[c];
-  *loss = scale * ((1 - eps) * (lse - z[y]) + eps / C * smooth);
+  // torch adds the smoothing term only when label_smoothing > 0.
+  *loss = scale * ((1 - eps) * (lse - z[y]) + (eps > 0 ? eps / C * smooth : 0.0));
   for (int64_t c = 0; c < C; ++c) {
     const double p = std::exp(z[c] - lse);
     (*grad)[c] = scale * (p - (c == y ? 1 - eps : 0) - eps / C);
