@@ -518,9 +518,10 @@ bool run_grid(dim3 grid, dim3 block, const std::function<void()>& body, const ch
     // earlier block did happens before the next block's threads start.
     tsan_acquire(&r.end_sync);
     tsan_release(&r.launch_sync);
+    const uint64_t plane = static_cast<uint64_t>(grid.x) * grid.y;
     const uint3 idx = make_uint3(static_cast<unsigned>(b % grid.x),
                                  static_cast<unsigned>(b / grid.x % grid.y),
-                                 static_cast<unsigned>(b / (static_cast<uint64_t>(grid.x) * grid.y)));
+                                 static_cast<unsigned>(b / plane));
     run_block(r, idx, block, grid);
     if (r.failed) break;
   }

@@ -46,7 +46,8 @@ int64_t launch_count();
 void report(const std::string& what);
 
 // The launch: checks the configuration as the hardware does (the error comes back from the
-// call and from cudaGetLastError), then queues the grid on the stream. `site` names the kernel's signature.
+// call and from cudaGetLastError), then queues the grid on the stream. `site` names the kernel's
+// signature.
 cudaError_t launch(dim3 grid, dim3 block, size_t shared_bytes, cudaStream_t stream,
                    std::function<void()> body, std::vector<const void*> pointers,
                    const char* site);

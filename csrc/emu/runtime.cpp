@@ -412,7 +412,9 @@ cudaError_t launch(dim3 grid, dim3 block, size_t shared_bytes, cudaStream_t stre
         return;
       }
     }
-    if (!run_grid(grid, block, body, name.c_str(), seed)) set_sticky(device, cudaErrorLaunchFailure);
+    if (!run_grid(grid, block, body, name.c_str(), seed)) {
+      set_sticky(device, cudaErrorLaunchFailure);
+    }
   });
   return cudaSuccess;
 }
@@ -490,7 +492,8 @@ const char* cudaGetErrorString(cudaError_t error) {
     case cudaErrorIllegalAddress: return "an illegal memory access was encountered";
     case cudaErrorLaunchFailure: return "unspecified launch failure";
     case cudaErrorLaunchTimeout: return "the launch timed out and was terminated";
-    case cudaErrorPeerAccessUnsupported: return "peer access is not supported between these two devices";
+    case cudaErrorPeerAccessUnsupported:
+      return "peer access is not supported between these two devices";
     case cudaErrorPeerAccessAlreadyEnabled: return "peer access is already enabled";
     case cudaErrorPeerAccessNotEnabled: return "peer access has not been enabled";
     case cudaErrorTooManyPeers: return "peer mapping resources exhausted";

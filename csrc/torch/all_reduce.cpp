@@ -82,8 +82,9 @@ void check_replicas(const std::vector<Tensor>& ts, const char* name, const Tenso
     for (size_t j = 0; j < i; ++j) {
       const auto* b = static_cast<const char*>(ts[j].data_ptr());
       const int64_t bytes = t.numel() * t.element_size();
-      TORCH_CHECK_VALUE(t.numel() == 0 || a + bytes <= b || b + bytes <= a || t.device() != ts[j].device(),
-                        name, "[", i, "] and ", name, "[", j, "] share memory; every replica ",
+      const bool apart = a + bytes <= b || b + bytes <= a || t.device() != ts[j].device();
+      TORCH_CHECK_VALUE(t.numel() == 0 || apart, name, "[", i, "] and ", name, "[", j,
+                        "] share memory; every replica ",
                         "needs its own buffer");
     }
   }

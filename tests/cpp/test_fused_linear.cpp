@@ -40,7 +40,8 @@ void test_activation_grad(Activation act) {
   const auto saved = dpcuda::saved_for_backward(act);
   for (double z = -6.0; z <= 6.0; z += 0.37) {
     const double h = 1e-6;
-    const double numeric = (activation_reference(act, z + h) - activation_reference(act, z - h)) / (2 * h);
+    const double numeric =
+        (activation_reference(act, z + h) - activation_reference(act, z - h)) / (2 * h);
     const double s = saved == dpcuda::Saved::kOutput ? activation_reference(act, z) : z;
     CHECK_CLOSE(dpcuda::activation_grad<double>(act, s), numeric, 1e-6);
   }
@@ -53,7 +54,9 @@ void test_backward(int64_t rows, int64_t cols, Activation act, std::mt19937& rng
   for (auto& v : z) v = T(dist(rng));
   for (auto& v : go) v = T(dist(rng));
   const bool from_output = dpcuda::saved_for_backward(act) == dpcuda::Saved::kOutput;
-  for (size_t i = 0; i < z.size(); ++i) saved[i] = from_output ? T(activation_reference(act, z[i])) : z[i];
+  for (size_t i = 0; i < z.size(); ++i) {
+    saved[i] = from_output ? T(activation_reference(act, z[i])) : z[i];
+  }
   const int64_t chunk = dpcuda::cpu::bias_chunk_rows(rows);
   const int64_t chunks = (rows + chunk - 1) / chunk;
   std::vector<T> partials(chunks * cols, T(NAN)), grad_bias(cols, T(NAN));
@@ -71,7 +74,8 @@ void test_backward(int64_t rows, int64_t cols, Activation act, std::mt19937& rng
       const int64_t i = r * cols + c;
       const double zz = z[i];
       const double d = act == Activation::kRelu ? (zz > 0 ? 1.0 : 0.0)
-                       : (activation_reference(act, zz + 1e-6) - activation_reference(act, zz - 1e-6)) / 2e-6;
+                       : (activation_reference(act, zz + 1e-6) -
+                          activation_reference(act, zz - 1e-6)) / 2e-6;
       CHECK_CLOSE(double(g[i]), double(go[i]) * d, tol);
       want_bias += double(go[i]) * d;
     }

@@ -49,7 +49,9 @@ __global__ void write_kernel(float* x, int n, float v) {
 }
 
 __global__ void copy_kernel(const float* x, float* y, int n) {
-  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) y[i] = x[i];
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+    y[i] = x[i];
+  }
 }
 
 __global__ void oob_store_kernel(float* out, int n) {
@@ -81,9 +83,7 @@ int shared_race() {
     std::vector<float> host(256);
     for (int i = 0; i < 256; ++i) host[i] = static_cast<float>(i + 1 + 1000 * trial);
     in.upload(host);
-    if (launch(shared_race_kernel, dim3(1), dim3(256), 0, nullptr, in.ptr, out.ptr) != cudaSuccess) {
-      return 1;
-    }
+    if (launch(shared_race_kernel, dim3(1), dim3(256), 0, nullptr, in.ptr, out.ptr)) return 1;
     const std::vector<float> got = out.download();
     for (int t = 0; t < 256; ++t) {
       const int s = t > 0 ? t - 1 : 0;
@@ -118,7 +118,7 @@ int missing_wait() {
 int oob_store() {
   dpcuda::emu::reset(emu_test::config());
   DeviceBuffer<float> out(100);
-  if (launch(oob_store_kernel, dim3(1), dim3(128), 0, nullptr, out.ptr, 100) != cudaSuccess) return 1;
+  if (launch(oob_store_kernel, dim3(1), dim3(128), 0, nullptr, out.ptr, 100)) return 1;
   cudaDeviceSynchronize();
   std::printf("oob_store: not detected\n");
   return 1;
@@ -137,9 +137,7 @@ int misaligned_load() {
   dpcuda::emu::reset(emu_test::config());
   DeviceBuffer<float> in(256), out(32);
   in.upload(std::vector<float>(256, 1.0f));
-  if (launch(misaligned_load_kernel, dim3(1), dim3(32), 0, nullptr, in.ptr, out.ptr) != cudaSuccess) {
-    return 1;
-  }
+  if (launch(misaligned_load_kernel, dim3(1), dim3(32), 0, nullptr, in.ptr, out.ptr)) return 1;
   cudaDeviceSynchronize();
   std::printf("misaligned_load: not detected\n");
   return 1;

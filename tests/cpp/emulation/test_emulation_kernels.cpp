@@ -118,7 +118,7 @@ void test_activation_forward(std::mt19937& rng) {
         CHECK(dpcuda::cuda::activation_forward<T>(dz.ptr + offset, dz.ptr + offset, n, act,
                                                   nullptr) == cudaSuccess);
         const std::vector<T> inplace = dz.download();
-        for (int64_t i = 0; i < n; ++i) CHECK(std::memcmp(&inplace[offset + i], &out[offset + i], sizeof(T)) == 0);
+        CHECK(std::memcmp(inplace.data() + offset, out.data() + offset, n * sizeof(T)) == 0);
         if constexpr (std::is_same<T, float>::value || std::is_same<T, double>::value) {
           // The CPU kernel on the same inputs (no bias: the GEMM's output is z).
           std::vector<T> cpu(z.begin() + offset, z.end());
@@ -480,7 +480,8 @@ void test_dtype(uint64_t seed) {
   auto t0 = std::chrono::steady_clock::now();
   auto lap = [&](const char* what) {
     const auto t1 = std::chrono::steady_clock::now();
-    std::printf("  %s %s: %.2f s\n", name<T>(), what, std::chrono::duration<double>(t1 - t0).count());
+    std::printf("  %s %s: %.2f s\n", name<T>(), what,
+                std::chrono::duration<double>(t1 - t0).count());
     t0 = t1;
   };
   test_activation_forward<T>(rng);

@@ -155,8 +155,8 @@ void run_case(const Case& c, uint64_t seed) {
 
 int main() {
   uint64_t seed = 100;
-  const AllReduceAlgorithm kAlgorithms[] = {AllReduceAlgorithm::kOneShot, AllReduceAlgorithm::kTwoShot,
-                                           AllReduceAlgorithm::kRing};
+  const AllReduceAlgorithm kAlgorithms[] = {
+      AllReduceAlgorithm::kOneShot, AllReduceAlgorithm::kTwoShot, AllReduceAlgorithm::kRing};
   for (AllReduceAlgorithm a : kAlgorithms) {
     for (int R : {1, 2, 3, 4, 5, 6, 7, 8, 16}) {
       for (Peers peers : {Peers::kAll, Peers::kNone, Peers::kMixed}) {
