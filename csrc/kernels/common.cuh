@@ -38,6 +38,9 @@ __device__ __forceinline__ __nv_bfloat16 from_acc<__nv_bfloat16>(float v) {
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+// Applies the macro M to every storage type the kernels are built for (explicit instantiations).
+#define DPCUDA_FOR_EACH_TYPE(M) M(float) M(double) M(__half) M(__nv_bfloat16)
+
 // Grids are capped so a huge tensor gets a grid-stride loop instead of a needlessly large grid.
 // The emulation tests lower the cap, so that small tensors run the grid-stride paths too.
 constexpr int64_t kMaxGridX = 65535LL * 16;

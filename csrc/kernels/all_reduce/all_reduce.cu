@@ -203,10 +203,7 @@ cudaError_t sgd_range(const T* grad, T* param, T* momentum, int64_t n, SgdArgs s
                                                      cudaStream_t);                            \
   template cudaError_t sgd_range<T>(const T*, T*, T*, int64_t, SgdArgs, cudaStream_t);
 
-DPCUDA_INSTANTIATE(float)
-DPCUDA_INSTANTIATE(double)
-DPCUDA_INSTANTIATE(__half)
-DPCUDA_INSTANTIATE(__nv_bfloat16)
+DPCUDA_FOR_EACH_TYPE(DPCUDA_INSTANTIATE)
 #undef DPCUDA_INSTANTIATE
 
 }  // namespace cuda

@@ -407,10 +407,7 @@ cudaError_t reduce_sgd(const AllReducePlan& p, const ScheduleReplicas<T>& grads,
                                      const std::vector<T*>&, const std::vector<T*>&, SgdArgs,  \
                                      bool, const std::vector<void*>&);
 
-DPCUDA_INSTANTIATE(float)
-DPCUDA_INSTANTIATE(double)
-DPCUDA_INSTANTIATE(__half)
-DPCUDA_INSTANTIATE(__nv_bfloat16)
+DPCUDA_FOR_EACH_TYPE(DPCUDA_INSTANTIATE)
 #undef DPCUDA_INSTANTIATE
 
 }  // namespace cuda

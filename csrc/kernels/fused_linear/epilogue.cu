@@ -143,10 +143,7 @@ cudaError_t activation_backward(const T* grad_out, const T* saved, T* grad_pre, 
   template cudaError_t activation_backward<T>(const T*, const T*, T*, T*, void*, int64_t,      \
                                               int64_t, Activation, cudaStream_t);
 
-DPCUDA_INSTANTIATE(float)
-DPCUDA_INSTANTIATE(double)
-DPCUDA_INSTANTIATE(__half)
-DPCUDA_INSTANTIATE(__nv_bfloat16)
+DPCUDA_FOR_EACH_TYPE(DPCUDA_INSTANTIATE)
 #undef DPCUDA_INSTANTIATE
 
 }  // namespace cuda
