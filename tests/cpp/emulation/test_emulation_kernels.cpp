@@ -118,7 +118,8 @@ void test_activation_forward(std::mt19937& rng) {
         CHECK(dpcuda::cuda::activation_forward<T>(dz.ptr + offset, dz.ptr + offset, n, act,
                                                   nullptr) == cudaSuccess);
         const std::vector<T> inplace = dz.download();
-        CHECK(std::memcmp(inplace.data() + offset, out.data() + offset, n * sizeof(T)) == 0);
+        CHECK(n == 0 ||
+              std::memcmp(inplace.data() + offset, out.data() + offset, n * sizeof(T)) == 0);
         if constexpr (std::is_same<T, float>::value || std::is_same<T, double>::value) {
           // The CPU kernel on the same inputs (no bias: the GEMM's output is z).
           std::vector<T> cpu(z.begin() + offset, z.end());
