@@ -285,6 +285,7 @@ class DataParallel:
                                    "with torchrun and call dist.init_process_group first)")
             self._dist = dist
             self._group = process_group
+            self._global_rows = None  # the last step's global batch
         self._replicas = [_Replica(m, d, self.momentum != 0.0)
                           for m, d in zip(replicate(module, self.devices), self.devices)]
         if reducer == "dist":
@@ -368,9 +369,15 @@ class DataParallel:
             raise ValueError("the batch is empty")
         global_rows = rows
         if self.reducer == "dist":
-            count = torch.tensor([rows], dtype=torch.float64, device=self._comm_device())
-            self._dist.all_reduce(count, group=self._group)
-            global_rows = int(count.item())
+            # Every process scales its loss by 1 / the global batch before the backward. The
+            # first step counts it with a collective; later steps take the previous step's
+            # count (the same on every process), the true count travels with the gradients,
+            # and a step whose count changed is rescaled after the exchange (_step_dist).
+            if self._global_rows is None:
+                count = torch.tensor([rows], dtype=torch.float64, device=self._comm_device())
+                self._dist.all_reduce(count, group=self._group)
+                self._global_rows = int(count.item())
+            global_rows = self._global_rows
         if rows < len(self._replicas):
             raise ValueError(f"the batch has {rows} rows, fewer than the {len(self._replicas)} "
                              f"replicas")
@@ -397,6 +404,8 @@ class DataParallel:
                            self.devices)
         if self.split == "auto":
             self._update_speed(sizes, [t for _, t in results])
+        if self.reducer == "dist":
+            return self._step_dist([l for l, _ in results], rows, global_rows)
         # One host read per replica: its loss and the sum of its gradient buffer.
         reads = [torch.stack([torch.as_tensor(l, device=r.device).detach().double(),
                               r.flat_grad.sum().double()]).cpu()
@@ -411,28 +420,17 @@ class DataParallel:
             return loss
         if self.reducer == "p2p":
             self._reduce_p2p()
-        elif self.reducer == "host":
-            self._reduce_host()
         else:
-            self._reduce_dist()
+            self._reduce_host()
         self.steps += 1
-        if self.reducer == "dist":
-            count = torch.tensor([loss], dtype=torch.float64, device=self._comm_device())
-            self._dist.all_reduce(count, group=self._group)
-            loss = float(count.item())
         return loss
 
     def _grads_finite(self, sums):
         # A buffer's sum (one fast vectorised pass, read with the loss) is finite when all its
         # elements are; only a non-finite sum, which finite values can also give by
         # overflowing, pays for the exact element test.
-        ok = bool(torch.isfinite(sums).all()) or all(
+        return bool(torch.isfinite(sums).all()) or all(
             bool(torch.isfinite(r.flat_grad).all()) for r in self._replicas)
-        if self.reducer == "dist":
-            t = torch.tensor([0.0 if ok else 1.0], device=self._comm_device())
-            self._dist.all_reduce(t, group=self._group)
-            ok = float(t.item()) == 0.0
-        return ok
 
     def _update_speed(self, sizes, seconds):
         speed = list(self._speed) if self._speed else [None] * len(sizes)
@@ -473,26 +471,53 @@ class DataParallel:
         backend = self._dist.get_backend(self._group)
         return self.devices[0] if backend == "nccl" else torch.device("cpu")
 
-    def _reduce_dist(self, bucket_bytes=25 * 1024 * 1024):
+    def _step_dist(self, losses, rows, assumed_rows, bucket_bytes=25 * 1024 * 1024):
+        """The rest of a step across processes, with one exchange: the local replicas' sum
+        (device to device), then the gradient buckets and a two-number record (the loss, the
+        rows) all-reduced together, asynchronously, and one wait. Every process then holds the
+        same summed gradient, so each decides alike, with no further collective, whether to
+        skip the step (a NaN or Inf anywhere) and applies the same update."""
         rs = self._replicas
-        # Inside the process: the local replicas' sum, device to device.
         if len(rs) > 1:
             torch.ops.dpcuda.all_reduce_([r.flat_grad for r in rs], "sum", self.algorithm)
-        # Across processes: bucketed asynchronous all-reduce of replica 0's buffer, the buckets
-        # in flight together.
+        device = self._comm_device()
         grad = rs[0].flat_grad
-        comm = grad if grad.device == self._comm_device() else grad.to(self._comm_device())
+        comm = grad if grad.device == device else grad.to(device)
+        record = torch.stack([torch.as_tensor(l).detach().to(device, torch.float64)
+                              for l in losses] + [torch.zeros((), dtype=torch.float64,
+                                                              device=device)]).sum()
+        record = torch.stack([record, torch.tensor(float(rows), dtype=torch.float64,
+                                                   device=device)])
         per = max(1, bucket_bytes // comm.element_size())
-        works = [self._dist.all_reduce(comm[i:i + per], group=self._group, async_op=True)
-                 for i in range(0, comm.numel(), per)]
+        # The last bucket first: the order in which DDP's buckets go (the last layer's
+        # gradients are the first ready).
+        works = [self._dist.all_reduce(record, group=self._group, async_op=True)]
+        works += [self._dist.all_reduce(comm[i:i + per], group=self._group, async_op=True)
+                  for i in reversed(range(0, comm.numel(), per))]
         for w in works:
             w.wait()
+        loss, global_rows = record.tolist()
+        self._global_rows = int(global_rows)
+        if global_rows != assumed_rows:
+            # The global batch changed: every process scaled its gradients (and its loss) by
+            # 1 / assumed_rows.
+            fix = assumed_rows / global_rows
+            comm.mul_(fix)
+            loss *= fix
+        if not (bool(torch.isfinite(comm.sum())) or bool(torch.isfinite(comm).all())):
+            warnings.warn(f"dpcuda DataParallel: step {self.steps} has NaN or Inf gradients; "
+                          f"skipped (weights unchanged)", RuntimeWarning, stacklevel=3)
+            self.skipped_steps += 1
+            self.steps += 1
+            return loss
         for r in rs:
             if r.flat_grad.data_ptr() != comm.data_ptr():
                 r.flat_grad.copy_(comm)
             m = [r.momentum] if self.momentum else []
             torch.ops.dpcuda.reduce_sgd_([r.flat_param], [r.flat_grad], m, *self._sgd_args(),
                                          False, "one_shot")
+        self.steps += 1
+        return loss
 
     def _copy_params_from(self, index):
         src = self._replicas[index].flat_param

@@ -3,6 +3,7 @@ single-device torch.optim.SGD reference. Replicas share the CPU here (devices ma
 CUDA cases run where a GPU is present."""
 
 import copy
+import math
 import os
 import socket
 import warnings
@@ -352,7 +353,27 @@ def _free_port():
         return s.getsockname()[1]
 
 
+def dist_batches():
+    """Global batches of changing sizes, with one NaN in step 7's input (rows of rank 1): a
+    step every process must skip alike."""
+    data = []
+    gen = torch.Generator().manual_seed(3)
+    for i, rows in enumerate([24] * 5 + [17, 24, 24, 9, 31, 31, 24]):
+        x = torch.randn(rows, 12, generator=gen)
+        y = torch.randint(0, 5, (rows,), generator=gen)
+        if i == 7:
+            x[-1, 3] = float("nan")
+        data.append((x, y))
+    return data
+
+
+def dist_cut(step, rows):
+    """Rank 0's rows of a step: uneven on purpose every third step."""
+    return rows // 2 + (step % 3 == 1) * 3
+
+
 def _dist_worker(rank, world, port, out_dir):
+    import warnings
     import torch.distributed as dist
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
@@ -365,20 +386,45 @@ def _dist_worker(rank, world, port, out_dir):
                     p.add_(1.0)
         dp = DataParallel(model, ["cpu", "cpu"], reducer="dist", lr=0.1, momentum=0.9,
                           weight_decay=1e-3)
-        for x, y in batches():
-            half = x.shape[0] // world
-            dp.step(x[rank * half:(rank + 1) * half], y[rank * half:(rank + 1) * half],
-                    F.cross_entropy)
-        torch.save(dp.state_dict(), os.path.join(out_dir, f"rank{rank}.pt"))
+        losses, skipped = [], []
+        for step, (x, y) in enumerate(dist_batches()):
+            cut = dist_cut(step, x.shape[0])
+            part = slice(0, cut) if rank == 0 else slice(cut, None)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                losses.append(dp.step(x[part], y[part], F.cross_entropy))
+            skipped.append(any("NaN or Inf" in str(w.message) for w in caught))
+        torch.save({"state": dp.state_dict(), "losses": losses, "skipped": skipped,
+                    "skipped_steps": dp.skipped_steps},
+                   os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
 
 def test_dist_reducer_matches_single_process(tmp_path):
+    # Two processes x two replicas, uneven slices, a global batch that changes size, a step
+    # with a NaN on one process: the model and the losses one process computes alone.
     world = 2
     mp.spawn(_dist_worker, args=(world, _free_port(), str(tmp_path)), nprocs=world, join=True)
-    ref = reference_train(make_model(False), batches(), 0.1, 0.9, 1e-3)
-    states = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
-    for k, v in ref.state_dict().items():
-        torch.testing.assert_close(states[0][k], v, atol=1e-5, rtol=1e-4)
-        assert torch.equal(states[0][k], states[1][k])
+    model = copy.deepcopy(make_model(False))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-3)
+    ref_losses = []
+    for x, y in dist_batches():
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        ref_losses.append(float(loss.detach()))
+        if torch.isfinite(loss):
+            loss.backward()
+            opt.step()
+    runs = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+    for run in runs:
+        assert run["skipped"] == [i == 7 for i in range(len(ref_losses))]
+        assert run["skipped_steps"] == 1
+        finite = [i for i, v in enumerate(ref_losses) if math.isfinite(v)]
+        torch.testing.assert_close([run["losses"][i] for i in finite],
+                                   [ref_losses[i] for i in finite], rtol=1e-5, atol=1e-6)
+        assert math.isnan(run["losses"][7])
+    assert runs[0]["losses"][:7] == runs[1]["losses"][:7]
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(runs[0]["state"][k], v, atol=1e-5, rtol=1e-4)
+        assert torch.equal(runs[0]["state"][k], runs[1]["state"][k])
