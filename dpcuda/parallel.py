@@ -206,9 +206,11 @@ def all_reduce(tensors, op="sum", algorithm="auto"):
 
 class _Replica:
     """One replica: its module, its parameters viewed into one flat buffer, its gradients
-    viewed into another, and its momentum buffer."""
+    viewed into another, and its momentum buffer. The gradient buffer (flat_grad) is the head
+    of `exchange`, which has `record` more elements behind it: room for what the reducer "dist"
+    sends with the gradients (the loss, the rows)."""
 
-    def __init__(self, module, device, momentum):
+    def __init__(self, module, device, momentum, record=0):
         self.module = module
         self.device = device
         params = list(module.parameters())
@@ -220,7 +222,8 @@ class _Replica:
             raise TypeError(f"parameters must be floating point, got {dtype}")
         total = sum(p.numel() for p in params)
         self.flat_param = torch.empty(total, dtype=dtype, device=device)
-        self.flat_grad = torch.zeros(total, dtype=dtype, device=device)
+        self.exchange = torch.zeros(total + record, dtype=dtype, device=device)
+        self.flat_grad = self.exchange[:total]
         self.momentum = torch.zeros(total, dtype=dtype, device=device) if momentum else None
         offset = 0
         for p in params:
@@ -249,6 +252,10 @@ class DataParallel:
     its rows (as nn.CrossEntropyLoss does by default). A step whose gradients hold NaN or Inf is
     skipped with a warning; a step that raises leaves every replica's weights as they were.
     """
+
+    # The model dtypes whose gradient buffer carries the reducer "dist" record (the loss; the
+    # rows, exact to 2**24) behind the gradients; other dtypes send it in a float64 tensor.
+    _record_inline = (torch.float32, torch.float64)
 
     def __init__(self, module, devices, reducer="p2p", split="even", lr=0.01, momentum=0.0,
                  weight_decay=0.0, split_weights=None, algorithm="auto", process_group=None):
@@ -286,7 +293,7 @@ class DataParallel:
             self._dist = dist
             self._group = process_group
             self._global_rows = None  # the last step's global batch
-        self._replicas = [_Replica(m, d, self.momentum != 0.0)
+        self._replicas = [_Replica(m, d, self.momentum != 0.0, 2 if reducer == "dist" else 0)
                           for m, d in zip(replicate(module, self.devices), self.devices)]
         if reducer == "dist":
             # Every process starts from rank 0's weights.
@@ -385,7 +392,7 @@ class DataParallel:
         parts = _slices((inputs, targets), self.devices, sizes)
 
         for r in self._replicas:
-            r.flat_grad.zero_()
+            r.exchange.zero_()
 
         def work(replica, part, size):
             def run():
@@ -405,7 +412,7 @@ class DataParallel:
         if self.split == "auto":
             self._update_speed(sizes, [t for _, t in results])
         if self.reducer == "dist":
-            return self._step_dist([l for l, _ in results], rows, global_rows)
+            return self._step_dist([l for l, _ in results], sizes, global_rows)
         # One host read per replica: its loss and the sum of its gradient buffer.
         reads = [torch.stack([torch.as_tensor(l, device=r.device).detach().double(),
                               r.flat_grad.sum().double()]).cpu()
@@ -471,31 +478,42 @@ class DataParallel:
         backend = self._dist.get_backend(self._group)
         return self.devices[0] if backend == "nccl" else torch.device("cpu")
 
-    def _step_dist(self, losses, rows, assumed_rows, bucket_bytes=25 * 1024 * 1024):
+    def _step_dist(self, losses, sizes, assumed_rows, bucket_bytes=25 * 1024 * 1024):
         """The rest of a step across processes, with one exchange: the local replicas' sum
-        (device to device), then the gradient buckets and a two-number record (the loss, the
-        rows) all-reduced together, asynchronously, and one wait. Every process then holds the
-        same summed gradient, so each decides alike, with no further collective, whether to
-        skip the step (a NaN or Inf anywhere) and applies the same update."""
+        (device to device), then one all-reduce of the gradients with a two-number record
+        behind them (the loss, the rows; float32/float64 models) or beside them (a float64
+        record, in flight together; half precision models), and one wait. Every process then
+        holds the same summed gradient, so each decides alike, with no further collective,
+        whether to skip the step (a NaN or Inf anywhere) and applies the same update."""
         rs = self._replicas
+        dtype = rs[0].flat_grad.dtype
+        inline = dtype in self._record_inline
+        record = []
+        for r, loss, size in zip(rs, losses, sizes):
+            record.append(torch.stack([torch.as_tensor(loss, device=r.device).detach().to(
+                dtype=torch.float64), torch.tensor(float(size), dtype=torch.float64,
+                                                   device=r.device)]))
+            if inline:
+                r.exchange[-2:].copy_(record[-1])
+        buffers = [r.exchange for r in rs] if inline else [r.flat_grad for r in rs]
         if len(rs) > 1:
-            torch.ops.dpcuda.all_reduce_([r.flat_grad for r in rs], "sum", self.algorithm)
+            torch.ops.dpcuda.all_reduce_(buffers, "sum", self.algorithm)
         device = self._comm_device()
-        grad = rs[0].flat_grad
-        comm = grad if grad.device == device else grad.to(device)
-        record = torch.stack([torch.as_tensor(l).detach().to(device, torch.float64)
-                              for l in losses] + [torch.zeros((), dtype=torch.float64,
-                                                              device=device)]).sum()
-        record = torch.stack([record, torch.tensor(float(rows), dtype=torch.float64,
-                                                   device=device)])
+        comm = buffers[0] if buffers[0].device == device else buffers[0].to(device)
+        works = []
+        if not inline:
+            record = torch.stack([x.to(device) for x in record]).sum(0)
+            works.append(self._dist.all_reduce(record, group=self._group, async_op=True))
         per = max(1, bucket_bytes // comm.element_size())
         # The last bucket first: the order in which DDP's buckets go (the last layer's
         # gradients are the first ready).
-        works = [self._dist.all_reduce(record, group=self._group, async_op=True)]
         works += [self._dist.all_reduce(comm[i:i + per], group=self._group, async_op=True)
                   for i in reversed(range(0, comm.numel(), per))]
         for w in works:
             w.wait()
+        if inline:
+            record = comm[-2:]
+            comm = comm[:-2]
         loss, global_rows = record.tolist()
         self._global_rows = int(global_rows)
         if global_rows != assumed_rows:

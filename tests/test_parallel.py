@@ -372,27 +372,29 @@ def dist_cut(step, rows):
     return rows // 2 + (step % 3 == 1) * 3
 
 
-def _dist_worker(rank, world, port, out_dir):
+def _dist_worker(rank, world, port, out_dir, dtype, inline):
     import warnings
     import torch.distributed as dist
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
     try:
-        model = make_model(False)
+        model = make_model(False, dtype)
         if rank == 1:  # a different start: the wrapper must take rank 0's weights
             with torch.no_grad():
                 for p in model.parameters():
                     p.add_(1.0)
         dp = DataParallel(model, ["cpu", "cpu"], reducer="dist", lr=0.1, momentum=0.9,
                           weight_decay=1e-3)
+        if not inline:  # the path of half-precision models, with float32 numbers
+            dp._record_inline = ()
         losses, skipped = [], []
         for step, (x, y) in enumerate(dist_batches()):
             cut = dist_cut(step, x.shape[0])
             part = slice(0, cut) if rank == 0 else slice(cut, None)
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
-                losses.append(dp.step(x[part], y[part], F.cross_entropy))
+                losses.append(dp.step(x[part].to(dtype), y[part], F.cross_entropy))
             skipped.append(any("NaN or Inf" in str(w.message) for w in caught))
         torch.save({"state": dp.state_dict(), "losses": losses, "skipped": skipped,
                     "skipped_steps": dp.skipped_steps},
@@ -401,30 +403,37 @@ def _dist_worker(rank, world, port, out_dir):
         dist.destroy_process_group()
 
 
-def test_dist_reducer_matches_single_process(tmp_path):
+# float32/float64 send the loss and the rows behind the gradients, half precision models in a
+# tensor beside them ("beside"; the CPU kernels take no half precision, so float32 runs it).
+@pytest.mark.parametrize("dtype,inline", [(torch.float32, True), (torch.float64, True),
+                                          (torch.float32, False)],
+                         ids=["float32-behind", "float64-behind", "float32-beside"])
+def test_dist_reducer_matches_single_process(tmp_path, dtype, inline):
     # Two processes x two replicas, uneven slices, a global batch that changes size, a step
     # with a NaN on one process: the model and the losses one process computes alone.
     world = 2
-    mp.spawn(_dist_worker, args=(world, _free_port(), str(tmp_path)), nprocs=world, join=True)
-    model = copy.deepcopy(make_model(False))
+    mp.spawn(_dist_worker, args=(world, _free_port(), str(tmp_path), dtype, inline),
+             nprocs=world, join=True)
+    model = copy.deepcopy(make_model(False, dtype))
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-3)
     ref_losses = []
     for x, y in dist_batches():
         opt.zero_grad()
-        loss = F.cross_entropy(model(x), y)
+        loss = F.cross_entropy(model(x.to(dtype)), y)
         ref_losses.append(float(loss.detach()))
         if torch.isfinite(loss):
             loss.backward()
             opt.step()
+    tol = {torch.float32: (1e-5, 1e-4), torch.float64: (1e-12, 1e-12)}[dtype]
     runs = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
     for run in runs:
         assert run["skipped"] == [i == 7 for i in range(len(ref_losses))]
         assert run["skipped_steps"] == 1
         finite = [i for i, v in enumerate(ref_losses) if math.isfinite(v)]
         torch.testing.assert_close([run["losses"][i] for i in finite],
-                                   [ref_losses[i] for i in finite], rtol=1e-5, atol=1e-6)
+                                   [ref_losses[i] for i in finite], atol=tol[0], rtol=tol[1])
         assert math.isnan(run["losses"][7])
     assert runs[0]["losses"][:7] == runs[1]["losses"][:7]
     for k, v in model.state_dict().items():
-        torch.testing.assert_close(runs[0]["state"][k], v, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(runs[0]["state"][k], v, atol=tol[0], rtol=tol[1])
         assert torch.equal(runs[0]["state"][k], runs[1]["state"][k])
