@@ -39,6 +39,44 @@ def test_forward_and_backward_match_reference(device, dtype, activation, rows, i
         assert_within_torch_error(got, pl, want, ATOL[dtype] * max(rows, inf))
 
 
+@pytest.mark.parametrize("device,dtype", CASES)
+@pytest.mark.parametrize("activation", ["relu", "none"])
+def test_relu_and_none_propagate_nan_and_inf_as_torch(device, dtype, activation):
+    # z = x @ W.T + b with x = W = 0 is the bias exactly: NaN, +-Inf, +-0 and finite values,
+    # forward; then upstream gradients holding NaN and +-Inf, on live and dead units alike.
+    # torch.relu keeps a NaN; threshold_backward passes 0 for a dead unit whatever comes in.
+    inf, nan = float("inf"), float("nan")
+    b = torch.tensor([nan, inf, -inf, 0.0, -0.0, 2.0, -2.0, nan, 3.0, -3.0, inf, -inf],
+                     dtype=dtype, device=device)
+    go = torch.tensor([[1.0, 1.0, nan, inf, -inf, nan, nan, -2.0, inf, inf, 2.0, -inf]],
+                      dtype=dtype, device=device)
+    x = torch.zeros(1, 2, dtype=dtype, device=device, requires_grad=True)
+    w = torch.zeros(12, 2, dtype=dtype, device=device, requires_grad=True)
+    act = F.relu if activation == "relu" else (lambda z: z)
+    bo, bt = b.clone().requires_grad_(), b.clone().requires_grad_()
+    out = ops.full_forward(x, w, bo, activation)
+    want = act(F.linear(x.detach(), w.detach(), bt))
+    torch.testing.assert_close(out, want, rtol=0, atol=0, equal_nan=True)
+    out.backward(go)
+    want.backward(go)
+    torch.testing.assert_close(bo.grad, bt.grad, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("activation", ref.ACTIVATIONS)
+def test_no_input_features_gives_the_activation_of_the_bias(device, activation):
+    # in_features == 0: x @ W.T is all zeros, so the output is act(bias) on every row (cuBLASLt's
+    # relu epilogue returned the bias itself here).
+    x = torch.empty(3, 0, device=device)
+    w = torch.empty(4, 0, device=device)
+    b = torch.tensor([-1.0, 0.5, -0.25, 2.0], device=device)
+    out = ops.full_forward(x, w, b, activation)
+    want = ref.full_forward(x, w, b, activation)
+    torch.testing.assert_close(out, want)
+    if activation == "relu":
+        assert (out >= 0).all()
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_leading_dims_noncontiguous_and_no_bias(device):
     x = torch.randn(4, 5, 9, device=device).transpose(0, 1)  # (5, 4, 9), non-contiguous

@@ -24,12 +24,13 @@ DPCUDA_CPU_CLONES void forward_rows(T* __restrict__ out, T* __restrict__ pre,
   }
 }
 
-// grad_out * act'(saved) for one element. relu is a select of values loaded unconditionally,
-// which vectorises: a conditional load becomes a branch on the sign, a coin toss on real data,
-// and its mispredictions cost several times the whole pass.
+// grad_out * act'(saved) for one element (activation_backward_value, shared with the CUDA
+// kernel). relu's select of values loaded unconditionally vectorises: a conditional load
+// becomes a branch on the sign, a coin toss on real data, and its mispredictions cost several
+// times the whole pass.
 template <typename T, Activation A>
-DPCUDA_HD T grad_pre_value(T go, T saved) {
-  return A == Activation::kRelu ? (saved > T(0) ? go : T(0)) : go * activation_grad<T>(A, saved);
+inline T grad_pre_value(T go, T saved) {
+  return activation_backward_value<T>(A, go, saved);
 }
 
 template <typename T, Activation A>

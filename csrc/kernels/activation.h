@@ -67,7 +67,8 @@ DPCUDA_HD acc_t activate(Activation act, acc_t z) {
   constexpr acc_t kCoeff = acc_t(0.044715);
   switch (act) {
     case Activation::kNone: return z;
-    case Activation::kRelu: return z > acc_t(0) ? z : acc_t(0);
+    // torch's relu: NaN passes (a NaN input must not become a confident 0), -0 stays -0.
+    case Activation::kRelu: return z < acc_t(0) ? acc_t(0) : z;
     case Activation::kGelu: return z * math_normal_cdf_from_exp(z, math_exp(acc_t(-0.5) * z * z));
     case Activation::kGeluTanh:
       return acc_t(0.5) * z * (acc_t(1) + math_tanh(kSqrt2OverPi * (z + kCoeff * z * z * z)));
@@ -87,7 +88,7 @@ DPCUDA_HD acc_t activation_grad(Activation act, acc_t s) {
   constexpr acc_t kCoeff = acc_t(0.044715);
   switch (act) {
     case Activation::kNone: return acc_t(1);
-    case Activation::kRelu: return s > acc_t(0) ? acc_t(1) : acc_t(0);
+    case Activation::kRelu: return s <= acc_t(0) ? acc_t(0) : acc_t(1);
     case Activation::kSigmoid: return s * (acc_t(1) - s);
     case Activation::kTanh: return acc_t(1) - s * s;
     case Activation::kGelu: {
@@ -107,6 +108,17 @@ DPCUDA_HD acc_t activation_grad(Activation act, acc_t s) {
     }
   }
   return acc_t(1);
+}
+
+// The gradient of the pre-activation, grad_out * act'(saved), for one element: what the CPU
+// and CUDA kernels both compute. relu is a select, as torch's threshold_backward (output <= 0
+// ? 0 : grad): a dead unit passes 0 even when grad_out is Inf or NaN (a product would give
+// NaN); a live one, or a NaN output, passes grad_out as it is. On the CPU, a select of values
+// loaded unconditionally also vectorises.
+template <typename acc_t>
+DPCUDA_HD acc_t activation_backward_value(Activation act, acc_t grad_out, acc_t saved) {
+  if (act == Activation::kRelu) return saved <= acc_t(0) ? acc_t(0) : grad_out;
+  return grad_out * activation_grad<acc_t>(act, saved);
 }
 
 // Calls f(std::integral_constant<Activation, A>{}) for the runtime value act, so the loops of a

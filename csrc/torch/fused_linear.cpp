@@ -157,13 +157,11 @@ std::tuple<Tensor, Tensor> full_forward_cuda(const Tensor& input, const Tensor& 
   const Tensor x = as_matrix(input, s);
   const bool has_bias = bias.has_value() && bias->defined();
   const bool keep_pre = saved_for_backward(act) == Saved::kPreActivation;
-  if (act == Activation::kRelu && has_bias) {
-    // cuBLASLt's RELU_BIAS epilogue: the GEMM, the bias and the relu in one kernel.
-    const Tensor out = at::_addmm_activation(*bias, x, weight.t(), 1, 1, /*use_gelu=*/false);
-    return {out.view(s.out_sizes), empty_like_options(out)};
-  }
   // cuBLASLt's BIAS epilogue adds the bias inside the GEMM; our kernel then applies the
   // activation, writing next to z when z is kept for the backward and over it otherwise.
+  // Not cuBLASLt's RELU_BIAS epilogue (at::_addmm_activation), which would save relu's launch:
+  // its relu is a max(z, 0), which maps NaN to 0 where torch.relu keeps NaN, and with
+  // in_features == 0 ATen returns the bias without the relu.
   const Tensor z = has_bias ? at::addmm(*bias, x, weight.t()) : at::mm(x, weight.t());
   if (act == Activation::kNone) return {z.view(s.out_sizes), empty_like_options(z)};
   const Tensor out = keep_pre ? at::empty_like(z) : z;

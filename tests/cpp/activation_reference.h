@@ -12,7 +12,7 @@ inline double activation_reference(dpcuda::Activation act, double z) {
   using dpcuda::Activation;
   switch (act) {
     case Activation::kNone: return z;
-    case Activation::kRelu: return z > 0 ? z : 0;
+    case Activation::kRelu: return z < 0 ? 0 : z;  // NaN passes, as torch.relu
     case Activation::kGelu: return 0.5 * z * std::erfc(-z / std::sqrt(2.0));
     case Activation::kGeluTanh:
       return 0.5 * z * (1 + std::tanh(std::sqrt(2 / M_PI) * (z + 0.044715 * z * z * z)));

@@ -41,7 +41,7 @@ __global__ void activation_backward_kernel(const T* __restrict__ grad_out,
       const int64_t i = r * cols + c;
       acc v = to_acc(grad_out[i]);
       if (kWriteGrad) {
-        v *= activation_grad<acc>(A, to_acc(saved[i]));
+        v = activation_backward_value<acc>(A, v, to_acc(saved[i]));
         grad_pre[i] = from_acc<T>(v);
       }
       sum += v;

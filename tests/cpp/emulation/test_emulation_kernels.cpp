@@ -73,11 +73,24 @@ void expect_close(double got, double want, double tol, double scale, const char*
 
 
 
+// An activation gradient: as expect_close, but where an Inf or NaN upstream makes the float64
+// value non-finite, the smooth activations need only give a non-finite value: their derivative
+// in the kernel's precision can round to 0 (Inf * 0 = NaN) where float64's is tiny (Inf).
+// relu (a select) and none are exact.
+void expect_grad(double got, double want, Activation act, double tol, double scale,
+                 const char* what, const char* dtype, int64_t i) {
+  if (!std::isfinite(want) && act != Activation::kRelu && act != Activation::kNone) {
+    if (std::isfinite(got)) expect_close(got, want, tol, scale, what, dtype, i);  // reports
+    return;
+  }
+  expect_close(got, want, tol, scale, what, dtype, i);
+}
+
 // The derivative from what the forward pass saved (the output for relu, sigmoid and tanh).
 double grad_ref(Activation act, double s) {
   switch (act) {
     case Activation::kNone: return 1;
-    case Activation::kRelu: return s > 0 ? 1 : 0;
+    case Activation::kRelu: return s <= 0 ? 0 : 1;
     case Activation::kSigmoid: return s * (1 - s);
     case Activation::kTanh: return 1 - s * s;
     default: {
@@ -101,8 +114,14 @@ void test_activation_forward(std::mt19937& rng) {
       // Offset 1: the pointers are not 16-byte aligned.
       for (int64_t offset : {0, 1}) {
         const int64_t n = s.rows * s.cols;
+        // Every 5th input is NaN, +Inf or -Inf: relu and none must pass them as torch does.
+        const double kSpecial[] = {kNaN, std::numeric_limits<double>::infinity(),
+                                   -std::numeric_limits<double>::infinity()};
         std::vector<T> z(n + offset);
-        for (auto& v : z) v = from_double<T>(dist(rng));
+        for (int64_t i = 0; i < n + offset; ++i) {
+          const bool special = i % 5 == 2 && (act == Activation::kRelu || act == Activation::kNone);
+          z[i] = from_double<T>(special ? kSpecial[(i / 5) % 3] : dist(rng));
+        }
         DeviceBuffer<T> dz(n + offset), dout(n + offset);
         dz.upload(z);
         dout.upload(std::vector<T>(n + offset, from_double<T>(kNaN)));
@@ -112,7 +131,8 @@ void test_activation_forward(std::mt19937& rng) {
         for (int64_t i = 0; i < n; ++i) {
           const double zi = to_double(z[offset + i]);
           expect_close(to_double(out[offset + i]), activation_reference(act, zi), tolerance<T>(),
-                       std::fabs(zi), "activation_forward", name<T>(), i);
+                       std::isfinite(zi) ? std::fabs(zi) : 0.0, "activation_forward", name<T>(),
+                       i);
         }
         // In place (out aliases z), as the adapter runs it for relu's saved output.
         CHECK(dpcuda::cuda::activation_forward<T>(dz.ptr + offset, dz.ptr + offset, n, act,
@@ -126,8 +146,9 @@ void test_activation_forward(std::mt19937& rng) {
           dpcuda::cpu::bias_activation_forward<T>(cpu.data(), nullptr, nullptr, 0, s.rows,
                                                   s.cols, act);
           for (int64_t i = 0; i < n; ++i) {
+            const double zi = to_double(z[offset + i]);
             expect_close(to_double(out[offset + i]), to_double(cpu[i]), 4 * tolerance<T>(),
-                         std::fabs(to_double(z[offset + i])), "forward vs CPU", name<T>(), i);
+                         std::isfinite(zi) ? std::fabs(zi) : 0.0, "forward vs CPU", name<T>(), i);
           }
         }
       }
@@ -146,9 +167,15 @@ void test_activation_backward(std::mt19937& rng) {
           const int64_t n = s.rows * s.cols;
           const bool saves_output = dpcuda::saved_for_backward(act) == dpcuda::Saved::kOutput;
           std::vector<T> go(n), saved(n);
+          // Every 7th upstream gradient is +Inf, -Inf or NaN: relu passes 0 for a dead unit
+          // whatever it receives (torch's threshold_backward), the others multiply.
+          const double kSpecial[] = {std::numeric_limits<double>::infinity(),
+                                     -std::numeric_limits<double>::infinity(), kNaN};
           for (int64_t i = 0; i < n; ++i) {
-            go[i] = from_double<T>(dist(rng));
-            const double z = dist(rng);
+            go[i] = from_double<T>(i % 7 == 3 ? kSpecial[(i / 7) % 3] : dist(rng));
+            // and every 11th pre-activation is NaN (relu's saved output is then NaN: the
+            // gradient passes, as torch's threshold_backward lets it).
+            const double z = i % 11 == 5 ? kNaN : dist(rng);
             saved[i] = from_double<T>(saves_output ? activation_reference(act, z) : z);
           }
           DeviceBuffer<T> dgo(n), dsaved(n), dpre(n), dbias(s.cols);
@@ -166,21 +193,26 @@ void test_activation_backward(std::mt19937& rng) {
           for (int64_t r = 0; r < s.rows; ++r) {
             for (int64_t c = 0; c < s.cols; ++c) {
               const int64_t i = r * s.cols + c;
-              const double g = act == Activation::kNone || !write_grad
-                                   ? to_double(go[i])
-                                   : to_double(go[i]) * grad_ref(act, to_double(saved[i]));
+              const double gi = to_double(go[i]), si = to_double(saved[i]);
+              const double g = act == Activation::kNone || !write_grad ? gi
+                               : act == Activation::kRelu             ? (si <= 0 ? 0.0 : gi)
+                                                                      : gi * grad_ref(act, si);
+              // A non-finite value is compared exactly (close() checks NaN-ness and
+              // infinities first); the scale of the tolerance stays finite.
+              const double scale = std::isfinite(gi) ? std::fabs(gi) : 0.0;
               want_bias[c] += g;
-              scale_bias[c] += std::fabs(g);
+              scale_bias[c] += std::isfinite(g) ? std::fabs(g) : 0.0;
               if (write_grad && act != Activation::kNone) {
-                expect_close(to_double(pre[i]), g, tolerance<T>() + 1e-6,
-                             std::fabs(to_double(go[i])), "activation_backward grad", name<T>(), i);
+                expect_grad(to_double(pre[i]), g, act, tolerance<T>() + 1e-6, scale,
+                            "activation_backward grad", name<T>(), i);
               }
             }
           }
           if (bias) {
             for (int64_t c = 0; c < s.cols; ++c) {
-              expect_close(to_double(gb[c]), want_bias[c], tolerance<T>() + 1e-6, scale_bias[c],
-                           "activation_backward bias", name<T>(), c);
+              expect_grad(to_double(gb[c]), want_bias[c], write_grad ? act : Activation::kNone,
+                          tolerance<T>() + 1e-6, scale_bias[c], "activation_backward bias",
+                          name<T>(), c);
             }
           }
           if constexpr (std::is_same<T, float>::value || std::is_same<T, double>::value) {
@@ -189,8 +221,10 @@ void test_activation_backward(std::mt19937& rng) {
               dpcuda::cpu::activation_backward_rows<T>(go.data(), saved.data(), cpu.data(),
                                                        nullptr, 0, s.rows, s.cols, act);
               for (int64_t i = 0; i < n; ++i) {
+                const double gi = to_double(go[i]);
                 expect_close(to_double(pre[i]), to_double(cpu[i]), 4 * tolerance<T>(),
-                             std::fabs(to_double(go[i])), "backward vs CPU", name<T>(), i);
+                             std::isfinite(gi) ? std::fabs(gi) : 0.0, "backward vs CPU",
+                             name<T>(), i);
               }
             }
           }
