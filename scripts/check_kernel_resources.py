@@ -6,6 +6,12 @@ or local memory, or on more than 48 KiB of static shared memory. Prints the tabl
 
 Local memory is where by-value parameter arrays indexed at run time, or locals whose address
 escapes, end up: slow on a GPU and invisible in the emulation, so it is checked here.
+
+It also checks the SGD kernels' floating-point rule (csrc/kernels/common.cuh, mul_rn/add_rn):
+no product in them may be contracted into an FMA, so that CPU and CUDA updates give the same
+bits. In their PTX there must be no fma and no mul.f32/f64 without a rounding modifier (which
+ptxas may fuse with an add). The detector is first shown to fire on a kernel written with plain
+operators.
 """
 
 import argparse
@@ -16,6 +22,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHARED_LIMIT = 48 * 1024
@@ -77,6 +84,64 @@ def demangle(names):
     return short
 
 
+# The kernels whose arithmetic must follow the no-contraction rule, by source and name.
+NO_FMA_SOURCE = os.path.join("csrc", "kernels", "all_reduce", "all_reduce.cu")
+NO_FMA_KERNELS = re.compile(r"sgd")
+CONTRACTIBLE = re.compile(r"^\s*(fma\.rn\.f(32|64)|mul\.f(32|64)|mad\.f(32|64))\b")
+
+BROKEN_SNIPPET = """
+__global__ void sgd_plain(const float* g, float* p, float lr, int n) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) p[i] = p[i] - lr * g[i];
+}
+"""
+
+
+def contractible_ops(nvcc, source, arch, include=True):
+    """{entry name: [contractible PTX instructions]} of the entries of source matching
+    NO_FMA_KERNELS."""
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx = os.path.join(tmp, "out.ptx")
+        cmd = [nvcc, "-std=c++17", "--expt-relaxed-constexpr", "-O3", "-ptx",
+               f"-arch=compute_{arch}", "-o", ptx, source]
+        if include:
+            cmd[1:1] = ["-I", os.path.join(ROOT, "csrc")]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise SystemExit(f"nvcc -ptx failed on {source}:\n{done.stderr}")
+        found, entry = {}, None
+        with open(ptx) as f:
+            for line in f:
+                m = re.search(r"\.entry\s+(\S+?)\(", line)
+                if m:
+                    entry = m.group(1) if NO_FMA_KERNELS.search(m.group(1)) else None
+                    if entry:
+                        found.setdefault(entry, [])
+                elif entry and CONTRACTIBLE.match(line):
+                    found[entry].append(line.split()[0])
+    return found
+
+
+def check_no_contraction(nvcc, arch):
+    with tempfile.TemporaryDirectory() as tmp:
+        broken = os.path.join(tmp, "broken_sgd.cu")
+        with open(broken, "w") as f:
+            f.write(BROKEN_SNIPPET)
+        seen = contractible_ops(nvcc, broken, arch, include=False)
+    if not any(seen.values()):
+        print("no-FMA check: the detector missed the FMA of a plain p - lr * g kernel")
+        return 1
+    found = contractible_ops(nvcc, os.path.join(ROOT, NO_FMA_SOURCE), arch)
+    bad = {k: v for k, v in found.items() if v}
+    for name, ops in bad.items():
+        print(f"no-FMA check: {demangle([name])[0]}: {len(ops)} contractible "
+              f"({', '.join(sorted(set(ops)))})")
+    print(f"no-FMA check (compute_{arch}): {len(found)} SGD kernels, {len(bad)} with a product "
+          f"that may become an FMA (the detector fires on a plain kernel: "
+          f"{sum(len(v) for v in seen.values())} found there)")
+    return 1 if bad or not found else 0
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", action="append", default=None,
@@ -109,7 +174,8 @@ def main():
               f"{row['smem']:>6}  {name}{'   <-- FAILS' if flag else ''}")
     print(f"{len(rows)} kernel images, {bad} with stack, spills, local memory or over "
           f"{SHARED_LIMIT} bytes of static shared memory")
-    return 1 if bad or not rows else 0
+    contraction = check_no_contraction(nvcc, archs[0])
+    return 1 if bad or not rows or contraction else 0
 
 
 if __name__ == "__main__":

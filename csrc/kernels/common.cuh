@@ -36,6 +36,23 @@ __device__ __forceinline__ __nv_bfloat16 from_acc<__nv_bfloat16>(float v) {
   return __float2bfloat16_rn(v);
 }
 
+// Products and sums rounded one at a time, never contracted into a fused multiply-add. nvcc
+// contracts a * b + c into an FMA by default (-fmad=true); the CPU kernels are built with
+// -ffp-contract=off. The SGD update goes through these, so that CPU and CUDA give the same bits
+// for float and double (the rule: every product and every sum rounded to nearest, in the order
+// the formula is written; checked in the SASS by scripts/check_kernel_resources.py).
+#if defined(DPCUDA_EMULATE)
+__device__ __forceinline__ float mul_rn(float a, float b) { return a * b; }
+__device__ __forceinline__ double mul_rn(double a, double b) { return a * b; }
+__device__ __forceinline__ float add_rn(float a, float b) { return a + b; }
+__device__ __forceinline__ double add_rn(double a, double b) { return a + b; }
+#else
+__device__ __forceinline__ float mul_rn(float a, float b) { return __fmul_rn(a, b); }
+__device__ __forceinline__ double mul_rn(double a, double b) { return __dmul_rn(a, b); }
+__device__ __forceinline__ float add_rn(float a, float b) { return __fadd_rn(a, b); }
+__device__ __forceinline__ double add_rn(double a, double b) { return __dadd_rn(a, b); }
+#endif
+
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // Applies the macro M to every storage type the kernels are built for (explicit instantiations).

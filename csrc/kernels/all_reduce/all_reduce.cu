@@ -37,14 +37,54 @@ struct SgdIn {
 // The SGD element formula in the accumulation type: returns the new parameter; `m` holds the
 // momentum buffer's value and receives the new one (used only with momentum). Everything is
 // passed by value or by register reference, so nothing lands in local memory.
+// torch.optim.SGD's order (dampening 0, no Nesterov): d = g + wd * p; m = mu * m + d;
+// p = p - lr * d; each product and sum rounded on its own (mul_rn/add_rn), as the CPU kernels.
 template <typename A>
 __device__ __forceinline__ A sgd_step(A g, A p, bool use_m, A& m, const SgdIn<A>& s) {
-  A d = s.decay ? g + s.wd * p : g;
+  A d = s.decay ? add_rn(g, mul_rn(s.wd, p)) : g;
   if (use_m) {
-    d = s.mu * m + d;
+    d = add_rn(mul_rn(s.mu, m), d);
     m = d;
   }
-  return p - s.lr * d;
+  return add_rn(p, -mul_rn(s.lr, d));
+}
+
+// The element-wise kernels below (reduce_sgd, chain, sgd) move kLanes<T> elements per thread
+// and iteration: 16 bytes of the accumulation type (4 floats, 2 doubles; 4 halves, 8 bytes)
+// when every pointer is aligned to a whole pack at the range's start, else one element. Each
+// is a functor whose run<K>(i) handles elements i .. i+K-1, and for_each_pack drives it.
+template <typename T>
+constexpr int kLanes = static_cast<int>(16 / sizeof(acc_t<T>));
+
+template <typename T, int K>
+struct alignas(sizeof(T) * K) Pack {
+  T v[K];
+};
+
+template <int K, typename T>
+__device__ __forceinline__ Pack<T, K> load_pack(const T* p) {
+  return *reinterpret_cast<const Pack<T, K>*>(p);
+}
+
+template <int K, typename T>
+__device__ __forceinline__ void store_pack(T* p, const Pack<T, K>& x) {
+  *reinterpret_cast<Pack<T, K>*>(p) = x;
+}
+
+// Grid-stride over [begin, end): whole packs of K first (when vectorised), then the tail one
+// element at a time by the same threads.
+template <int K, typename Op>
+__device__ __forceinline__ void for_each_pack(const Op& op, int64_t begin, int64_t end,
+                                              bool vectorised) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  int64_t scalar_from = begin;
+  if (vectorised) {
+    const int64_t packs = (end - begin) / K;
+    for (int64_t v = tid; v < packs; v += stride) op.template run<K>(begin + v * K);
+    scalar_from = begin + packs * K;
+  }
+  for (int64_t i = scalar_from + tid; i < end; i += stride) op.template run<1>(i);
 }
 
 template <typename T>
@@ -95,55 +135,146 @@ __global__ void reduce_kernel(const __grid_constant__ Replicas<const T> in, int 
   }
 }
 
+// Sum of the gradients in replica order, the step on replica 0's parameters and momentum, the
+// results written to every replica. Holds references to the kernel's __grid_constant__
+// parameters, so the pointer arrays stay in parameter space.
+template <typename T>
+struct ReduceSgdOp {
+  const Replicas<const T>& grads;
+  int ngrads;
+  const Replicas<T>& params;
+  int nparams;
+  const Replicas<T>& momenta;
+  int nmomenta;
+  bool mean;
+  const SgdIn<acc_t<T>>& sgd;
+
+  template <int K>
+  __device__ __forceinline__ void run(int64_t i) const {
+    using A = acc_t<T>;
+    A g[K];
+    Pack<T, K> x = load_pack<K>(grads.ptr[0] + i);
+#pragma unroll
+    for (int k = 0; k < K; ++k) g[k] = to_acc(x.v[k]);
+    for (int r = 1; r < ngrads; ++r) {
+      x = load_pack<K>(grads.ptr[r] + i);
+#pragma unroll
+      for (int k = 0; k < K; ++k) g[k] = g[k] + to_acc(x.v[k]);
+    }
+    const Pack<T, K> p = load_pack<K>(params.ptr[0] + i);
+    Pack<T, K> m{};
+    if (nmomenta) m = load_pack<K>(momenta.ptr[0] + i);
+    Pack<T, K> np, nm;
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      A gk = mean ? g[k] / static_cast<A>(ngrads) : g[k];
+      // The reduced gradient is rounded to T, as the unfused path (all-reduce, then SGD)
+      // stores it, so every algorithm gives the same bits for the half types too.
+      gk = to_acc(from_acc<T>(gk));
+      A mk = nmomenta ? to_acc(m.v[k]) : A(0);
+      np.v[k] = from_acc<T>(sgd_step(gk, to_acc(p.v[k]), nmomenta > 0, mk, sgd));
+      nm.v[k] = from_acc<T>(mk);
+    }
+    for (int o = 0; o < nparams; ++o) store_pack<K>(params.ptr[o] + i, np);
+    for (int o = 0; o < nmomenta; ++o) store_pack<K>(momenta.ptr[o] + i, nm);
+  }
+};
+
 template <typename T>
 __global__ void reduce_sgd_kernel(const __grid_constant__ Replicas<const T> grads, int ngrads,
                                   const __grid_constant__ Replicas<T> params, int nparams,
                                   const __grid_constant__ Replicas<T> momenta, int nmomenta,
                                   int64_t begin, int64_t end, bool mean,
-                                  const __grid_constant__ SgdArgs sgd) {
+                                  const __grid_constant__ SgdArgs sgd, bool vectorised) {
   const SgdIn<acc_t<T>> in(sgd);
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t i = begin + static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-       i < end; i += stride) {
-    // The reduced gradient is rounded to T, as the unfused path (all-reduce, then SGD) stores
-    // it, so every algorithm gives the same bits for the half types too.
-    const acc_t<T> g = to_acc(from_acc<T>(fixed_sum(grads, ngrads, i, mean)));
-    acc_t<T> m = nmomenta ? to_acc(momenta.ptr[0][i]) : acc_t<T>(0);
-    const T p = from_acc<T>(sgd_step(g, to_acc(params.ptr[0][i]), nmomenta > 0, m, in));
-    for (int o = 0; o < nparams; ++o) params.ptr[o][i] = p;
-    const T mt = from_acc<T>(m);
-    for (int o = 0; o < nmomenta; ++o) momenta.ptr[o][i] = mt;
-  }
+  const ReduceSgdOp<T> op{grads, ngrads, params, nparams, momenta, nmomenta, mean, in};
+  for_each_pack<kLanes<T>>(op, begin, end, vectorised);
 }
+
+// One link of the ring's chain: work (or final_out, divided by divide_by when positive) =
+// previous partial (prev_x in T, or prev_acc in the accumulation type) + own.
+template <typename T, typename A>
+struct ChainOp {
+  const T* prev_x;
+  const A* prev_acc;
+  const T* own;
+  A* work;
+  T* final_out;
+  int divide_by;
+
+  template <int K>
+  __device__ __forceinline__ void run(int64_t i) const {
+    A acc[K];
+    if (prev_x) {
+      const Pack<T, K> x = load_pack<K>(prev_x + i);
+#pragma unroll
+      for (int k = 0; k < K; ++k) acc[k] = to_acc(x.v[k]);
+    } else {
+      const Pack<A, K> x = load_pack<K>(prev_acc + i);
+#pragma unroll
+      for (int k = 0; k < K; ++k) acc[k] = x.v[k];
+    }
+    const Pack<T, K> o = load_pack<K>(own + i);
+#pragma unroll
+    for (int k = 0; k < K; ++k) acc[k] = acc[k] + to_acc(o.v[k]);
+    if (final_out) {
+      Pack<T, K> y;
+#pragma unroll
+      for (int k = 0; k < K; ++k) {
+        y.v[k] = from_acc<T>(divide_by > 0 ? acc[k] / static_cast<A>(divide_by) : acc[k]);
+      }
+      store_pack<K>(final_out + i, y);
+    } else {
+      Pack<A, K> y;
+#pragma unroll
+      for (int k = 0; k < K; ++k) y.v[k] = acc[k];
+      store_pack<K>(work + i, y);
+    }
+  }
+};
 
 template <typename T, typename A>
 __global__ void chain_kernel(const T* prev_x, const A* prev_acc, const T* own, A* work,
-                             T* final_out, int64_t begin, int64_t end, int divide_by) {
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t i = begin + static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-       i < end; i += stride) {
-    A acc = (prev_x ? to_acc(prev_x[i]) : prev_acc[i]) + to_acc(own[i]);
-    if (final_out) {
-      if (divide_by > 0) acc = acc / static_cast<A>(divide_by);
-      final_out[i] = from_acc<T>(acc);
-    } else {
-      work[i] = acc;
-    }
-  }
+                             T* final_out, int64_t begin, int64_t end, int divide_by,
+                             bool vectorised) {
+  const ChainOp<T, A> op{prev_x, prev_acc, own, work, final_out, divide_by};
+  for_each_pack<kLanes<T>>(op, begin, end, vectorised);
 }
+
+// The SGD step of one replica from its own (already reduced) gradient.
+template <typename T>
+struct SgdOp {
+  const T* grad;
+  T* param;
+  T* momentum;
+  const SgdIn<acc_t<T>>& sgd;
+
+  template <int K>
+  __device__ __forceinline__ void run(int64_t i) const {
+    using A = acc_t<T>;
+    const Pack<T, K> g = load_pack<K>(grad + i);
+    const Pack<T, K> p = load_pack<K>(param + i);
+    Pack<T, K> m{};
+    if (momentum) m = load_pack<K>(momentum + i);
+    Pack<T, K> np, nm;
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      A mk = momentum ? to_acc(m.v[k]) : A(0);
+      np.v[k] = from_acc<T>(sgd_step(to_acc(g.v[k]), to_acc(p.v[k]), momentum != nullptr, mk,
+                                     sgd));
+      nm.v[k] = from_acc<T>(mk);
+    }
+    store_pack<K>(param + i, np);
+    if (momentum) store_pack<K>(momentum + i, nm);
+  }
+};
 
 template <typename T>
 __global__ void sgd_kernel(const T* grad, T* param, T* momentum, int64_t n,
-                           const __grid_constant__ SgdArgs sgd) {
+                           const __grid_constant__ SgdArgs sgd, bool vectorised) {
   const SgdIn<acc_t<T>> in(sgd);
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
-       i += stride) {
-    acc_t<T> m = momentum ? to_acc(momentum[i]) : acc_t<T>(0);
-    param[i] = from_acc<T>(sgd_step(to_acc(grad[i]), to_acc(param[i]), momentum != nullptr, m,
-                                    in));
-    if (momentum) momentum[i] = from_acc<T>(m);
-  }
+  const SgdOp<T> op{grad, param, momentum, in};
+  for_each_pack<kLanes<T>>(op, 0, n, vectorised);
 }
 
 int blocks_for(int64_t work) {
@@ -151,6 +282,13 @@ int blocks_for(int64_t work) {
 }
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+// Whether p is aligned to a whole pack of kLanes<T> elements of its type U (T or acc_t<T>); a
+// null pointer (an absent buffer) does not count against it.
+template <typename T, typename U>
+bool pack_aligned(const U* p) {
+  return p == nullptr || reinterpret_cast<uintptr_t>(p) % (sizeof(U) * kLanes<T>) == 0;
+}
 
 }  // namespace
 
@@ -171,8 +309,13 @@ cudaError_t reduce_sgd_range(Replicas<const T> grads, int ngrads, Replicas<T> pa
                              int nparams, Replicas<T> momenta, int nmomenta, int64_t begin,
                              int64_t end, bool mean, SgdArgs sgd, cudaStream_t stream) {
   if (end <= begin) return cudaSuccess;
-  return launch(reduce_sgd_kernel<T>, dim3(blocks_for(end - begin)), dim3(kThreads), 0, stream,
-                grads, ngrads, params, nparams, momenta, nmomenta, begin, end, mean, sgd);
+  bool vectorised = true;
+  for (int r = 0; r < ngrads; ++r) vectorised &= pack_aligned<T>(grads.ptr[r] + begin);
+  for (int o = 0; o < nparams; ++o) vectorised &= pack_aligned<T>(params.ptr[o] + begin);
+  for (int o = 0; o < nmomenta; ++o) vectorised &= pack_aligned<T>(momenta.ptr[o] + begin);
+  const int64_t work = vectorised ? ceil_div(end - begin, kLanes<T>) : end - begin;
+  return launch(reduce_sgd_kernel<T>, dim3(blocks_for(work)), dim3(kThreads), 0, stream, grads,
+                ngrads, params, nparams, momenta, nmomenta, begin, end, mean, sgd, vectorised);
 }
 
 template <typename T, typename A>
@@ -180,16 +323,25 @@ cudaError_t chain_accumulate(const T* prev_x, const A* prev_acc, const T* own, A
                              T* final_out, int64_t begin, int64_t end, int divide_by,
                              cudaStream_t stream) {
   if (end <= begin) return cudaSuccess;
-  return launch(chain_kernel<T, A>, dim3(blocks_for(end - begin)), dim3(kThreads), 0, stream,
-                prev_x, prev_acc, own, work, final_out, begin, end, divide_by);
+  const bool vectorised = pack_aligned<T>(prev_x ? prev_x + begin : nullptr) &&
+                          pack_aligned<T>(prev_acc ? prev_acc + begin : nullptr) &&
+                          pack_aligned<T>(own + begin) &&
+                          pack_aligned<T>(work ? work + begin : nullptr) &&
+                          pack_aligned<T>(final_out ? final_out + begin : nullptr);
+  const int64_t items = vectorised ? ceil_div(end - begin, kLanes<T>) : end - begin;
+  return launch(chain_kernel<T, A>, dim3(blocks_for(items)), dim3(kThreads), 0, stream, prev_x,
+                prev_acc, own, work, final_out, begin, end, divide_by, vectorised);
 }
 
 template <typename T>
 cudaError_t sgd_range(const T* grad, T* param, T* momentum, int64_t n, SgdArgs sgd,
                       cudaStream_t stream) {
   if (n <= 0) return cudaSuccess;
-  return launch(sgd_kernel<T>, dim3(blocks_for(n)), dim3(kThreads), 0, stream, grad, param,
-                momentum, n, sgd);
+  const bool vectorised = pack_aligned<T>(grad) && pack_aligned<T>(param) &&
+                          pack_aligned<T>(momentum);
+  const int64_t items = vectorised ? ceil_div(n, kLanes<T>) : n;
+  return launch(sgd_kernel<T>, dim3(blocks_for(items)), dim3(kThreads), 0, stream, grad, param,
+                momentum, n, sgd, vectorised);
 }
 
 #define DPCUDA_INSTANTIATE(T)                                                                  \

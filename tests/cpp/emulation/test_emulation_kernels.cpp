@@ -12,6 +12,7 @@
 #include <random>
 #include <vector>
 
+#include "cpu/all_reduce.h"
 #include "cpu/cross_entropy.h"
 #include "cpu/fused_linear.h"
 #include "activation_reference.h"
@@ -452,6 +453,22 @@ void test_all_reduce_kernels(std::mt19937& rng) {
                                            momentum ? dm.ptr + begin : nullptr, n - begin, sgd,
                                            nullptr) == cudaSuccess);
           const std::vector<T> sp = dp.download(), sm = dm.download();
+          if constexpr (std::is_same<T, float>::value || std::is_same<T, double>::value) {
+            // The CPU kernel (built with -ffp-contract=off) gives the same bits: the rule of
+            // common.cuh's mul_rn/add_rn (no FMA), which the PTX check holds nvcc to.
+            std::vector<T> cp = p0, cm = m0;
+            dpcuda::cpu::sgd_range<T>(reduced.data(), cp.data(), momentum ? cm.data() : nullptr,
+                                      begin, n, {0.1, momentum ? 0.9 : 0.0, 0.01});
+            for (int64_t i = begin; i < n; ++i) {
+              if (!same_bits(sp[i], cp[i]) || (momentum && !same_bits(sm[i], cm[i]))) {
+                ++dpcuda_test::failures();
+                if (++g_reported <= 20)
+                  std::printf("sgd CUDA vs CPU (%s) n=%lld: element %lld differs\n", name<T>(),
+                              (long long)n, (long long)i);
+                break;
+              }
+            }
+          }
           for (int r = 0; r < R; ++r) {
             const std::vector<T> gp = p[r]->download(), gm = m[r]->download();
             for (int64_t i = begin; i < n; ++i) {
