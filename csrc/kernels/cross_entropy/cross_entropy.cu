@@ -13,6 +13,17 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
+// Up to this many classes a row takes a group of lanes within a warp (cross_entropy_group_kernel);
+// above it, a block (cross_entropy_block_kernel). At 10 classes a 256-thread block per row left
+// 246 threads idle and still paid 8 butterfly steps and the cross-warp pass.
+constexpr int64_t kGroupMaxClasses = 1024;
+
+// Lanes per row of the group kernel: the class count rounded up to a power of two, at most 32.
+inline int group_width(int64_t classes) {
+  int width = 1;
+  while (width < 32 && width < classes) width *= 2;
+  return width;
+}
 
 // Running (max, sum of exp(z - max)) pair of the online softmax.
 template <typename acc>
@@ -60,12 +71,59 @@ __device__ void block_reduce(MaxSum<acc>& ms, acc& zsum) {
   __syncthreads();
 }
 
+// The online softmax's running pair over one thread's classes c = first, first + step, ...
+template <typename T, typename acc>
+__device__ __forceinline__ void accumulate_row(const T* z, int64_t classes, int64_t first,
+                                               int64_t step, MaxSum<acc>& ms, acc& zsum) {
+  for (int64_t c = first; c < classes; c += step) {
+    const acc v = to_acc(z[c]);
+    if (v > ms.m) {
+      ms.s = ms.s * math_exp(ms.m - v) + acc(1);
+      ms.m = v;
+    } else if (v != -std::numeric_limits<acc>::infinity()) {
+      // A masked class (-inf) adds nothing; exp(v - m) would be NaN while m is still -inf.
+      // NaN takes this branch and makes the sum NaN.
+      ms.s += math_exp(v - ms.m);
+    }
+    zsum += v;
+  }
+}
+
+// A row's loss (written by the thread with first == 0) and gradient (classes c = first,
+// first + step, ...) from its reduced pair and sum of logits.
+template <typename T, typename acc>
+__device__ __forceinline__ void finish_row(const T* z, int64_t y, acc* loss, T* g,
+                                           int64_t classes, int64_t first, int64_t step,
+                                           MaxSum<acc> ms, acc zsum, acc scale, acc eps) {
+  const acc eps_per_class = eps / static_cast<acc>(classes);
+  const bool valid = y >= 0 && y < classes;
+  const acc nan = std::numeric_limits<acc>::quiet_NaN();
+  // A +inf logit makes the whole row NaN, as torch's log_softmax (z - max is NaN there); a
+  // row of only -inf logits is NaN too (its sum of exponentials is 0).
+  const acc nan_if_inf = ms.m == std::numeric_limits<acc>::infinity() ? nan : acc(0);
+  if (first == 0) {
+    const acc lse = ms.m + math_log(ms.s) + nan_if_inf;
+    // Without smoothing the sum of the logits takes no part: 0 * (-inf) for a masked class
+    // would make the loss NaN where torch's is finite.
+    const acc smooth = eps != acc(0) ? eps_per_class * zsum : acc(0);
+    *loss = valid ? scale * (lse - (acc(1) - eps) * to_acc(z[y]) - smooth) : nan;
+  }
+  if (g != nullptr) {
+    const acc inv = acc(1) / ms.s + nan_if_inf;
+    for (int64_t c = first; c < classes; c += step) {
+      const acc p = math_exp(to_acc(z[c]) - ms.m) * inv;
+      const acc target = c == y ? (acc(1) - eps) + eps_per_class : eps_per_class;
+      g[c] = from_acc<T>(valid ? scale * (p - target) : nan);
+    }
+  }
+}
+
+// Rows of many classes: one block per row.
 template <typename T, typename acc>
 __global__ void __launch_bounds__(kThreads)
-    cross_entropy_kernel(const T* __restrict__ logits, const int64_t* __restrict__ labels,
-                         acc* __restrict__ loss, T* __restrict__ grad, int64_t rows,
-                         int64_t classes, acc scale, acc eps, int64_t ignore_index) {
-  const acc eps_per_class = eps / static_cast<acc>(classes);
+    cross_entropy_block_kernel(const T* __restrict__ logits, const int64_t* __restrict__ labels,
+                               acc* __restrict__ loss, T* __restrict__ grad, int64_t rows,
+                               int64_t classes, acc scale, acc eps, int64_t ignore_index) {
   for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
     const T* z = logits + row * classes;
     T* g = grad != nullptr ? grad + row * classes : nullptr;
@@ -79,42 +137,53 @@ __global__ void __launch_bounds__(kThreads)
     }
     MaxSum<acc> ms{-std::numeric_limits<acc>::infinity(), acc(0)};
     acc zsum = acc(0);
-    for (int64_t c = threadIdx.x; c < classes; c += kThreads) {
-      const acc v = to_acc(z[c]);
-      if (v > ms.m) {
-        ms.s = ms.s * math_exp(ms.m - v) + acc(1);
-        ms.m = v;
-      } else if (v != -std::numeric_limits<acc>::infinity()) {
-        // A masked class (-inf) adds nothing; exp(v - m) would be NaN while m is still -inf.
-        // NaN takes this branch and makes the sum NaN.
-        ms.s += math_exp(v - ms.m);
-      }
-      zsum += v;
-    }
+    accumulate_row(z, classes, threadIdx.x, kThreads, ms, zsum);
     block_reduce(ms, zsum);
-    const bool valid = y >= 0 && y < classes;
-    const acc nan = std::numeric_limits<acc>::quiet_NaN();
-    // A +inf logit makes the whole row NaN, as torch's log_softmax (z - max is NaN there); a
-    // row of only -inf logits is NaN too (its sum of exponentials is 0).
-    const acc nan_if_inf = ms.m == std::numeric_limits<acc>::infinity()
-                               ? std::numeric_limits<acc>::quiet_NaN()
-                               : acc(0);
-    if (threadIdx.x == 0) {
-      const acc lse = ms.m + math_log(ms.s) + nan_if_inf;
-      // Without smoothing the sum of the logits takes no part: 0 * (-inf) for a masked class
-      // would make the loss NaN where torch's is finite.
-      const acc smooth = eps != acc(0) ? eps_per_class * zsum : acc(0);
-      loss[row] = valid ? scale * (lse - (acc(1) - eps) * to_acc(z[y]) - smooth)
-                        : nan;
+    finish_row(z, y, loss + row, g, classes, threadIdx.x, kThreads, ms, zsum, scale, eps);
+  }
+}
+
+// Rows of up to kGroupMaxClasses classes: a group of `width` lanes per row (a power of two up
+// to 32: the class count rounded up), kThreads / width rows per block at a time, reduced with
+// width-wide butterflies (no shared memory, no barrier). Every lane of a warp runs every
+// iteration, even for a row past the end or an ignored one, since the shuffles take the whole
+// warp; the grid-stride loop's bound is the same for the whole block.
+template <typename T, typename acc>
+__global__ void __launch_bounds__(kThreads)
+    cross_entropy_group_kernel(const T* __restrict__ logits, const int64_t* __restrict__ labels,
+                               acc* __restrict__ loss, T* __restrict__ grad, int64_t rows,
+                               int64_t classes, acc scale, acc eps, int64_t ignore_index,
+                               int width) {
+  const int groups = kThreads / width;
+  const int lane = static_cast<int>(threadIdx.x) % width;
+  const int group = static_cast<int>(threadIdx.x) / width;
+  for (int64_t base = static_cast<int64_t>(blockIdx.x) * groups; base < rows;
+       base += static_cast<int64_t>(gridDim.x) * groups) {
+    const int64_t row = base + group;
+    const bool active = row < rows;
+    const int64_t y = active ? labels[row] : 0;
+    const bool ignored = active && y == ignore_index;
+    const T* z = logits + (active ? row : 0) * classes;
+    MaxSum<acc> ms{-std::numeric_limits<acc>::infinity(), acc(0)};
+    acc zsum = acc(0);
+    if (active && !ignored) accumulate_row(z, classes, lane, width, ms, zsum);
+    for (int offset = width / 2; offset > 0; offset >>= 1) {
+      // Lanes offset apart belong to the same group: groups are aligned runs of width lanes.
+      MaxSum<acc> other{__shfl_xor_sync(0xffffffffu, ms.m, offset),
+                        __shfl_xor_sync(0xffffffffu, ms.s, offset)};
+      ms = combine(ms, other);
+      zsum += __shfl_xor_sync(0xffffffffu, zsum, offset);
     }
-    if (g != nullptr) {
-      const acc inv = acc(1) / ms.s + nan_if_inf;
-      for (int64_t c = threadIdx.x; c < classes; c += kThreads) {
-        const acc p = math_exp(to_acc(z[c]) - ms.m) * inv;
-        const acc target = c == y ? (acc(1) - eps) + eps_per_class : eps_per_class;
-        g[c] = from_acc<T>(valid ? scale * (p - target) : nan);
+    if (!active) continue;
+    T* g = grad != nullptr ? grad + row * classes : nullptr;
+    if (ignored) {
+      if (lane == 0) loss[row] = acc(0);
+      if (g != nullptr) {
+        for (int64_t c = lane; c < classes; c += width) g[c] = from_acc<T>(acc(0));
       }
+      continue;
     }
+    finish_row(z, y, loss + row, g, classes, lane, width, ms, zsum, scale, eps);
   }
 }
 
@@ -126,10 +195,17 @@ cudaError_t cross_entropy_forward_backward(const T* logits, const int64_t* label
                                            double label_smoothing, int64_t ignore_index,
                                            cudaStream_t stream) {
   if (rows == 0) return cudaSuccess;
-  const int64_t blocks = std::min<int64_t>(rows, max_grid_x());
-  return launch(cross_entropy_kernel<T, Acc>, dim3(static_cast<unsigned>(blocks)), dim3(kThreads),
-                0, stream, logits, labels, loss, grad, rows, classes, static_cast<Acc>(scale),
-                static_cast<Acc>(label_smoothing), ignore_index);
+  if (classes > kGroupMaxClasses) {
+    const int64_t blocks = std::min<int64_t>(rows, max_grid_x());
+    return launch(cross_entropy_block_kernel<T, Acc>, dim3(static_cast<unsigned>(blocks)),
+                  dim3(kThreads), 0, stream, logits, labels, loss, grad, rows, classes,
+                  static_cast<Acc>(scale), static_cast<Acc>(label_smoothing), ignore_index);
+  }
+  const int width = group_width(classes);
+  const int64_t blocks = std::min<int64_t>(ceil_div(rows, kThreads / width), max_grid_x());
+  return launch(cross_entropy_group_kernel<T, Acc>, dim3(static_cast<unsigned>(blocks)),
+                dim3(kThreads), 0, stream, logits, labels, loss, grad, rows, classes,
+                static_cast<Acc>(scale), static_cast<Acc>(label_smoothing), ignore_index, width);
 }
 
 template cudaError_t cross_entropy_forward_backward<float, float>(const float*, const int64_t*,

@@ -266,7 +266,10 @@ void test_cross_entropy(std::mt19937& rng) {
   using Acc = std::conditional_t<std::is_same<T, double>::value, double, float>;
   std::normal_distribution<double> dist(0.0, 3.0);
   const int64_t kIgnore = -100;
-  for (int64_t C : {1, 2, 5, 31, 32, 33, 255, 256, 257, 1000}) {
+  // Every lane-group width of the group kernel (1, 2, 4, 8, 16, 32 lanes per row), its limit
+  // (1024) and the block kernel beyond it.
+  for (int64_t C : {1, 2, 3, 5, 8, 10, 16, 17, 31, 32, 33, 255, 256, 257, 1000, 1024, 1025,
+                    2000}) {
     // Rows: plain; one -inf (masked class) at each of several positions; all but one -inf;
     // all -inf; +inf; NaN; huge values; an ignored row.
     std::vector<std::vector<double>> rows;
@@ -361,6 +364,48 @@ void test_cross_entropy(std::mt19937& rng) {
                          "cross_entropy grad", name<T>(), r * C + c);
           }
         }
+      }
+    }
+  }
+}
+
+// Many rows of few classes: several blocks of the group kernel (and, with the grid capped, its
+// grid-stride loop), ignored rows among them, against the float64 reference.
+template <typename T>
+void test_cross_entropy_many_rows(std::mt19937& rng) {
+  using Acc = std::conditional_t<std::is_same<T, double>::value, double, float>;
+  std::normal_distribution<double> dist(0.0, 3.0);
+  const int64_t kIgnore = -100;
+  for (int64_t C : {1, 3, 10, 40}) {
+    const int64_t R = 1537;
+    std::uniform_int_distribution<int64_t> label(0, C - 1);
+    std::vector<T> logits(R * C);
+    std::vector<int64_t> labels(R);
+    for (auto& v : logits) v = from_double<T>(dist(rng));
+    for (int64_t r = 0; r < R; ++r) labels[r] = r % 13 == 5 ? kIgnore : label(rng);
+    DeviceBuffer<T> dl(R * C), dg(R * C);
+    DeviceBuffer<int64_t> dy(R);
+    DeviceBuffer<Acc> dloss(R);
+    dl.upload(logits);
+    dy.upload(labels);
+    dg.upload(std::vector<T>(R * C, from_double<T>(kNaN)));
+    dloss.upload(std::vector<Acc>(R, Acc(kNaN)));
+    CHECK((dpcuda::cuda::cross_entropy_forward_backward<T, Acc>(
+              dl.ptr, dy.ptr, dloss.ptr, dg.ptr, R, C, 1.0 / R, 0.0, kIgnore, nullptr)) ==
+          cudaSuccess);
+    const std::vector<Acc> loss = dloss.download();
+    const std::vector<T> grad = dg.download();
+    for (int64_t r = 0; r < R; ++r) {
+      std::vector<double> z(C);
+      for (int64_t c = 0; c < C; ++c) z[c] = to_double(logits[r * C + c]);
+      double want;
+      std::vector<double> want_grad;
+      cross_entropy_ref<Acc>(z, labels[r], 1.0 / R, 0.0, kIgnore, &want, &want_grad);
+      const double tol = std::is_same<T, double>::value ? 1e-12 : 2e-5;
+      expect_close(loss[r], want, tol, 10.0, "cross_entropy many rows loss", name<T>(), r);
+      for (int64_t c = 0; c < C; ++c) {
+        expect_close(to_double(grad[r * C + c]), want_grad[c], tolerance<T>() + 1e-6, 0,
+                     "cross_entropy many rows grad", name<T>(), r * C + c);
       }
     }
   }
@@ -541,6 +586,7 @@ void test_dtype(uint64_t seed) {
   test_activation_backward<T>(rng);
   lap("activation_backward");
   test_cross_entropy<T>(rng);
+  test_cross_entropy_many_rows<T>(rng);
   lap("cross_entropy");
   test_all_reduce_kernels<T>(rng);
   lap("all-reduce kernels");
