@@ -18,7 +18,9 @@ import warnings
 from setuptools import find_packages, setup
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
-DEFAULT_ARCH_LIST = "8.0;9.0+PTX"
+# sm_75 (T4, the oldest architecture CUDA 13 supports) with its PTX, which newer GPUs can also
+# JIT-compile; sm_80 and sm_90 machine code, and sm_90's PTX for GPUs newer than it.
+DEFAULT_ARCH_LIST = "7.5+PTX;8.0;9.0+PTX"
 
 
 def _is_toolkit(path):
@@ -105,7 +107,9 @@ def extension():
         "dpcuda._C",
         sources,
         include_dirs=includes,
-        define_macros=[("DPCUDA_WITH_CUDA", None)],
+        # The architectures, for the message of a GPU that none of them can run on.
+        define_macros=[("DPCUDA_WITH_CUDA", None),
+                       ("DPCUDA_CUDA_ARCHS", '"' + os.environ["TORCH_CUDA_ARCH_LIST"] + '"')],
         extra_compile_args={"cxx": cxx_flags, "nvcc": nvcc_flags},
     ), cpp_extension
 

@@ -2,7 +2,7 @@
 nvcc --resource-usage, for each architecture of the build) and fails on any stack frame, spill
 or local memory, or on more than 48 KiB of static shared memory. Prints the table.
 
-    python scripts/check_kernel_resources.py [--arch 80 --arch 90] [--jobs 2]
+    python scripts/check_kernel_resources.py [--arch 75 --arch 80 --arch 90] [--jobs 2]
 
 Local memory is where by-value parameter arrays indexed at run time, or locals whose address
 escapes, end up: slow on a GPU and invisible in the emulation, so it is checked here.
@@ -145,14 +145,14 @@ def check_no_contraction(nvcc, arch):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", action="append", default=None,
-                        help="compute capability digits, e.g. 80 (default: 80 and 90)")
+                        help="compute capability digits, e.g. 80 (default: 75, 80 and 90)")
     parser.add_argument("--jobs", type=int, default=int(os.environ.get("MAX_JOBS", "2")))
     args = parser.parse_args()
     nvcc = nvcc_path()
     if nvcc is None:
         print("check_kernel_resources: nvcc not found (set CUDA_HOME)", file=sys.stderr)
         return 2
-    archs = args.arch or ["80", "90"]
+    archs = args.arch or ["75", "80", "90"]
     sources = sorted(glob.glob(os.path.join(ROOT, "csrc", "kernels", "**", "*.cu"),
                                recursive=True))
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:

@@ -24,6 +24,10 @@ struct Config {
   uint64_t seed = 1;
   // Each stream sleeps a random 0..max_delay_us microseconds before each operation.
   int max_delay_us = 0;
+  // kernel_image[d]: whether the build has a kernel image device d can run (false: a GPU older
+  // than every architecture compiled in). Launches there, and cudaFuncGetAttributes, fail with
+  // cudaErrorNoKernelImageForDevice, not sticky. Empty means every device can.
+  std::vector<bool> kernel_image;
 };
 
 // Starts a fresh emulated machine: waits for and destroys every stream, frees every allocation,

@@ -362,6 +362,13 @@ int64_t launch_count() {
   return mm.launches;
 }
 
+bool has_kernel_image(int device) {
+  Machine& mm = machine();
+  const QuietLock lock(mm.m);
+  const std::vector<bool>& images = mm.config.kernel_image;
+  return images.empty() || (device < static_cast<int>(images.size()) && images[device]);
+}
+
 cudaError_t launch(dim3 grid, dim3 block, size_t shared_bytes, cudaStream_t stream,
                    std::function<void()> body, std::vector<const void*> pointers,
                    const char* site) {
@@ -377,6 +384,7 @@ cudaError_t launch(dim3 grid, dim3 block, size_t shared_bytes, cudaStream_t stre
   CUstream_st* s = resolve(stream);
   if (s->device != tl_device) return fail(cudaErrorInvalidResourceHandle);
   if (const cudaError_t e = sticky_error(s->device); e != cudaSuccess) return fail(e);
+  if (!has_kernel_image(s->device)) return fail(cudaErrorNoKernelImageForDevice);
   Machine& mm = machine();
   uint64_t seed;
   {
@@ -432,6 +440,18 @@ using dpcuda::emu::tl_last_error;
 
 extern "C" {
 
+cudaError_t cudaFuncGetAttributes(cudaFuncAttributes* attr, const void* func) {
+  if (attr == nullptr || func == nullptr) return fail(cudaErrorInvalidValue);
+  if (!dpcuda::emu::has_kernel_image(dpcuda::emu::tl_device)) {
+    return fail(cudaErrorNoKernelImageForDevice);
+  }
+  *attr = cudaFuncAttributes{};
+  attr->maxThreadsPerBlock = 1024;
+  attr->ptxVersion = 80;
+  attr->binaryVersion = 80;
+  return cudaSuccess;
+}
+
 cudaError_t cudaGetDeviceCount(int* count) {
   *count = dpcuda::emu::device_count();
   return cudaSuccess;
@@ -476,6 +496,7 @@ const char* cudaGetErrorName(cudaError_t error) {
     case cudaErrorPeerAccessAlreadyEnabled: return "cudaErrorPeerAccessAlreadyEnabled";
     case cudaErrorPeerAccessNotEnabled: return "cudaErrorPeerAccessNotEnabled";
     case cudaErrorTooManyPeers: return "cudaErrorTooManyPeers";
+    case cudaErrorNoKernelImageForDevice: return "cudaErrorNoKernelImageForDevice";
     default: return "cudaErrorUnknown";
   }
 }
@@ -497,6 +518,8 @@ const char* cudaGetErrorString(cudaError_t error) {
     case cudaErrorPeerAccessAlreadyEnabled: return "peer access is already enabled";
     case cudaErrorPeerAccessNotEnabled: return "peer access has not been enabled";
     case cudaErrorTooManyPeers: return "peer mapping resources exhausted";
+    case cudaErrorNoKernelImageForDevice:
+      return "no kernel image is available for execution on the device";
     default: return "unknown error";
   }
 }

@@ -28,6 +28,7 @@
 
 #include "../kernels/all_reduce/schedule.h"
 #include "cuda_types.h"
+#include "kernel_image.h"
 #endif
 
 namespace dpcuda {
@@ -260,6 +261,7 @@ void all_reduce_cuda(at::TensorList tensors, c10::string_view op, c10::string_vi
   const bool mean = parse_mean(op);
   const Algorithm algo = parse_algorithm(algorithm, ts[0].nbytes(), ts.size(), false);
   const c10::cuda::CUDAGuard guard(ts[0].device());
+  for (const Tensor& t : ts) check_kernel_image(t.device().index());
   const CudaCall call(ts, algo);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, ts[0].scalar_type(),
                                   "all_reduce_cuda", [&] {
@@ -280,6 +282,7 @@ void reduce_sgd_cuda(at::TensorList params, at::TensorList grads,
   const cuda::SgdArgs sgd{static_cast<float>(lr), static_cast<float>(momentum),
                           static_cast<float>(weight_decay), lr, momentum, weight_decay};
   const c10::cuda::CUDAGuard guard(p[0].device());
+  for (const Tensor& t : p) check_kernel_image(t.device().index());
   const CudaCall call(g, algo);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, p[0].scalar_type(),
                                   "reduce_sgd_cuda", [&] {

@@ -13,6 +13,7 @@
 
 #include "../kernels/cross_entropy/cross_entropy.h"
 #include "cuda_types.h"
+#include "kernel_image.h"
 #endif
 
 namespace dpcuda {
@@ -67,6 +68,7 @@ std::tuple<Tensor, Tensor> loss_grad_cuda(const Tensor& logits, const Tensor& la
   const LossShape s = check_loss(logits, labels, label_smoothing);
   check_cuda_dtype(logits, "logits");
   const c10::cuda::CUDAGuard guard(logits.device());
+  check_kernel_image(logits.device().index());
   const Tensor z = logits.contiguous();
   const Tensor y = labels.contiguous();
   // A label out of range must raise, not crash the context with a device-side assert as

@@ -16,6 +16,7 @@
 
 #include "../kernels/fused_linear/epilogue.h"
 #include "cuda_types.h"
+#include "kernel_image.h"
 #endif
 
 namespace dpcuda {
@@ -154,6 +155,7 @@ std::tuple<Tensor, Tensor> full_forward_cuda(const Tensor& input, const Tensor& 
   const LinearShape s = check_linear(input, weight, bias);
   check_cuda_dtype(input, "input");
   const c10::cuda::CUDAGuard guard(input.device());
+  check_kernel_image(input.device().index());
   const Tensor x = as_matrix(input, s);
   const bool has_bias = bias.has_value() && bias->defined();
   const bool keep_pre = saved_for_backward(act) == Saved::kPreActivation;
@@ -185,6 +187,7 @@ std::tuple<Tensor, Tensor, Tensor> full_backward_cuda(const Tensor& grad_output,
   const BackwardPlan p = plan_backward(grad_output, input, weight, saved, activation,
                                       output_mask, &check_cuda_dtype);
   const c10::cuda::CUDAGuard guard(input.device());
+  check_kernel_image(input.device().index());
   if (p.fused_pass || output_mask[2]) {
     const auto acc_dtype = p.grad_out.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
     Tensor workspace = at::empty(

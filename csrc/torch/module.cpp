@@ -10,6 +10,9 @@
 #include <atomic>
 
 #include "dispatch.h"
+#ifdef DPCUDA_WITH_CUDA
+#include "kernel_image.h"
+#endif
 
 TORCH_LIBRARY(dpcuda, m) {
   // act(input @ weight.T + bias). Returns (output, pre_activation); the second is empty unless
@@ -48,6 +51,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return true;
 #else
     return false;
+#endif
+  });
+  // "" when dpcuda's CUDA kernels can run on CUDA device `device`, else why not and what to do
+  // (kernel_image.cpp); the CPU-only build has no CUDA kernels to run.
+  m.def("_kernel_image_error", [](int64_t device) -> std::string {
+#ifdef DPCUDA_WITH_CUDA
+    return dpcuda::kernel_image_error(static_cast<int>(device));
+#else
+    (void)device;
+    return "dpcuda was built without its CUDA kernels";
 #endif
   });
   // How many threads an at::parallel_for over n items runs on inside this extension: a build

@@ -138,6 +138,16 @@ cudaError_t activation_backward(const T* grad_out, const T* saved, T* grad_pre, 
   return cudaSuccess;
 }
 
+cudaError_t kernel_image_status() {
+  cudaFuncAttributes attributes;
+  const void* kernel =
+      reinterpret_cast<const void*>(&activation_forward_kernel<float, Activation::kNone>);
+  const cudaError_t err = cudaFuncGetAttributes(&attributes, kernel);
+  // The failed query leaves the error as the last one; a later launch must not report it.
+  if (err != cudaSuccess) (void)cudaGetLastError();
+  return err;
+}
+
 #define DPCUDA_INSTANTIATE(T)                                                                  \
   template cudaError_t activation_forward<T>(const T*, T*, int64_t, Activation, cudaStream_t); \
   template cudaError_t activation_backward<T>(const T*, const T*, T*, T*, void*, int64_t,      \

@@ -33,5 +33,11 @@ cudaError_t activation_backward(const T* grad_out, const T* saved, T* grad_pre, 
                                 void* workspace, int64_t rows, int64_t cols, Activation act,
                                 cudaStream_t stream);
 
+// Whether this build's kernels have an image the current device can run: cudaSuccess, or the
+// error a launch would give (cudaErrorNoKernelImageForDevice: a GPU older than every
+// architecture compiled in). Every kernel is built for the same architectures, so one stands
+// for all. Asks the runtime (cudaFuncGetAttributes), launches nothing.
+cudaError_t kernel_image_status();
+
 }  // namespace cuda
 }  // namespace dpcuda

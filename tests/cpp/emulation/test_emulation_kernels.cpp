@@ -592,9 +592,38 @@ void test_dtype(uint64_t seed) {
   lap("all-reduce kernels");
 }
 
+// A device older than every architecture compiled in (sm_75 before this build had its PTX):
+// kernel_image_status says so without launching and without leaving an error behind, and a
+// launch there fails with the same error, not sticky; a device with an image runs.
+void test_kernel_image_status() {
+  dpcuda::emu::Config cfg = emu_test::config(2);
+  cfg.kernel_image = {true, false};
+  dpcuda::emu::reset(cfg);
+  DeviceBuffer<float> z(4), out(4);
+  z.upload(std::vector<float>{1, -2, 3, -4});
+  CHECK(cudaSetDevice(0) == cudaSuccess);
+  CHECK(dpcuda::cuda::kernel_image_status() == cudaSuccess);
+  CHECK(dpcuda::cuda::activation_forward<float>(z.ptr, out.ptr, 4, Activation::kRelu,
+                                                nullptr) == cudaSuccess);
+  CHECK(out.download() == (std::vector<float>{1, 0, 3, 0}));
+  CHECK(cudaSetDevice(1) == cudaSuccess);
+  CHECK(dpcuda::cuda::kernel_image_status() == cudaErrorNoKernelImageForDevice);
+  CHECK(cudaGetLastError() == cudaSuccess);
+  CHECK(dpcuda::cuda::activation_forward<float>(z.ptr, out.ptr, 4, Activation::kRelu,
+                                                nullptr) == cudaErrorNoKernelImageForDevice);
+  CHECK(cudaGetLastError() == cudaErrorNoKernelImageForDevice);
+  CHECK(cudaGetLastError() == cudaSuccess);
+  CHECK(cudaSetDevice(0) == cudaSuccess);
+  CHECK(dpcuda::cuda::activation_forward<float>(z.ptr, out.ptr, 4, Activation::kNone,
+                                                nullptr) == cudaSuccess);
+  CHECK(out.download() == (std::vector<float>{1, -2, 3, -4}));
+  emu_test::expect_no_reports("kernel image");
+}
+
 }  // namespace
 
 int main() {
+  test_kernel_image_status();
   // The default grid cap, then a cap of 3 blocks: every grid-stride loop takes several turns.
   for (int64_t cap : {dpcuda::cuda::kMaxGridX, int64_t(3)}) {
     dpcuda::cuda::grid_cap() = cap;
