@@ -205,10 +205,13 @@ def all_reduce(tensors, op="sum", algorithm="auto"):
 # DataParallel
 
 class _Replica:
-    """One replica: its module, its parameters viewed into one flat buffer, its gradients
-    viewed into another, and its momentum buffer. The gradient buffer (flat_grad) is the head
-    of `exchange`, which has `record` more elements behind it: room for what the reducer "dist"
-    sends with the gradients (the loss, the rows)."""
+    """One replica: its module, its trainable parameters viewed into one flat buffer, their
+    gradients viewed into another, and its momentum buffer. The gradient buffer (flat_grad) is
+    the head of `exchange`, which has `record` more elements behind it: room for what the
+    reducer "dist" sends with the gradients (the loss, the rows). Frozen parameters
+    (requires_grad=False when the wrapper is made) stay out of the buffers and are never
+    updated, as torch.optim.SGD skips a parameter without a gradient: no weight decay, no
+    momentum."""
 
     def __init__(self, module, device, momentum, record=0):
         self.module = module
@@ -220,19 +223,21 @@ class _Replica:
         dtype = dtypes.pop()
         if not dtype.is_floating_point:
             raise TypeError(f"parameters must be floating point, got {dtype}")
-        total = sum(p.numel() for p in params)
+        trainable = [p for p in params if p.requires_grad]
+        total = sum(p.numel() for p in trainable)
         self.flat_param = torch.empty(total, dtype=dtype, device=device)
         self.exchange = torch.zeros(total + record, dtype=dtype, device=device)
         self.flat_grad = self.exchange[:total]
         self.momentum = torch.zeros(total, dtype=dtype, device=device) if momentum else None
         offset = 0
-        for p in params:
+        for p in trainable:
             n = p.numel()
             self.flat_param[offset:offset + n].copy_(p.detach().reshape(-1))
             p.data = self.flat_param[offset:offset + n].view_as(p)
             p.grad = self.flat_grad[offset:offset + n].view_as(p)
             offset += n
         self.params = params
+        self.frozen = [p for p in params if not p.requires_grad]
 
 
 class DataParallel:
@@ -296,8 +301,11 @@ class DataParallel:
         self._replicas = [_Replica(m, d, self.momentum != 0.0, 2 if reducer == "dist" else 0)
                           for m, d in zip(replicate(module, self.devices), self.devices)]
         if reducer == "dist":
-            # Every process starts from rank 0's weights.
+            # Every process starts from rank 0's weights, frozen ones included.
             self._dist.broadcast(self._replicas[0].flat_param, src=0, group=self._group)
+            for p in self._replicas[0].frozen:
+                with torch.no_grad():
+                    self._dist.broadcast(p.data, src=0, group=self._group)
             self._copy_params_from(0)
         if reducer == "host":
             self._host_param = self._replicas[0].flat_param.detach().to("cpu", copy=True)
@@ -541,7 +549,10 @@ class DataParallel:
         return loss
 
     def _copy_params_from(self, index):
-        src = self._replicas[index].flat_param
+        src = self._replicas[index]
         for i, r in enumerate(self._replicas):
             if i != index:
-                r.flat_param.copy_(src)
+                r.flat_param.copy_(src.flat_param)
+                with torch.no_grad():
+                    for p, q in zip(r.frozen, src.frozen):
+                        p.copy_(q)

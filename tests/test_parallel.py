@@ -344,6 +344,38 @@ def test_state_dict_roundtrip_and_bad_state():
     model.load_state_dict(dp.state_dict())
 
 
+@pytest.mark.parametrize("replicas", [1, 3])
+@pytest.mark.parametrize("reducer", ["p2p", "host"])
+@pytest.mark.parametrize("fused", [False, True])
+def test_frozen_parameters_stay_as_torch_sgd_leaves_them(replicas, reducer, fused):
+    # A frozen layer gets no weight decay and no momentum, as torch.optim.SGD skips a
+    # parameter without a gradient; the trainable ones train as on one device.
+    model = make_model(fused)
+    frozen = list(model.parameters())[:2]  # the first layer's weight and bias
+    for p in frozen:
+        p.requires_grad_(False)
+    before = [p.detach().clone() for p in frozen]
+    data = batches(steps=6)
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=0.1,
+                          momentum=0.9, weight_decay=0.05)
+    for x, y in data:
+        opt.zero_grad()
+        F.cross_entropy(ref(x), y).backward()
+        opt.step()
+    dp = DataParallel(model, ["cpu"] * replicas, reducer=reducer, lr=0.1, momentum=0.9,
+                      weight_decay=0.05)
+    for x, y in data:
+        dp.step(x, y, F.cross_entropy)
+    for r in dp.replicas:
+        for p, b in zip(list(r.parameters())[:2], before):
+            assert torch.equal(p, b)
+    for got, want in zip(dp.module.parameters(), ref.parameters()):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    assert dp.optimizer_state_dict()["momentum_buffer"].numel() == sum(
+        p.numel() for p in ref.parameters() if p.requires_grad)
+
+
 # ---------------------------------------------------------------------------------------------
 # reducer="dist": two gloo processes on loopback
 
@@ -380,6 +412,7 @@ def _dist_worker(rank, world, port, out_dir, dtype, inline):
                             world_size=world)
     try:
         model = make_model(False, dtype)
+        list(model.parameters())[1].requires_grad_(False)  # a frozen bias, broadcast too
         if rank == 1:  # a different start: the wrapper must take rank 0's weights
             with torch.no_grad():
                 for p in model.parameters():
@@ -415,7 +448,9 @@ def test_dist_reducer_matches_single_process(tmp_path, dtype, inline):
     mp.spawn(_dist_worker, args=(world, _free_port(), str(tmp_path), dtype, inline),
              nprocs=world, join=True)
     model = copy.deepcopy(make_model(False, dtype))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-3)
+    list(model.parameters())[1].requires_grad_(False)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1,
+                          momentum=0.9, weight_decay=1e-3)
     ref_losses = []
     for x, y in dist_batches():
         opt.zero_grad()
