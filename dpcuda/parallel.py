@@ -204,6 +204,29 @@ def all_reduce(tensors, op="sum", algorithm="auto"):
 # ---------------------------------------------------------------------------------------------
 # DataParallel
 
+def _summed_loss(loss_fn, targets):
+    """For a loss that averages over the rows it does not ignore (a "mean" cross-entropy,
+    nn.CrossEntropyLoss or dpcuda's SoftmaxCrossEntropyLoss, on class-index targets): the same
+    loss as a sum over its rows, and its ignore_index. None for any other loss_fn, which must
+    return the mean over all its rows."""
+    from .nn import SoftmaxCrossEntropyLoss
+    from . import ops
+
+    if targets.dtype != torch.long:
+        return None
+    if isinstance(loss_fn, SoftmaxCrossEntropyLoss) and loss_fn.reduction == "mean":
+        return (lambda out, y: ops.softmax_cross_entropy(
+            out, y, "sum", loss_fn.label_smoothing, loss_fn.ignore_index)), loss_fn.ignore_index
+    if isinstance(loss_fn, torch.nn.CrossEntropyLoss) and loss_fn.reduction == "mean" and \
+            loss_fn.weight is None:
+        return (lambda out, y: torch.nn.functional.cross_entropy(
+            out, y, reduction="sum", ignore_index=loss_fn.ignore_index,
+            label_smoothing=loss_fn.label_smoothing)), loss_fn.ignore_index
+    if loss_fn is torch.nn.functional.cross_entropy:
+        return (lambda out, y: torch.nn.functional.cross_entropy(out, y, reduction="sum")), -100
+    return None
+
+
 class _Replica:
     """One replica: its module, its trainable parameters viewed into one flat buffer, their
     gradients viewed into another, and its momentum buffer. The gradient buffer (flat_grad) is
@@ -382,25 +405,39 @@ class DataParallel:
             raise ValueError(f"inputs has {rows} rows but targets has {targets.shape[0]}")
         if rows == 0:
             raise ValueError("the batch is empty")
-        global_rows = rows
-        if self.reducer == "dist":
-            # Every process scales its loss by 1 / the global batch before the backward. The
-            # first step counts it with a collective; later steps take the previous step's
-            # count (the same on every process), the true count travels with the gradients,
-            # and a step whose count changed is rescaled after the exchange (_step_dist).
-            # Half precision models count every step: a gradient scaled for a batch 16 times
-            # smaller can overflow float16 before the rescale.
-            inline = self._replicas[0].flat_grad.dtype in self._record_inline
-            if self._global_rows is None or not inline:
-                count = torch.tensor([rows], dtype=torch.float64, device=self._comm_device())
-                self._dist.all_reduce(count, group=self._group)
-                self._global_rows = int(count.item())
-            global_rows = self._global_rows
         if rows < len(self._replicas):
             raise ValueError(f"the batch has {rows} rows, fewer than the {len(self._replicas)} "
                              f"replicas")
         sizes = split_sizes(rows, len(self._replicas), self._row_weights())
         parts = _slices((inputs, targets), self.devices, sizes)
+        # What the loss is a mean over: the rows, or for a cross-entropy loss with class-index
+        # targets the rows that are not ignored. Each replica's loss is its sum over that
+        # denominator of the global batch, so every replica count computes the global mean.
+        summed = _summed_loss(loss_fn, targets)
+        if summed is None:
+            dens = list(sizes)
+        else:
+            ignore = summed[1]
+            dens = [int((p[1] != ignore).sum()) if n else 0 for p, n in zip(parts, sizes)]
+        global_den = sum(dens)
+        if self.reducer == "dist":
+            # Every process scales its loss by 1 / the global denominator before the backward.
+            # The first step counts it with a collective; later steps take the previous step's
+            # count (the same on every process), the true count travels with the gradients,
+            # and a step whose count changed is rescaled after the exchange (_step_dist).
+            # Half precision models count every step: a gradient scaled for a batch 16 times
+            # smaller can overflow float16 before the rescale. So does the step after one whose
+            # rows were all ignored.
+            inline = self._replicas[0].flat_grad.dtype in self._record_inline
+            if not self._global_rows or not inline:
+                count = torch.tensor([global_den], dtype=torch.float64,
+                                     device=self._comm_device())
+                self._dist.all_reduce(count, group=self._group)
+                self._global_rows = int(count.item())
+            global_den = self._global_rows
+        # No row counts (all ignored): the gradients are 0 and the loss NaN, as torch's mean
+        # over no rows (its gradient is 0 too; the update still applies decay and momentum).
+        inv = 1.0 / global_den if global_den > 0 else 0.0
 
         for r in self._replicas:
             r.exchange.zero_()
@@ -411,7 +448,11 @@ class DataParallel:
                     return 0.0, 0.0
                 start = time.perf_counter()
                 x, y = part
-                loss = loss_fn(replica.module(x), y) * (size / global_rows)
+                out = replica.module(x)
+                if summed is None:
+                    loss = loss_fn(out, y) * (size * inv)
+                else:
+                    loss = summed[0](out, y) * inv
                 loss.backward()
                 if replica.device.type == "cuda" and self.split == "auto":
                     torch.cuda.synchronize(replica.device)
@@ -423,12 +464,12 @@ class DataParallel:
         if self.split == "auto":
             self._update_speed(sizes, [t for _, t in results])
         if self.reducer == "dist":
-            return self._step_dist([l for l, _ in results], sizes, global_rows)
+            return self._step_dist([l for l, _ in results], dens, global_den)
         # One host read per replica: its loss and the sum of its gradient buffer.
         reads = [torch.stack([torch.as_tensor(l, device=r.device).detach().double(),
                               r.flat_grad.sum().double()]).cpu()
                  for (l, _), r in zip(results, self._replicas)]
-        loss = float(sum(float(x[0]) for x in reads))
+        loss = float(sum(float(x[0]) for x in reads)) if global_den > 0 else math.nan
 
         if not self._grads_finite(torch.stack([x[1] for x in reads])):
             warnings.warn(f"dpcuda DataParallel: step {self.steps} has NaN or Inf gradients; "
@@ -489,7 +530,7 @@ class DataParallel:
         backend = self._dist.get_backend(self._group)
         return self.devices[0] if backend == "nccl" else torch.device("cpu")
 
-    def _step_dist(self, losses, sizes, assumed_rows, bucket_bytes=25 * 1024 * 1024):
+    def _step_dist(self, losses, dens, assumed_rows, bucket_bytes=25 * 1024 * 1024):
         """The rest of a step across processes, with one exchange: the local replicas' sum
         (device to device), then one all-reduce of the gradients with a two-number record
         behind them (the loss, the rows; float32/float64 models) or beside them (a float64
@@ -500,9 +541,9 @@ class DataParallel:
         dtype = rs[0].flat_grad.dtype
         inline = dtype in self._record_inline
         record = []
-        for r, loss, size in zip(rs, losses, sizes):
+        for r, loss, den in zip(rs, losses, dens):
             record.append(torch.stack([torch.as_tensor(loss, device=r.device).detach().to(
-                dtype=torch.float64), torch.tensor(float(size), dtype=torch.float64,
+                dtype=torch.float64), torch.tensor(float(den), dtype=torch.float64,
                                                    device=r.device)]))
             if inline:
                 r.exchange[-2:].copy_(record[-1])
@@ -527,7 +568,9 @@ class DataParallel:
             comm = comm[:-2]
         loss, global_rows = record.tolist()
         self._global_rows = int(global_rows)
-        if global_rows != assumed_rows:
+        if global_rows == 0:
+            loss = math.nan  # a mean over no rows, as torch's; the gradients are 0
+        elif global_rows != assumed_rows:
             # The global batch changed: every process scaled its gradients (and its loss) by
             # 1 / assumed_rows.
             fix = assumed_rows / global_rows

@@ -376,6 +376,87 @@ def test_frozen_parameters_stay_as_torch_sgd_leaves_them(replicas, reducer, fuse
         p.numel() for p in ref.parameters() if p.requires_grad)
 
 
+def _ignore_losses():
+    from dpcuda.nn import SoftmaxCrossEntropyLoss
+    return {
+        "F.cross_entropy": (F.cross_entropy, -100, 0.0),
+        "nn.CrossEntropyLoss": (torch.nn.CrossEntropyLoss(), -100, 0.0),
+        "SoftmaxCrossEntropyLoss": (SoftmaxCrossEntropyLoss(), -100, 0.0),
+        "smoothing+ignore 3": (torch.nn.CrossEntropyLoss(ignore_index=3, label_smoothing=0.1),
+                               3, 0.1),
+        "dpcuda smoothing+ignore 3": (SoftmaxCrossEntropyLoss(ignore_index=3,
+                                                              label_smoothing=0.1), 3, 0.1),
+    }
+
+
+@pytest.mark.parametrize("loss_name", list(_ignore_losses()))
+@pytest.mark.parametrize("replicas,reducer", [(2, "p2p"), (3, "p2p"), (2, "host"),
+                                              (4, "p2p")])
+def test_ignored_rows_give_the_one_device_mean(loss_name, replicas, reducer):
+    # The mean over the global batch's non-ignored rows, however they fall on replicas: ignored
+    # rows bunched in the first replica's slice, a replica whose rows are all ignored, random
+    # ignored rows; the losses returned and the weights as one device with torch.optim.SGD.
+    loss_fn, ignore, smoothing = _ignore_losses()[loss_name]
+    gen = torch.Generator().manual_seed(5)
+    data = []
+    for step in range(6):
+        x = torch.randn(16, 12, generator=gen)
+        y = torch.randint(0, 5, (16,), generator=gen)
+        if ignore == 3:
+            y[y == 3] = 4  # only the rows set below are ignored
+        if step % 3 == 0:
+            y[:3] = ignore             # 3 of the first replica's rows
+        elif step % 3 == 1:
+            y[:16 // replicas] = ignore  # the whole first replica
+        else:
+            y[torch.rand(16, generator=gen) < 0.4] = ignore
+        data.append((x, y))
+    model = make_model(False)
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-3)
+    want_losses = []
+    for x, y in data:
+        opt.zero_grad()
+        loss = F.cross_entropy(ref(x), y, ignore_index=ignore, label_smoothing=smoothing)
+        want_losses.append(float(loss.detach()))
+        loss.backward()
+        opt.step()
+    dp = DataParallel(model, ["cpu"] * replicas, reducer=reducer, lr=0.1, momentum=0.9,
+                      weight_decay=1e-3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no step may be skipped
+        got_losses = [dp.step(x, y, loss_fn) for x, y in data]
+    torch.testing.assert_close(got_losses, want_losses, atol=1e-6, rtol=1e-5)
+    for got, want in zip(dp.module.parameters(), ref.parameters()):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_all_rows_ignored_is_torchs_nan_loss_and_zero_gradient(fused):
+    # torch: the mean over no rows is NaN, its gradient 0; SGD still applies weight decay and
+    # momentum. DataParallel does the same (a NaN loss with finite gradients is not skipped).
+    model = make_model(False)
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9, weight_decay=0.05)
+    dp = DataParallel(model, ["cpu", "cpu"], lr=0.1, momentum=0.9, weight_decay=0.05)
+    from dpcuda.nn import SoftmaxCrossEntropyLoss
+    loss_fn = SoftmaxCrossEntropyLoss() if fused else F.cross_entropy
+    gen = torch.Generator().manual_seed(2)
+    for step in range(3):
+        x = torch.randn(8, 12, generator=gen)
+        y = torch.randint(0, 5, (8,), generator=gen) if step != 0 else torch.full((8,), -100)
+        opt.zero_grad()
+        want = F.cross_entropy(ref(x), y)
+        want.backward()
+        opt.step()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            got = dp.step(x, y, loss_fn)
+        assert math.isnan(got) == math.isnan(float(want.detach())) == (step == 0)
+    for got, want in zip(dp.module.parameters(), ref.parameters()):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+
 # ---------------------------------------------------------------------------------------------
 # reducer="dist": two gloo processes on loopback
 
@@ -387,7 +468,8 @@ def _free_port():
 
 def dist_batches():
     """Global batches of changing sizes, with one NaN in step 7's input (rows of rank 1): a
-    step every process must skip alike."""
+    step every process must skip alike; ignored labels on steps 3 (all of rank 0's rows), 9
+    (every third row) and 10 (every row)."""
     data = []
     gen = torch.Generator().manual_seed(3)
     for i, rows in enumerate([24] * 5 + [17, 24, 24, 9, 31, 31, 24]):
@@ -395,6 +477,12 @@ def dist_batches():
         y = torch.randint(0, 5, (rows,), generator=gen)
         if i == 7:
             x[-1, 3] = float("nan")
+        if i == 3:
+            y[:rows // 2 + 3] = -100  # all of rank 0's rows (dist_cut gives it rows // 2 + 3)
+        if i == 9:
+            y[::3] = -100
+        if i == 10:
+            y[:] = -100  # nothing to average: a NaN loss, zero gradients, as torch
         data.append((x, y))
     return data
 
@@ -456,7 +544,7 @@ def test_dist_reducer_matches_single_process(tmp_path, dtype, inline):
         opt.zero_grad()
         loss = F.cross_entropy(model(x.to(dtype)), y)
         ref_losses.append(float(loss.detach()))
-        if torch.isfinite(loss):
+        if not torch.isnan(x).any():  # the NaN input's step is skipped; all-ignored is not
             loss.backward()
             opt.step()
     tol = {torch.float32: (1e-5, 1e-4), torch.float64: (1e-12, 1e-12)}[dtype]
@@ -467,7 +555,8 @@ def test_dist_reducer_matches_single_process(tmp_path, dtype, inline):
         finite = [i for i, v in enumerate(ref_losses) if math.isfinite(v)]
         torch.testing.assert_close([run["losses"][i] for i in finite],
                                    [ref_losses[i] for i in finite], atol=tol[0], rtol=tol[1])
-        assert math.isnan(run["losses"][7])
+        assert [i for i, v in enumerate(run["losses"]) if math.isnan(v)] == [7, 10]
+        assert [i for i, v in enumerate(ref_losses) if math.isnan(v)] == [7, 10]
     assert runs[0]["losses"][:7] == runs[1]["losses"][:7]
     for k, v in model.state_dict().items():
         torch.testing.assert_close(runs[0]["state"][k], v, atol=tol[0], rtol=tol[1])
