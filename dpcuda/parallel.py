@@ -231,9 +231,9 @@ class _Replica:
     """One replica: its module, its trainable parameters viewed into one flat buffer, their
     gradients viewed into another, and its momentum buffer. The gradient buffer (flat_grad) is
     the head of `exchange`, which has `record` more elements behind it: room for what the
-    reducer "dist" sends with the gradients (the loss, the rows). Frozen parameters
-    (requires_grad=False when the wrapper is made) stay out of the buffers and are never
-    updated, as torch.optim.SGD skips a parameter without a gradient: no weight decay, no
+    reducer "dist" sends with the gradients (the loss, the rows, the bad-label flag). Frozen
+    parameters (requires_grad=False when the wrapper is made) stay out of the buffers and are
+    never updated, as torch.optim.SGD skips a parameter without a gradient: no weight decay, no
     momentum."""
 
     def __init__(self, module, device, momentum, record=0):
@@ -321,7 +321,7 @@ class DataParallel:
             self._dist = dist
             self._group = process_group
             self._global_rows = None  # the last step's global batch
-        self._replicas = [_Replica(m, d, self.momentum != 0.0, 2 if reducer == "dist" else 0)
+        self._replicas = [_Replica(m, d, self.momentum != 0.0, 3 if reducer == "dist" else 0)
                           for m, d in zip(replicate(module, self.devices), self.devices)]
         if reducer == "dist":
             # Every process starts from rank 0's weights, frozen ones included.
@@ -417,8 +417,13 @@ class DataParallel:
         if summed is None:
             dens = list(sizes)
         else:
-            ignore = summed[1]
-            dens = [int((p[1] != ignore).sum()) if n else 0 for p, n in zip(parts, sizes)]
+            # Counted where the caller's targets are: no device synchronisation for targets in
+            # host memory (as a DataLoader gives them); one for targets already on a GPU.
+            kept = (targets != summed[1]).cpu()
+            bounds = [0]
+            for n in sizes:
+                bounds.append(bounds[-1] + n)
+            dens = [int(kept[a:b].sum()) for a, b in zip(bounds, bounds[1:])]
         global_den = sum(dens)
         if self.reducer == "dist":
             # Every process scales its loss by 1 / the global denominator before the backward.
@@ -448,14 +453,24 @@ class DataParallel:
                     return 0.0, 0.0
                 start = time.perf_counter()
                 x, y = part
-                out = replica.module(x)
-                if summed is None:
-                    loss = loss_fn(out, y) * (size * inv)
-                else:
-                    loss = summed[0](out, y) * inv
+                # On CUDA dpcuda's loss kernel flags a bad label on the device and this step
+                # reads the flag with the loss (_label_flags), instead of the adapter
+                # synchronising on every call to look.
+                defer = replica.device.type == "cuda"
+                previous = _C._defer_label_checks(True) if defer else None
+                try:
+                    out = replica.module(x)
+                    if summed is None:
+                        loss = loss_fn(out, y) * (size * inv)
+                    else:
+                        loss = summed[0](out, y) * inv
+                finally:
+                    if defer:
+                        _C._defer_label_checks(previous)
                 loss.backward()
                 if replica.device.type == "cuda" and self.split == "auto":
                     torch.cuda.synchronize(replica.device)
+                self._classes = out.shape[-1] if out.dim() else None
                 return loss.detach(), time.perf_counter() - start
             return run
 
@@ -464,11 +479,13 @@ class DataParallel:
         if self.split == "auto":
             self._update_speed(sizes, [t for _, t in results])
         if self.reducer == "dist":
-            return self._step_dist([l for l, _ in results], dens, global_den)
+            return self._step_dist([l for l, _ in results], dens, global_den, targets, summed)
         # One host read per replica: its loss and the sum of its gradient buffer.
         reads = [torch.stack([torch.as_tensor(l, device=r.device).detach().double(),
-                              r.flat_grad.sum().double()]).cpu()
+                              r.flat_grad.sum().double(), self._label_flag(r.device)]).cpu()
                  for (l, _), r in zip(results, self._replicas)]
+        if any(float(x[2]) for x in reads):
+            self._raise_label_error(targets, summed)
         loss = float(sum(float(x[0]) for x in reads)) if global_den > 0 else math.nan
 
         if not self._grads_finite(torch.stack([x[1] for x in reads])):
@@ -483,6 +500,31 @@ class DataParallel:
             self._reduce_host()
         self.steps += 1
         return loss
+
+    @staticmethod
+    def _label_flag(device):
+        """The flag of dpcuda's CUDA loss kernel on device (as a float64 scalar tensor, to be
+        read with the loss), or 0 on the CPU, whose adapter raises at once."""
+        if device.type != "cuda":
+            return torch.zeros((), dtype=torch.float64)
+        return _C._label_error_flag(device.index)[0].double()
+
+    def _raise_label_error(self, targets, summed):
+        """A loss kernel saw a label outside [0, classes): clear the flags, raise naming the
+        first bad position of the global batch (before any update)."""
+        for device in {r.device for r in self._replicas if r.device.type == "cuda"}:
+            _C._label_error_flag(device.index).zero_()
+        classes = self._classes
+        ignore = summed[1] if summed is not None else -100
+        y = targets.detach().cpu().reshape(-1)
+        bad = ((y != ignore) & ((y < 0) | (y >= classes))).nonzero() if classes else []
+        if len(bad):
+            i = int(bad[0])
+            raise ValueError(f"labels must be class indices in [0, {classes}) or ignore_index "
+                             f"({ignore}); got {int(y[i])} at position {i} (the step was not "
+                             f"applied)")
+        raise ValueError("a label outside [0, classes) reached dpcuda's CUDA loss kernel since "
+                         "the last step (not in this step's targets); the step was not applied")
 
     def _grads_finite(self, sums):
         # A buffer's sum (one fast vectorised pass, read with the loss) is finite when all its
@@ -530,11 +572,13 @@ class DataParallel:
         backend = self._dist.get_backend(self._group)
         return self.devices[0] if backend == "nccl" else torch.device("cpu")
 
-    def _step_dist(self, losses, dens, assumed_rows, bucket_bytes=25 * 1024 * 1024):
+    def _step_dist(self, losses, dens, assumed_rows, targets, summed,
+                   bucket_bytes=25 * 1024 * 1024):
         """The rest of a step across processes, with one exchange: the local replicas' sum
-        (device to device), then one all-reduce of the gradients with a two-number record
-        behind them (the loss, the rows; float32/float64 models) or beside them (a float64
-        record, in flight together; half precision models), and one wait. Every process then
+        (device to device), then one all-reduce of the gradients with a three-number record
+        behind them (the loss, the rows, the CUDA loss kernel's bad-label flag; float32/float64
+        models) or beside them (a float64 record, in flight together; half precision models),
+        and one wait. Every process then
         holds the same summed gradient, so each decides alike, with no further collective,
         whether to skip the step (a NaN or Inf anywhere) and applies the same update."""
         rs = self._replicas
@@ -544,9 +588,11 @@ class DataParallel:
         for r, loss, den in zip(rs, losses, dens):
             record.append(torch.stack([torch.as_tensor(loss, device=r.device).detach().to(
                 dtype=torch.float64), torch.tensor(float(den), dtype=torch.float64,
-                                                   device=r.device)]))
+                                                   device=r.device),
+                self._label_flag(r.device).to(r.device)]))
             if inline:
-                r.exchange[-2:].copy_(record[-1])
+                r.exchange[-3:].copy_(record[-1])
+        record_local = list(record)
         buffers = [r.exchange for r in rs] if inline else [r.flat_grad for r in rs]
         if len(rs) > 1:
             torch.ops.dpcuda.all_reduce_(buffers, "sum", self.algorithm)
@@ -564,9 +610,15 @@ class DataParallel:
         for w in works:
             w.wait()
         if inline:
-            record = comm[-2:]
-            comm = comm[:-2]
-        loss, global_rows = record.tolist()
+            record = comm[-3:]
+            comm = comm[:-3]
+        loss, global_rows, bad_labels = record.tolist()
+        if bad_labels:
+            # Every process sees it, so every process raises.
+            if any(float(x[2]) for x in record_local):
+                self._raise_label_error(targets, summed)
+            raise ValueError("labels outside [0, classes) on another process; the step was "
+                             "not applied")
         self._global_rows = int(global_rows)
         if global_rows == 0:
             loss = math.nan  # a mean over no rows, as torch's; the gradients are 0

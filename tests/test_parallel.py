@@ -457,6 +457,27 @@ def test_all_rows_ignored_is_torchs_nan_loss_and_zero_gradient(fused):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
 
 
+def test_a_raised_label_flag_stops_the_step_before_the_update(monkeypatch):
+    # On CUDA the loss kernel flags a bad label on the device and step() reads the flag with
+    # the loss. The flag is simulated here (no GPU): the step raises, naming the first bad
+    # position when the step's targets hold one, and no weight changes.
+    model = make_model(False)
+    dp = DataParallel(model, ["cpu", "cpu"], lr=0.1, momentum=0.9)
+    x, y = batches(steps=1)[0]
+    dp.step(x, y, F.cross_entropy)
+    before = [p.detach().clone() for p in dp.module.parameters()]
+    monkeypatch.setattr(DataParallel, "_label_flag",
+                        staticmethod(lambda device: torch.ones((), dtype=torch.float64)))
+    with pytest.raises(ValueError, match="not in this step's targets"):
+        dp.step(x, y, F.cross_entropy)
+    for p, b in zip(dp.module.parameters(), before):
+        assert torch.equal(p, b)
+    bad = y.clone()
+    bad[5] = 7
+    with pytest.raises(ValueError, match=r"\[0, 5\) or ignore_index \(-100\); got 7 at position 5"):
+        dp._raise_label_error(bad, (None, -100))
+
+
 # ---------------------------------------------------------------------------------------------
 # reducer="dist": two gloo processes on loopback
 

@@ -6,10 +6,15 @@
 
 #include "../cpu/cross_entropy.h"
 #include "checks.h"
+#include "label_errors.h"
 
 #ifdef DPCUDA_WITH_CUDA
 #include <ATen/cuda/CUDAContext.h>
+#include <ATen/cuda/CUDAGraphsUtils.cuh>
 #include <c10/cuda/CUDAGuard.h>
+
+#include <mutex>
+#include <vector>
 
 #include "../kernels/cross_entropy/cross_entropy.h"
 #include "cuda_types.h"
@@ -60,7 +65,26 @@ std::tuple<Tensor, Tensor> loss_grad_cpu(const Tensor& logits, const Tensor& lab
   return {loss, grad};
 }
 
+// Set by a caller that reads label_error_flag itself at a synchronisation it makes anyway
+// (DataParallel.step, on its replica threads): the CUDA adapter then checks labels in the kernel
+// only. Per thread, as torch's own thread-local modes.
+thread_local bool t_defer_label_checks = false;
+
 #ifdef DPCUDA_WITH_CUDA
+
+// One int per device, 0 until a loss kernel there sees a label outside [0, classes); never
+// freed (a static tensor would outlive the CUDA context at exit).
+Tensor& label_flag(c10::DeviceIndex device) {
+  static std::mutex mutex;
+  static std::vector<Tensor*> flags;
+  const std::lock_guard<std::mutex> lock(mutex);
+  if (device >= static_cast<c10::DeviceIndex>(flags.size())) flags.resize(device + 1, nullptr);
+  if (flags[device] == nullptr) {
+    flags[device] = new Tensor(at::zeros({1}, at::TensorOptions().dtype(at::kInt).device(
+                                                   at::Device(at::kCUDA, device))));
+  }
+  return *flags[device];
+}
 
 std::tuple<Tensor, Tensor> loss_grad_cuda(const Tensor& logits, const Tensor& labels,
                                           double scale, double label_smoothing,
@@ -72,8 +96,14 @@ std::tuple<Tensor, Tensor> loss_grad_cuda(const Tensor& logits, const Tensor& la
   const Tensor z = logits.contiguous();
   const Tensor y = labels.contiguous();
   // A label out of range must raise, not crash the context with a device-side assert as
-  // F.cross_entropy does; finding one costs a reduction and one synchronisation.
-  if (s.rows > 0) {
+  // F.cross_entropy does. The kernel flags one on the device (and makes its row NaN). Eager
+  // calls also check here, at the cost of a reduction and a synchronisation, so that the error
+  // comes from the call that made it; not while a CUDA graph is captured (no synchronisation is
+  // allowed), and not for a caller that reads the flag itself (DataParallel.step).
+  const bool capturing =
+      at::cuda::currentStreamCaptureStatusMayInitCtx() != at::cuda::CaptureStatus::None;
+  const bool check_now = !t_defer_label_checks && !capturing;
+  if (check_now && s.rows > 0) {
     const Tensor bad = (y != ignore_index) & ((y < 0) | (y >= s.classes));
     if (bad.any().item<bool>()) {
       const int64_t position = bad.nonzero()[0][0].item<int64_t>();
@@ -90,7 +120,8 @@ std::tuple<Tensor, Tensor> loss_grad_cuda(const Tensor& logits, const Tensor& la
         reinterpret_cast<const cuda_t*>(z.data_ptr<scalar_t>()), y.data_ptr<int64_t>(),
         loss.data_ptr<acc>(),
         compute_grad ? reinterpret_cast<cuda_t*>(grad.data_ptr<scalar_t>()) : nullptr, s.rows,
-        s.classes, scale, label_smoothing, ignore_index, at::cuda::getCurrentCUDAStream());
+        s.classes, scale, label_smoothing, ignore_index,
+        label_flag(logits.device().index()).data_ptr<int>(), at::cuda::getCurrentCUDAStream());
     check_cuda(err, "cross_entropy launch");
   });
   return {loss, grad};
@@ -99,6 +130,16 @@ std::tuple<Tensor, Tensor> loss_grad_cuda(const Tensor& logits, const Tensor& la
 #endif  // DPCUDA_WITH_CUDA
 
 }  // namespace
+
+bool defer_label_checks(bool defer) {
+  const bool previous = t_defer_label_checks;
+  t_defer_label_checks = defer;
+  return previous;
+}
+
+#ifdef DPCUDA_WITH_CUDA
+Tensor label_error_flag(c10::DeviceIndex device) { return label_flag(device); }
+#endif
 
 TORCH_LIBRARY_IMPL(dpcuda, CPU, m) { m.impl("loss_grad", &loss_grad_cpu); }
 

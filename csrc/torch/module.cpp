@@ -10,6 +10,7 @@
 #include <atomic>
 
 #include "dispatch.h"
+#include "label_errors.h"
 #ifdef DPCUDA_WITH_CUDA
 #include "kernel_image.h"
 #endif
@@ -63,6 +64,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return "dpcuda was built without its CUDA kernels";
 #endif
   });
+  m.def("_defer_label_checks", &dpcuda::defer_label_checks,
+        "Turns the CUDA loss adapter's own label check off on this thread (the kernel still "
+        "flags bad labels); returns the previous setting");
+#ifdef DPCUDA_WITH_CUDA
+  m.def("_label_error_flag", [](int64_t device) {
+    return dpcuda::label_error_flag(static_cast<c10::DeviceIndex>(device));
+  });
+#endif
   // How many threads an at::parallel_for over n items runs on inside this extension: a build
   // check, since torch's OpenMP builds inline at::parallel_for and compile it serial unless the
   // extension itself is built with -fopenmp.

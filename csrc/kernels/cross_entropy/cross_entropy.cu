@@ -94,7 +94,8 @@ __device__ __forceinline__ void accumulate_row(const T* z, int64_t classes, int6
 template <typename T, typename acc>
 __device__ __forceinline__ void finish_row(const T* z, int64_t y, acc* loss, T* g,
                                            int64_t classes, int64_t first, int64_t step,
-                                           MaxSum<acc> ms, acc zsum, acc scale, acc eps) {
+                                           MaxSum<acc> ms, acc zsum, acc scale, acc eps,
+                                           int* label_error) {
   const acc eps_per_class = eps / static_cast<acc>(classes);
   const bool valid = y >= 0 && y < classes;
   const acc nan = std::numeric_limits<acc>::quiet_NaN();
@@ -107,6 +108,8 @@ __device__ __forceinline__ void finish_row(const T* z, int64_t y, acc* loss, T* 
     // would make the loss NaN where torch's is finite.
     const acc smooth = eps != acc(0) ? eps_per_class * zsum : acc(0);
     *loss = valid ? scale * (lse - (acc(1) - eps) * to_acc(z[y]) - smooth) : nan;
+    // Every writer stores the same value: no atomic needed.
+    if (!valid && label_error != nullptr) *label_error = 1;
   }
   if (g != nullptr) {
     const acc inv = acc(1) / ms.s + nan_if_inf;
@@ -123,7 +126,8 @@ template <typename T, typename acc>
 __global__ void __launch_bounds__(kThreads)
     cross_entropy_block_kernel(const T* __restrict__ logits, const int64_t* __restrict__ labels,
                                acc* __restrict__ loss, T* __restrict__ grad, int64_t rows,
-                               int64_t classes, acc scale, acc eps, int64_t ignore_index) {
+                               int64_t classes, acc scale, acc eps, int64_t ignore_index,
+                               int* label_error) {
   for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
     const T* z = logits + row * classes;
     T* g = grad != nullptr ? grad + row * classes : nullptr;
@@ -139,7 +143,8 @@ __global__ void __launch_bounds__(kThreads)
     acc zsum = acc(0);
     accumulate_row(z, classes, threadIdx.x, kThreads, ms, zsum);
     block_reduce(ms, zsum);
-    finish_row(z, y, loss + row, g, classes, threadIdx.x, kThreads, ms, zsum, scale, eps);
+    finish_row(z, y, loss + row, g, classes, threadIdx.x, kThreads, ms, zsum, scale, eps,
+               label_error);
   }
 }
 
@@ -153,7 +158,7 @@ __global__ void __launch_bounds__(kThreads)
     cross_entropy_group_kernel(const T* __restrict__ logits, const int64_t* __restrict__ labels,
                                acc* __restrict__ loss, T* __restrict__ grad, int64_t rows,
                                int64_t classes, acc scale, acc eps, int64_t ignore_index,
-                               int width) {
+                               int* label_error, int width) {
   const int groups = kThreads / width;
   const int lane = static_cast<int>(threadIdx.x) % width;
   const int group = static_cast<int>(threadIdx.x) / width;
@@ -183,7 +188,7 @@ __global__ void __launch_bounds__(kThreads)
       }
       continue;
     }
-    finish_row(z, y, loss + row, g, classes, lane, width, ms, zsum, scale, eps);
+    finish_row(z, y, loss + row, g, classes, lane, width, ms, zsum, scale, eps, label_error);
   }
 }
 
@@ -193,35 +198,32 @@ template <typename T, typename Acc>
 cudaError_t cross_entropy_forward_backward(const T* logits, const int64_t* labels, Acc* loss,
                                            T* grad, int64_t rows, int64_t classes, double scale,
                                            double label_smoothing, int64_t ignore_index,
-                                           cudaStream_t stream) {
+                                           int* label_error, cudaStream_t stream) {
   if (rows == 0) return cudaSuccess;
   if (classes > kGroupMaxClasses) {
     const int64_t blocks = std::min<int64_t>(rows, max_grid_x());
     return launch(cross_entropy_block_kernel<T, Acc>, dim3(static_cast<unsigned>(blocks)),
                   dim3(kThreads), 0, stream, logits, labels, loss, grad, rows, classes,
-                  static_cast<Acc>(scale), static_cast<Acc>(label_smoothing), ignore_index);
+                  static_cast<Acc>(scale), static_cast<Acc>(label_smoothing), ignore_index,
+                  label_error);
   }
   const int width = group_width(classes);
   const int64_t blocks = std::min<int64_t>(ceil_div(rows, kThreads / width), max_grid_x());
   return launch(cross_entropy_group_kernel<T, Acc>, dim3(static_cast<unsigned>(blocks)),
                 dim3(kThreads), 0, stream, logits, labels, loss, grad, rows, classes,
-                static_cast<Acc>(scale), static_cast<Acc>(label_smoothing), ignore_index, width);
+                static_cast<Acc>(scale), static_cast<Acc>(label_smoothing), ignore_index,
+                label_error, width);
 }
 
-template cudaError_t cross_entropy_forward_backward<float, float>(const float*, const int64_t*,
-                                                                  float*, float*, int64_t,
-                                                                  int64_t, double, double,
-                                                                  int64_t, cudaStream_t);
-template cudaError_t cross_entropy_forward_backward<double, double>(
-    const double*, const int64_t*, double*, double*, int64_t, int64_t, double, double, int64_t,
-    cudaStream_t);
-template cudaError_t cross_entropy_forward_backward<__half, float>(const __half*, const int64_t*,
-                                                                   float*, __half*, int64_t,
-                                                                   int64_t, double, double,
-                                                                   int64_t, cudaStream_t);
-template cudaError_t cross_entropy_forward_backward<__nv_bfloat16, float>(
-    const __nv_bfloat16*, const int64_t*, float*, __nv_bfloat16*, int64_t, int64_t, double,
-    double, int64_t, cudaStream_t);
+#define DPCUDA_INSTANTIATE(T, Acc)                                                             \
+  template cudaError_t cross_entropy_forward_backward<T, Acc>(                                  \
+      const T*, const int64_t*, Acc*, T*, int64_t, int64_t, double, double, int64_t, int*,      \
+      cudaStream_t);
+DPCUDA_INSTANTIATE(float, float)
+DPCUDA_INSTANTIATE(double, double)
+DPCUDA_INSTANTIATE(__half, float)
+DPCUDA_INSTANTIATE(__nv_bfloat16, float)
+#undef DPCUDA_INSTANTIATE
 
 }  // namespace cuda
 }  // namespace dpcuda

@@ -332,9 +332,12 @@ void test_cross_entropy(std::mt19937& rng) {
         dg.upload(std::vector<T>(R * C, from_double<T>(kNaN)));
         dloss.upload(std::vector<Acc>(R, Acc(kNaN)));
         const double scale = 0.25;
+        DeviceBuffer<int> flag(1);
+        flag.upload(std::vector<int>{0});
         CHECK((dpcuda::cuda::cross_entropy_forward_backward<T, Acc>(
                   dl.ptr, dy.ptr, dloss.ptr, with_grad ? dg.ptr : nullptr, R, C, scale, eps,
-                  kIgnore, nullptr)) == cudaSuccess);
+                  kIgnore, flag.ptr, nullptr)) == cudaSuccess);
+        CHECK(flag.download()[0] == 0);  // every label is a class or ignore_index
         const std::vector<Acc> loss = dloss.download();
         const std::vector<T> grad = dg.download();
         std::vector<T> cpu_loss(R), cpu_grad(R * C);
@@ -382,30 +385,45 @@ void test_cross_entropy_many_rows(std::mt19937& rng) {
     std::vector<T> logits(R * C);
     std::vector<int64_t> labels(R);
     for (auto& v : logits) v = from_double<T>(dist(rng));
+    // Every 13th row ignored; on the second run every 97th label out of range (C, or -1): its
+    // row is NaN, the others as before, and the flag is raised (it is not on the first run).
     for (int64_t r = 0; r < R; ++r) labels[r] = r % 13 == 5 ? kIgnore : label(rng);
-    DeviceBuffer<T> dl(R * C), dg(R * C);
-    DeviceBuffer<int64_t> dy(R);
-    DeviceBuffer<Acc> dloss(R);
-    dl.upload(logits);
-    dy.upload(labels);
-    dg.upload(std::vector<T>(R * C, from_double<T>(kNaN)));
-    dloss.upload(std::vector<Acc>(R, Acc(kNaN)));
-    CHECK((dpcuda::cuda::cross_entropy_forward_backward<T, Acc>(
-              dl.ptr, dy.ptr, dloss.ptr, dg.ptr, R, C, 1.0 / R, 0.0, kIgnore, nullptr)) ==
-          cudaSuccess);
-    const std::vector<Acc> loss = dloss.download();
-    const std::vector<T> grad = dg.download();
-    for (int64_t r = 0; r < R; ++r) {
-      std::vector<double> z(C);
-      for (int64_t c = 0; c < C; ++c) z[c] = to_double(logits[r * C + c]);
-      double want;
-      std::vector<double> want_grad;
-      cross_entropy_ref<Acc>(z, labels[r], 1.0 / R, 0.0, kIgnore, &want, &want_grad);
-      const double tol = std::is_same<T, double>::value ? 1e-12 : 2e-5;
-      expect_close(loss[r], want, tol, 10.0, "cross_entropy many rows loss", name<T>(), r);
-      for (int64_t c = 0; c < C; ++c) {
-        expect_close(to_double(grad[r * C + c]), want_grad[c], tolerance<T>() + 1e-6, 0,
-                     "cross_entropy many rows grad", name<T>(), r * C + c);
+    for (bool bad : {false, true}) {
+      if (bad) {
+        for (int64_t r = 11; r < R; r += 97) labels[r] = r % 2 ? C : -1;
+      }
+      DeviceBuffer<T> dl(R * C), dg(R * C);
+      DeviceBuffer<int64_t> dy(R);
+      DeviceBuffer<Acc> dloss(R);
+      dl.upload(logits);
+      dy.upload(labels);
+      dg.upload(std::vector<T>(R * C, from_double<T>(kNaN)));
+      dloss.upload(std::vector<Acc>(R, Acc(kNaN)));
+      DeviceBuffer<int> flag(1);
+      flag.upload(std::vector<int>{0});
+      CHECK((dpcuda::cuda::cross_entropy_forward_backward<T, Acc>(
+                dl.ptr, dy.ptr, dloss.ptr, dg.ptr, R, C, 1.0 / R, 0.0, kIgnore, flag.ptr,
+                nullptr)) == cudaSuccess);
+      CHECK(flag.download()[0] == (bad ? 1 : 0));
+      const std::vector<Acc> loss = dloss.download();
+      const std::vector<T> grad = dg.download();
+      for (int64_t r = 0; r < R; ++r) {
+        if (labels[r] != kIgnore && (labels[r] < 0 || labels[r] >= C)) {
+          CHECK(std::isnan(static_cast<double>(loss[r])));
+          for (int64_t c = 0; c < C; ++c) CHECK(std::isnan(to_double(grad[r * C + c])));
+          continue;
+        }
+        std::vector<double> z(C);
+        for (int64_t c = 0; c < C; ++c) z[c] = to_double(logits[r * C + c]);
+        double want;
+        std::vector<double> want_grad;
+        cross_entropy_ref<Acc>(z, labels[r], 1.0 / R, 0.0, kIgnore, &want, &want_grad);
+        const double tol = std::is_same<T, double>::value ? 1e-12 : 2e-5;
+        expect_close(loss[r], want, tol, 10.0, "cross_entropy many rows loss", name<T>(), r);
+        for (int64_t c = 0; c < C; ++c) {
+          expect_close(to_double(grad[r * C + c]), want_grad[c], tolerance<T>() + 1e-6, 0,
+                       "cross_entropy many rows grad", name<T>(), r * C + c);
+        }
       }
     }
   }
