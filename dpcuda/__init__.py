@@ -23,18 +23,43 @@ def built_with_cuda():
 
 def cuda_available():
     """True when the CUDA kernels were compiled in, there is a CUDA device, and every CUDA
-    device here can run them (a GPU older than every architecture of the build cannot: then
-    this warns once, naming the device and the fix, and returns False)."""
+    device here can run them: its compute capability is covered by the build's architectures
+    (TORCH_CUDA_ARCH_LIST), read from the device's properties without creating a CUDA context.
+    A GPU older than every architecture of the build cannot: then this warns once, naming the
+    device and the fix, and returns False (dpcuda's ops on it raise the same message)."""
     if not (built_with_cuda() and torch.cuda.is_available()):
         return False
+    archs = _C._cuda_archs()
     for device in range(torch.cuda.device_count()):
-        error = _C._kernel_image_error(device)
-        if error:
+        capability = torch.cuda.get_device_capability(device)
+        if not _archs_cover(archs, capability):
+            error = (f"dpcuda's CUDA kernels cannot run on cuda:{device} "
+                     f"({torch.cuda.get_device_name(device)}, compute capability "
+                     f"{capability[0]}.{capability[1]}): this build has "
+                     f"TORCH_CUDA_ARCH_LIST=\"{archs}\"; rebuild with TORCH_CUDA_ARCH_LIST="
+                     f"\"{capability[0]}.{capability[1]}\" (pip install --no-build-isolation "
+                     f"-e .), or use the CPU")
             if error not in _warned:
                 _warned.add(error)
                 warnings.warn(error, RuntimeWarning, stacklevel=2)
             return False
     return True
+
+
+def _archs_cover(archs, capability):
+    """Whether a TORCH_CUDA_ARCH_LIST ("7.5+PTX;8.0;9.0+PTX") has code for a device of this
+    compute capability: machine code of the same major version and no newer minor one, or PTX
+    of no newer version (which the driver compiles). An unreadable list is taken to cover."""
+    try:
+        entries = [e for e in archs.replace(" ", ";").split(";") if e]
+        parsed = [(tuple(int(v) for v in e.replace("+PTX", "").split(".")), e.endswith("+PTX"))
+                  for e in entries]
+    except ValueError:
+        return True
+    if not parsed:
+        return True
+    return any((version[0] == capability[0] and version[1] <= capability[1]) or
+               (ptx and version <= tuple(capability)) for version, ptx in parsed)
 
 
 _warned = set()

@@ -208,22 +208,35 @@ def _summed_loss(loss_fn, targets):
     """For a loss that averages over the rows it does not ignore (a "mean" cross-entropy,
     nn.CrossEntropyLoss or dpcuda's SoftmaxCrossEntropyLoss, on class-index targets): the same
     loss as a sum over its rows, and its ignore_index. None for any other loss_fn, which must
-    return the mean over all its rows."""
+    return the mean over all its rows. Half precision logits sum in float32: a float16 sum of a
+    few thousand rows' losses overflows where the mean would not."""
     from .nn import SoftmaxCrossEntropyLoss
     from . import ops
 
-    if targets.dtype != torch.long:
+    def summed(per_row):
+        def fn(out, y):
+            if out.dtype in (torch.float16, torch.bfloat16):
+                return per_row(out, y, "none").sum(dtype=torch.float32)
+            return per_row(out, y, "sum")
+        return fn
+
+    if targets.dtype.is_floating_point or targets.dtype == torch.bool:
         return None
     if isinstance(loss_fn, SoftmaxCrossEntropyLoss) and loss_fn.reduction == "mean":
-        return (lambda out, y: ops.softmax_cross_entropy(
-            out, y, "sum", loss_fn.label_smoothing, loss_fn.ignore_index)), loss_fn.ignore_index
+        return summed(lambda out, y, reduction: ops.softmax_cross_entropy(
+            out, y, reduction, loss_fn.label_smoothing, loss_fn.ignore_index)), \
+            loss_fn.ignore_index
+    if targets.dtype != torch.long:  # torch's losses take int64 class indices only
+        return None
+    F = torch.nn.functional
     if isinstance(loss_fn, torch.nn.CrossEntropyLoss) and loss_fn.reduction == "mean" and \
             loss_fn.weight is None:
-        return (lambda out, y: torch.nn.functional.cross_entropy(
-            out, y, reduction="sum", ignore_index=loss_fn.ignore_index,
+        return summed(lambda out, y, reduction: F.cross_entropy(
+            out, y, reduction=reduction, ignore_index=loss_fn.ignore_index,
             label_smoothing=loss_fn.label_smoothing)), loss_fn.ignore_index
-    if loss_fn is torch.nn.functional.cross_entropy:
-        return (lambda out, y: torch.nn.functional.cross_entropy(out, y, reduction="sum")), -100
+    if loss_fn is F.cross_entropy:
+        return summed(lambda out, y, reduction: F.cross_entropy(out, y, reduction=reduction)), \
+            -100
     return None
 
 
@@ -396,6 +409,23 @@ class DataParallel:
         return None
 
     def step(self, inputs, targets, loss_fn):
+        if self.reducer != "dist":
+            return self._step(inputs, targets, loss_fn)
+        # Across processes a step that fails on one process (bad input, a bad label, an error
+        # in its forward) must still take part in the step's collectives, or the others would
+        # wait for it and then pair their next collectives with its next step's. So it joins
+        # the exchange with a failure mark, every process raises, and none applies the step.
+        inline = self._replicas[0].flat_grad.dtype in self._record_inline
+        self._dist_count = not self._global_rows or not inline
+        self._dist_stage = 0  # 1: the count is done; 2: the exchange has begun
+        try:
+            return self._step(inputs, targets, loss_fn)
+        except Exception:
+            if self._dist_stage < 2:
+                self._fail_exchange()
+            raise
+
+    def _step(self, inputs, targets, loss_fn):
         if not isinstance(inputs, torch.Tensor) or not isinstance(targets, torch.Tensor):
             raise TypeError("inputs and targets must be tensors")
         if inputs.dim() == 0 or targets.dim() == 0:
@@ -433,11 +463,11 @@ class DataParallel:
             # Half precision models count every step: a gradient scaled for a batch 16 times
             # smaller can overflow float16 before the rescale. So does the step after one whose
             # rows were all ignored.
-            inline = self._replicas[0].flat_grad.dtype in self._record_inline
-            if not self._global_rows or not inline:
+            if self._dist_count:
                 count = torch.tensor([global_den], dtype=torch.float64,
                                      device=self._comm_device())
                 self._dist.all_reduce(count, group=self._group)
+                self._dist_stage = 1
                 self._global_rows = int(count.item())
             global_den = self._global_rows
         # No row counts (all ignored): the gradients are 0 and the loss NaN, as torch's mean
@@ -446,6 +476,10 @@ class DataParallel:
 
         for r in self._replicas:
             r.exchange.zero_()
+        # The CUDA loss kernel's bad-label flags, read with this step's loss: cleared first, so
+        # that what they say is about this step.
+        for device in {r.device for r in self._replicas if r.device.type == "cuda"}:
+            _C._label_error_flag(device.index).zero_()
 
         def work(replica, part, size):
             def run():
@@ -470,7 +504,7 @@ class DataParallel:
                 loss.backward()
                 if replica.device.type == "cuda" and self.split == "auto":
                     torch.cuda.synchronize(replica.device)
-                self._classes = out.shape[-1] if out.dim() else None
+                self._classes = out.shape[1] if out.dim() >= 2 else None
                 return loss.detach(), time.perf_counter() - start
             return run
 
@@ -520,9 +554,10 @@ class DataParallel:
         bad = ((y != ignore) & ((y < 0) | (y >= classes))).nonzero() if classes else []
         if len(bad):
             i = int(bad[0])
+            where = " of this process's batch" if self.reducer == "dist" else ""
             raise ValueError(f"labels must be class indices in [0, {classes}) or ignore_index "
-                             f"({ignore}); got {int(y[i])} at position {i} (the step was not "
-                             f"applied)")
+                             f"({ignore}); got {int(y[i])} at position {i}{where} (the step "
+                             f"was not applied)")
         raise ValueError("a label outside [0, classes) reached dpcuda's CUDA loss kernel since "
                          "the last step (not in this step's targets); the step was not applied")
 
@@ -598,27 +633,20 @@ class DataParallel:
             torch.ops.dpcuda.all_reduce_(buffers, "sum", self.algorithm)
         device = self._comm_device()
         comm = buffers[0] if buffers[0].device == device else buffers[0].to(device)
-        works = []
         if not inline:
             record = torch.stack([x.to(device) for x in record]).sum(0)
-            works.append(self._dist.all_reduce(record, group=self._group, async_op=True))
-        per = max(1, bucket_bytes // comm.element_size())
-        # The last bucket first: the order in which DDP's buckets go (the last layer's
-        # gradients are the first ready).
-        works += [self._dist.all_reduce(comm[i:i + per], group=self._group, async_op=True)
-                  for i in reversed(range(0, comm.numel(), per))]
-        for w in works:
-            w.wait()
+        self._exchange(comm, None if inline else record, bucket_bytes)
         if inline:
             record = comm[-3:]
             comm = comm[:-3]
-        loss, global_rows, bad_labels = record.tolist()
-        if bad_labels:
-            # Every process sees it, so every process raises.
+        loss, global_rows, failed = record.tolist()
+        if failed:
+            # A bad label (1 per replica that saw one) or a process that failed (2): every
+            # process sees the sum, so every process raises, and none applies the step.
             if any(float(x[2]) for x in record_local):
                 self._raise_label_error(targets, summed)
-            raise ValueError("labels outside [0, classes) on another process; the step was "
-                             "not applied")
+            raise RuntimeError("dpcuda DataParallel: another process failed in this step (a bad "
+                               "label or an error); the step was not applied on any process")
         self._global_rows = int(global_rows)
         if global_rows == 0:
             loss = math.nan  # a mean over no rows, as torch's; the gradients are 0
@@ -642,6 +670,41 @@ class DataParallel:
                                          False, "one_shot")
         self.steps += 1
         return loss
+
+    def _exchange(self, comm, record, bucket_bytes=25 * 1024 * 1024):
+        """The step's collectives: the record (when it is not inside comm) and comm in buckets,
+        all in flight together, then one wait."""
+        self._dist_stage = 2
+        works = []
+        if record is not None:
+            works.append(self._dist.all_reduce(record, group=self._group, async_op=True))
+        per = max(1, bucket_bytes // comm.element_size())
+        # The last bucket first: the order in which DDP's buckets go (the last layer's
+        # gradients are the first ready).
+        works += [self._dist.all_reduce(comm[i:i + per], group=self._group, async_op=True)
+                  for i in reversed(range(0, comm.numel(), per))]
+        for w in works:
+            w.wait()
+
+    def _fail_exchange(self):
+        """This process's part of a failed step's collectives: the count (if the step makes
+        one and it has not run) and the exchange, with zero gradients and the failure mark."""
+        r = self._replicas[0]
+        device = self._comm_device()
+        if self._dist_stage < 1 and self._dist_count:
+            count = torch.zeros(1, dtype=torch.float64, device=device)
+            self._dist.all_reduce(count, group=self._group)
+            self._global_rows = int(count.item())  # as the other processes have it
+        with torch.no_grad():
+            r.exchange.zero_()
+        if r.flat_grad.dtype in self._record_inline:
+            r.exchange[-1] = 2.0
+            comm = r.exchange if r.exchange.device == device else r.exchange.to(device)
+            self._exchange(comm, None)
+        else:
+            comm = r.flat_grad if r.flat_grad.device == device else r.flat_grad.to(device)
+            record = torch.tensor([0.0, 0.0, 2.0], dtype=torch.float64, device=device)
+            self._exchange(comm, record)
 
     def _copy_params_from(self, index):
         src = self._replicas[index]

@@ -87,7 +87,10 @@ def demangle(names):
 # The kernels whose arithmetic must follow the no-contraction rule, by source and name.
 NO_FMA_SOURCE = os.path.join("csrc", "kernels", "all_reduce", "all_reduce.cu")
 NO_FMA_KERNELS = re.compile(r"sgd")
-CONTRACTIBLE = re.compile(r"^\s*(fma\.rn\.f(32|64)|mul\.f(32|64)|mad\.f(32|64))\b")
+# Any fma or mad, and any mul without an explicit rounding mode (.rn/.rz/.rm/.rp), predicated
+# or not, with or without .ftz/.sat.
+CONTRACTIBLE = re.compile(r"^\s*(@!?%\w+\s+)?(fma|mad)(\.\w+)*\.f(32|64)\b|"
+                          r"^\s*(@!?%\w+\s+)?mul(\.ftz|\.sat)*\.f(32|64)\b")
 
 BROKEN_SNIPPET = """
 __global__ void sgd_plain(const float* g, float* p, float lr, int n) {
@@ -118,7 +121,8 @@ def contractible_ops(nvcc, source, arch, include=True):
                     if entry:
                         found.setdefault(entry, [])
                 elif entry and CONTRACTIBLE.match(line):
-                    found[entry].append(line.split()[0])
+                    words = line.split()
+                    found[entry].append(words[1] if words[0].startswith("@") else words[0])
     return found
 
 

@@ -76,6 +76,26 @@ def test_non_finite_logits_match_torch(device, smoothing, seed):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_every_label_ignored_is_torchs_nan_loss_and_zero_gradient(device, smoothing):
+    # A mean over no rows: NaN, and a zero gradient whatever flows back (g / 0 must not make it
+    # NaN). Labels on the host (the count read there) and as a tensor count (labels on device).
+    from dpcuda.nn import SoftmaxCrossEntropyLoss
+    logits = torch.randn(5, 4, device=device)
+    labels = torch.full((5,), -100, device=device)
+    for upstream in (1.0, float("nan")):
+        ours = logits.clone().requires_grad_()
+        theirs = logits.clone().requires_grad_()
+        loss = SoftmaxCrossEntropyLoss(label_smoothing=smoothing)(ours, labels)
+        want = F.cross_entropy(theirs, labels, label_smoothing=smoothing)
+        assert torch.isnan(loss) and torch.isnan(want)
+        loss.backward(torch.tensor(upstream, device=device))
+        want.backward(torch.tensor(upstream, device=device))
+        torch.testing.assert_close(ours.grad, theirs.grad, equal_nan=True)
+        assert torch.equal(ours.grad, torch.zeros_like(ours.grad))
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_unbatched_and_empty(device):
     z = torch.randn(5, device=device)
     y = torch.tensor(3, device=device)

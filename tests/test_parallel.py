@@ -431,6 +431,21 @@ def test_ignored_rows_give_the_one_device_mean(loss_name, replicas, reducer):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
 
 
+def test_int32_labels_with_dpcuda_loss_give_the_one_device_mean():
+    # dpcuda's loss takes any integer labels; the ignored rows then count as with int64.
+    from dpcuda.nn import SoftmaxCrossEntropyLoss
+    x, y = batches(steps=1, rows=16)[0]
+    y[:6] = -100
+    losses = []
+    for labels in (y, y.to(torch.int32)):
+        dp = DataParallel(make_model(False), ["cpu", "cpu"], lr=0.1)
+        losses.append(dp.step(x, labels, SoftmaxCrossEntropyLoss()))
+    with torch.no_grad():
+        want = float(F.cross_entropy(make_model(False)(x), y))
+    assert losses[0] == pytest.approx(want, rel=1e-6)
+    assert losses[1] == pytest.approx(want, rel=1e-6)
+
+
 @pytest.mark.parametrize("fused", [False, True])
 def test_all_rows_ignored_is_torchs_nan_loss_and_zero_gradient(fused):
     # torch: the mean over no rows is NaN, its gradient 0; SGD still applies weight decay and
@@ -543,6 +558,64 @@ def _dist_worker(rank, world, port, out_dir, dtype, inline):
                    os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
+
+
+def _dist_failure_worker(rank, world, port, out_dir, inline):
+    import datetime
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    # A bounded wait: unpaired collectives (the defect this tests for) end in an error.
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=30))
+    try:
+        dp = DataParallel(make_model(False), ["cpu"], reducer="dist", lr=0.1, momentum=0.9)
+        if not inline:
+            dp._record_inline = ()
+        errors = []
+        for step, (x, y) in enumerate(batches(steps=6)):
+            x, y = x[rank * 12:(rank + 1) * 12], y[rank * 12:(rank + 1) * 12].clone()
+            if rank == 1 and step == 0:
+                x, y = x[:0], y[:0]  # fails before the first count: "the batch is empty"
+            if rank == 1 and step == 3:
+                y[4] = 7  # a label outside [0, 5): F.cross_entropy raises on this rank only
+            try:
+                dp.step(x, y, F.cross_entropy)
+                errors.append(None)
+            except Exception as err:  # noqa: BLE001  (recorded, compared below)
+                errors.append(f"{type(err).__name__}: {err}")
+        torch.save({"state": dp.state_dict(), "errors": errors},
+                   os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("inline", [True, False], ids=["behind", "beside"])
+def test_dist_a_step_failing_on_one_process_fails_on_all_and_they_go_on(tmp_path, inline):
+    # Rank 1 fails on step 0 (before the count) and step 3 (a bad label, found by
+    # F.cross_entropy): both processes raise, neither applies the step, and the next steps stay paired:
+    # the model is that of one device trained on the other steps.
+    world = 2
+    mp.spawn(_dist_failure_worker, args=(world, _free_port(), str(tmp_path), inline),
+             nprocs=world, join=True)
+    runs = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+    for step in (0, 3):
+        assert "another process failed" in runs[0]["errors"][step]
+    assert "the batch is empty" in runs[1]["errors"][0]
+    assert runs[1]["errors"][3].startswith("IndexError: Target 7 is out of bounds")
+    for run in runs:
+        assert [e is None for e in run["errors"]] == [False, True, True, False, True, True]
+    model = make_model(False)
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    for step, (x, y) in enumerate(batches(steps=6)):
+        if step in (0, 3):
+            continue
+        opt.zero_grad()
+        F.cross_entropy(ref(x), y).backward()
+        opt.step()
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(runs[0]["state"][k], v, atol=1e-5, rtol=1e-4)
+        assert torch.equal(runs[0]["state"][k], runs[1]["state"][k])
 
 
 # float32/float64 send the loss and the rows behind the gradients, half precision models in a

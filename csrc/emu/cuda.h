@@ -90,6 +90,12 @@ inline void __syncwarp(unsigned mask = 0xffffffffu) {
   (void)::dpcuda::emu::warp_exchange(mask, 0, ::dpcuda::emu::lane_id(), "__syncwarp");
 }
 
+// Device atomics: relaxed read-modify-writes, as CUDA's (atomicOr and friends order nothing
+// else), which ThreadSanitizer sees as atomics rather than races.
+inline int atomicOr(int* address, int value) {
+  return __atomic_fetch_or(address, value, __ATOMIC_RELAXED);
+}
+
 template <typename T>
 T __shfl_sync(unsigned mask, T var, int src_lane, int width = 32) {
   width = ::dpcuda::emu::checked_width(width, "__shfl_sync");

@@ -218,7 +218,9 @@ class SoftmaxCrossEntropy : public torch::autograd::Function<SoftmaxCrossEntropy
     } else if (reduction == "sum") {
       grad_logits = grad * g;
     } else {
-      grad_logits = grad * (g / saved[1]);
+      // A mean over no rows (every label ignored): torch's gradient is 0, whatever comes in;
+      // g / 0 would make it NaN.
+      grad_logits = at::where(saved[1] > 0, grad * (g / saved[1]), at::zeros_like(grad));
     }
     return {grad_logits, Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
   }

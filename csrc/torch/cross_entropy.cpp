@@ -73,17 +73,19 @@ thread_local bool t_defer_label_checks = false;
 #ifdef DPCUDA_WITH_CUDA
 
 // One int per device, 0 until a loss kernel there sees a label outside [0, classes); never
-// freed (a static tensor would outlive the CUDA context at exit).
-Tensor& label_flag(c10::DeviceIndex device) {
+// freed (a static tensor would outlive the CUDA context at exit). Made on first use, but not
+// while a CUDA graph is captured (its zeroing would be recorded, not run): then null, and
+// that capture's kernels flag nothing.
+Tensor* label_flag(c10::DeviceIndex device, bool capturing) {
   static std::mutex mutex;
   static std::vector<Tensor*> flags;
   const std::lock_guard<std::mutex> lock(mutex);
   if (device >= static_cast<c10::DeviceIndex>(flags.size())) flags.resize(device + 1, nullptr);
-  if (flags[device] == nullptr) {
+  if (flags[device] == nullptr && !capturing) {
     flags[device] = new Tensor(at::zeros({1}, at::TensorOptions().dtype(at::kInt).device(
                                                    at::Device(at::kCUDA, device))));
   }
-  return *flags[device];
+  return flags[device];
 }
 
 std::tuple<Tensor, Tensor> loss_grad_cuda(const Tensor& logits, const Tensor& labels,
@@ -110,6 +112,7 @@ std::tuple<Tensor, Tensor> loss_grad_cuda(const Tensor& logits, const Tensor& la
       raise_bad_label(position, y[position].item<int64_t>(), s.classes, ignore_index);
     }
   }
+  Tensor* flag = label_flag(logits.device().index(), capturing);
   Tensor loss = at::empty({s.rows}, z.options().dtype(loss_dtype(z)));
   Tensor grad = compute_grad ? at::empty_like(z) : at::empty({0}, z.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, z.scalar_type(), "loss_grad_cuda",
@@ -121,7 +124,7 @@ std::tuple<Tensor, Tensor> loss_grad_cuda(const Tensor& logits, const Tensor& la
         loss.data_ptr<acc>(),
         compute_grad ? reinterpret_cast<cuda_t*>(grad.data_ptr<scalar_t>()) : nullptr, s.rows,
         s.classes, scale, label_smoothing, ignore_index,
-        label_flag(logits.device().index()).data_ptr<int>(), at::cuda::getCurrentCUDAStream());
+        flag != nullptr ? flag->data_ptr<int>() : nullptr, at::cuda::getCurrentCUDAStream());
     check_cuda(err, "cross_entropy launch");
   });
   return {loss, grad};
@@ -138,7 +141,7 @@ bool defer_label_checks(bool defer) {
 }
 
 #ifdef DPCUDA_WITH_CUDA
-Tensor label_error_flag(c10::DeviceIndex device) { return label_flag(device); }
+Tensor label_error_flag(c10::DeviceIndex device) { return *label_flag(device, false); }
 #endif
 
 TORCH_LIBRARY_IMPL(dpcuda, CPU, m) { m.impl("loss_grad", &loss_grad_cpu); }

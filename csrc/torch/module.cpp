@@ -15,6 +15,12 @@
 #include "kernel_image.h"
 #endif
 
+#ifdef DPCUDA_CUDA_ARCHS
+#define DPCUDA_CUDA_ARCHS_STRING DPCUDA_CUDA_ARCHS
+#else
+#define DPCUDA_CUDA_ARCHS_STRING ""
+#endif
+
 TORCH_LIBRARY(dpcuda, m) {
   // act(input @ weight.T + bias). Returns (output, pre_activation); the second is empty unless
   // the activation's derivative needs the pre-activation (gelu, gelu_tanh, silu).
@@ -54,20 +60,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return false;
 #endif
   });
-  // "" when dpcuda's CUDA kernels can run on CUDA device `device`, else why not and what to do
-  // (kernel_image.cpp); the CPU-only build has no CUDA kernels to run.
-  m.def("_kernel_image_error", [](int64_t device) -> std::string {
-#ifdef DPCUDA_WITH_CUDA
-    return dpcuda::kernel_image_error(static_cast<int>(device));
-#else
-    (void)device;
-    return "dpcuda was built without its CUDA kernels";
-#endif
-  });
   m.def("_defer_label_checks", &dpcuda::defer_label_checks,
         "Turns the CUDA loss adapter's own label check off on this thread (the kernel still "
         "flags bad labels); returns the previous setting");
 #ifdef DPCUDA_WITH_CUDA
+  // The TORCH_CUDA_ARCH_LIST the CUDA kernels were built for.
+  m.def("_cuda_archs", []() { return std::string(DPCUDA_CUDA_ARCHS_STRING); });
   m.def("_label_error_flag", [](int64_t device) {
     return dpcuda::label_error_flag(static_cast<c10::DeviceIndex>(device));
   });

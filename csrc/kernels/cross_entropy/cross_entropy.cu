@@ -108,8 +108,8 @@ __device__ __forceinline__ void finish_row(const T* z, int64_t y, acc* loss, T* 
     // would make the loss NaN where torch's is finite.
     const acc smooth = eps != acc(0) ? eps_per_class * zsum : acc(0);
     *loss = valid ? scale * (lse - (acc(1) - eps) * to_acc(z[y]) - smooth) : nan;
-    // Every writer stores the same value: no atomic needed.
-    if (!valid && label_error != nullptr) *label_error = 1;
+    // Many threads may find a bad label at once: an atomic, so that no store is a race.
+    if (!valid && label_error != nullptr) atomicOr(label_error, 1);
   }
   if (g != nullptr) {
     const acc inv = acc(1) / ms.s + nan_if_inf;

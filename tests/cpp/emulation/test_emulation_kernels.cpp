@@ -261,6 +261,34 @@ void cross_entropy_ref(const std::vector<double>& z, int64_t y, double scale, do
   }
 }
 
+// One launch of the loss kernel on the host's logits and labels, its outputs poisoned with NaN
+// first: the losses, the gradient (when asked for) and the bad-label flag.
+template <typename T, typename Acc>
+struct LossRun {
+  std::vector<Acc> loss;
+  std::vector<T> grad;
+  int flag;
+};
+
+template <typename T, typename Acc>
+LossRun<T, Acc> run_loss(const std::vector<T>& logits, const std::vector<int64_t>& labels,
+                         int64_t C, double scale, double eps, int64_t ignore, bool with_grad) {
+  const int64_t R = static_cast<int64_t>(labels.size());
+  DeviceBuffer<T> dl(R * C), dg(R * C);
+  DeviceBuffer<int64_t> dy(R);
+  DeviceBuffer<Acc> dloss(R);
+  DeviceBuffer<int> flag(1);
+  dl.upload(logits);
+  dy.upload(labels);
+  dg.upload(std::vector<T>(R * C, from_double<T>(kNaN)));
+  dloss.upload(std::vector<Acc>(R, Acc(kNaN)));
+  flag.upload(std::vector<int>{0});
+  CHECK((dpcuda::cuda::cross_entropy_forward_backward<T, Acc>(
+            dl.ptr, dy.ptr, dloss.ptr, with_grad ? dg.ptr : nullptr, R, C, scale, eps, ignore,
+            flag.ptr, nullptr)) == cudaSuccess);
+  return {dloss.download(), dg.download(), flag.download()[0]};
+}
+
 template <typename T>
 void test_cross_entropy(std::mt19937& rng) {
   using Acc = std::conditional_t<std::is_same<T, double>::value, double, float>;
@@ -324,22 +352,12 @@ void test_cross_entropy(std::mt19937& rng) {
         std::vector<T> logits(R * C);
         for (int64_t r = 0; r < R; ++r)
           for (int64_t c = 0; c < C; ++c) logits[r * C + c] = from_double<T>(rows[r][c]);
-        DeviceBuffer<T> dl(R * C), dg(R * C);
-        DeviceBuffer<int64_t> dy(R);
-        DeviceBuffer<Acc> dloss(R);
-        dl.upload(logits);
-        dy.upload(labels);
-        dg.upload(std::vector<T>(R * C, from_double<T>(kNaN)));
-        dloss.upload(std::vector<Acc>(R, Acc(kNaN)));
         const double scale = 0.25;
-        DeviceBuffer<int> flag(1);
-        flag.upload(std::vector<int>{0});
-        CHECK((dpcuda::cuda::cross_entropy_forward_backward<T, Acc>(
-                  dl.ptr, dy.ptr, dloss.ptr, with_grad ? dg.ptr : nullptr, R, C, scale, eps,
-                  kIgnore, flag.ptr, nullptr)) == cudaSuccess);
-        CHECK(flag.download()[0] == 0);  // every label is a class or ignore_index
-        const std::vector<Acc> loss = dloss.download();
-        const std::vector<T> grad = dg.download();
+        const LossRun<T, Acc> run = run_loss<T, Acc>(logits, labels, C, scale, eps, kIgnore,
+                                                     with_grad);
+        CHECK(run.flag == 0);  // every label is a class or ignore_index
+        const std::vector<Acc>& loss = run.loss;
+        const std::vector<T>& grad = run.grad;
         std::vector<T> cpu_loss(R), cpu_grad(R * C);
         if constexpr (std::is_same<T, float>::value || std::is_same<T, double>::value) {
           dpcuda::cpu::cross_entropy_rows<T>(logits.data(), labels.data(), cpu_loss.data(),
@@ -392,21 +410,11 @@ void test_cross_entropy_many_rows(std::mt19937& rng) {
       if (bad) {
         for (int64_t r = 11; r < R; r += 97) labels[r] = r % 2 ? C : -1;
       }
-      DeviceBuffer<T> dl(R * C), dg(R * C);
-      DeviceBuffer<int64_t> dy(R);
-      DeviceBuffer<Acc> dloss(R);
-      dl.upload(logits);
-      dy.upload(labels);
-      dg.upload(std::vector<T>(R * C, from_double<T>(kNaN)));
-      dloss.upload(std::vector<Acc>(R, Acc(kNaN)));
-      DeviceBuffer<int> flag(1);
-      flag.upload(std::vector<int>{0});
-      CHECK((dpcuda::cuda::cross_entropy_forward_backward<T, Acc>(
-                dl.ptr, dy.ptr, dloss.ptr, dg.ptr, R, C, 1.0 / R, 0.0, kIgnore, flag.ptr,
-                nullptr)) == cudaSuccess);
-      CHECK(flag.download()[0] == (bad ? 1 : 0));
-      const std::vector<Acc> loss = dloss.download();
-      const std::vector<T> grad = dg.download();
+      const LossRun<T, Acc> run = run_loss<T, Acc>(logits, labels, C, 1.0 / R, 0.0, kIgnore,
+                                                   true);
+      CHECK(run.flag == (bad ? 1 : 0));
+      const std::vector<Acc>& loss = run.loss;
+      const std::vector<T>& grad = run.grad;
       for (int64_t r = 0; r < R; ++r) {
         if (labels[r] != kIgnore && (labels[r] < 0 || labels[r] >= C)) {
           CHECK(std::isnan(static_cast<double>(loss[r])));
