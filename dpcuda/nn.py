@@ -2,11 +2,14 @@
 
     FusedLinear(in, out, bias=True, activation="relu")   nn.Linear + activation in one op
     FusedMLP([784, 256, 10], activation="relu")          no activation after the last layer
+    FusedMLP.to_sequential() / FusedMLP.from_sequential() the equivalent nn.Sequential (shared
+                                                          parameters, its state_dict keys)
     SoftmaxCrossEntropyLoss(...)                          nn.CrossEntropyLoss
     fuse(module)                                          nn.Linear + activation -> FusedLinear
 """
 
 import math
+import warnings
 
 import torch
 from torch import nn
@@ -91,6 +94,53 @@ class FusedMLP(nn.Module):
             x = layer(x)
         return x
 
+    def to_sequential(self):
+        """The same network as nn.Sequential(nn.Linear, activation, ..., nn.Linear), sharing this
+        module's parameters: its state_dict keys are nn.Sequential's ("0.weight", "2.weight",
+        ...), so it loads and saves what a plain PyTorch model of this shape does."""
+        modules = []
+        for layer in self.layers:
+            linear = nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None,
+                               device="meta")
+            linear.weight = layer.weight
+            if layer.bias is not None:
+                linear.bias = layer.bias
+            modules.append(linear)
+            if layer.activation != "none":
+                modules.append(_ACTIVATION_MODULES[layer.activation]())
+        return nn.Sequential(*modules)
+
+    @classmethod
+    def from_sequential(cls, sequential):
+        """A FusedMLP sharing the parameters of an nn.Sequential of nn.Linear layers with one
+        activation module (ReLU, GELU, SiLU, Sigmoid, Tanh; the same after every layer but the
+        last) between them: FusedMLP([...]).to_sequential() and back."""
+        if not isinstance(sequential, nn.Sequential):
+            raise TypeError(f"sequential must be an nn.Sequential, got "
+                            f"{type(sequential).__name__}")
+        children = list(sequential)
+        linears = children[0::2]
+        acts = children[1::2]
+        names = [_activation_name(a) for a in acts]
+        if not linears or len(linears) != len(acts) + 1 or \
+                not all(isinstance(m, nn.Linear) for m in linears) or \
+                None in names or len(set(names)) > 1:
+            raise ValueError("sequential must alternate nn.Linear layers and one kind of "
+                             "activation module (ReLU, GELU, SiLU, Sigmoid or Tanh), starting "
+                             "and ending with nn.Linear")
+        sizes = [linears[0].in_features] + [m.out_features for m in linears]
+        for a, b in zip(linears[:-1], linears[1:]):
+            if a.out_features != b.in_features:
+                raise ValueError(f"sequential's layers do not chain: {a} then {b}")
+        mlp = cls.__new__(cls)
+        nn.Module.__init__(mlp)
+        mlp.sizes = sizes
+        activation = names[0] if names else "none"
+        mlp.layers = nn.ModuleList(
+            FusedLinear.from_linear(m, activation if i + 1 < len(linears) else "none")
+            for i, m in enumerate(linears))
+        return mlp
+
 
 class SoftmaxCrossEntropyLoss(nn.Module):
     """Drop-in for nn.CrossEntropyLoss (class-index targets) on the fused LossGrad kernel."""
@@ -108,6 +158,17 @@ class SoftmaxCrossEntropyLoss(nn.Module):
     def forward(self, logits, labels):
         return ops.softmax_cross_entropy(logits, labels, self.reduction, self.label_smoothing,
                                          self.ignore_index)
+
+
+_ACTIVATION_MODULES = {"relu": nn.ReLU, "gelu": nn.GELU,
+                       "gelu_tanh": lambda: nn.GELU(approximate="tanh"), "silu": nn.SiLU,
+                       "sigmoid": nn.Sigmoid, "tanh": nn.Tanh}
+
+
+def _has_hooks(module):
+    """Whether module has forward or forward-pre hooks, which see nn.Linear's own output (the
+    pre-activation) and would see the activation's output after fusing."""
+    return bool(module._forward_hooks or module._forward_pre_hooks)
 
 
 def _activation_name(module):
@@ -129,8 +190,17 @@ def fuse(module):
     """Replaces, in place, each nn.Linear that an nn.Sequential follows with a supported
     activation (ReLU, GELU, SiLU, Sigmoid, Tanh) by one FusedLinear sharing its parameters, and
     the activation by nn.Identity so indices and state_dict keys stay as they were. Returns
-    the module; a bare nn.Linear passed in comes back as a FusedLinear with no activation."""
+    the module; a bare nn.Linear passed in comes back as a FusedLinear with no activation.
+
+    A pair whose nn.Linear or activation has forward hooks is left as it is, with a warning:
+    fused, the hooks would no longer fire (or would see another tensor)."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
     if isinstance(module, nn.Linear):
+        if _has_hooks(module):
+            warnings.warn("dpcuda.nn.fuse: the nn.Linear has forward hooks; left unfused",
+                          UserWarning, stacklevel=2)
+            return module
         return FusedLinear.from_linear(module)
     for child in module.children():
         if not isinstance(child, nn.Linear):
@@ -141,6 +211,10 @@ def fuse(module):
             linear, act = module._modules[name], module._modules[next_name]
             activation = _activation_name(act)
             if isinstance(linear, nn.Linear) and activation is not None:
+                if _has_hooks(linear) or _has_hooks(act):
+                    warnings.warn(f"dpcuda.nn.fuse: {name} ({linear}) or its activation has "
+                                  f"forward hooks; left unfused", UserWarning, stacklevel=2)
+                    continue
                 module._modules[name] = FusedLinear.from_linear(linear, activation)
                 module._modules[next_name] = nn.Identity()
     return module

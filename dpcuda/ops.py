@@ -181,3 +181,16 @@ def softmax_cross_entropy(logits, labels, reduction="mean", label_smoothing=0.0,
         out = torch.ops.dpcuda.softmax_cross_entropy(logits, labels, reduction,
                                                      float(label_smoothing), ignore_index)
     return out[0] if unbatched and reduction == "none" else out
+
+
+# The in-place collectives return nothing and change no metadata: their fake kernels do nothing,
+# so they can be traced by torch.compile and run on meta tensors.
+@torch.library.register_fake("dpcuda::all_reduce_")
+def _all_reduce_fake(tensors, op, algorithm):
+    return None
+
+
+@torch.library.register_fake("dpcuda::reduce_sgd_")
+def _reduce_sgd_fake(params, grads, momentum_buffers, lr, momentum, weight_decay, mean,
+                     algorithm):
+    return None

@@ -78,3 +78,81 @@ def test_bad_module_arguments():
         FusedMLP([10])
     with pytest.raises(ValueError, match="reduction must be one of"):
         SoftmaxCrossEntropyLoss(reduction="avg")
+
+
+@pytest.mark.parametrize("activation", ["relu", "gelu", "gelu_tanh", "silu", "sigmoid", "tanh"])
+def test_fused_mlp_to_and_from_sequential(activation):
+    mlp = FusedMLP([6, 5, 4, 3], activation=activation)
+    seq = mlp.to_sequential()
+    assert list(seq.state_dict()) == ["0.weight", "0.bias", "2.weight", "2.bias", "4.weight",
+                                      "4.bias"]
+    x = torch.randn(7, 6)
+    torch.testing.assert_close(seq(x), mlp(x))
+    # A plain model of the same shape loads the fused model's weights, and back.
+    plain = torch.nn.Sequential(*[type(m)() if not isinstance(m, torch.nn.Linear) else
+                                  torch.nn.Linear(m.in_features, m.out_features) for m in seq])
+    if activation == "gelu_tanh":
+        plain[1] = torch.nn.GELU(approximate="tanh")
+        plain[3] = torch.nn.GELU(approximate="tanh")
+    plain.load_state_dict(seq.state_dict())
+    torch.testing.assert_close(plain(x), mlp(x))
+    back = FusedMLP.from_sequential(plain)
+    assert back.layers[0].weight is plain[0].weight  # shared, not copied
+    torch.testing.assert_close(back(x), plain(x))
+    assert back.sizes == [6, 5, 4, 3]
+
+
+def test_from_sequential_refuses_what_is_not_an_mlp():
+    with pytest.raises(TypeError, match="sequential"):
+        FusedMLP.from_sequential(torch.nn.Linear(3, 2))
+    for bad in (torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.ReLU()),
+                torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Dropout(),
+                                    torch.nn.Linear(2, 2)),
+                torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.ReLU(), torch.nn.Linear(2, 2),
+                                    torch.nn.Tanh(), torch.nn.Linear(2, 1))):
+        with pytest.raises(ValueError, match="sequential"):
+            FusedMLP.from_sequential(bad)
+    with pytest.raises(ValueError, match="chain"):
+        FusedMLP.from_sequential(torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.ReLU(),
+                                                     torch.nn.Linear(3, 2)))
+
+
+def test_fuse_names_a_bad_argument_and_keeps_hooked_layers():
+    with pytest.raises(TypeError, match="module must be a torch.nn.Module"):
+        fuse(None)
+    seq = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2),
+                              torch.nn.ReLU())
+    seen = []
+    seq[0].register_forward_hook(lambda m, i, o: seen.append(o))
+    x = torch.randn(5, 4)
+    want = seq(x)
+    with pytest.warns(UserWarning, match="forward hooks; left unfused"):
+        fuse(seq)
+    assert isinstance(seq[0], torch.nn.Linear) and isinstance(seq[2], FusedLinear)
+    seen.clear()
+    torch.testing.assert_close(seq(x), want)
+    assert len(seen) == 1  # the hook still fires, on the Linear's own output
+    with pytest.warns(UserWarning, match="left unfused"):
+        lone = torch.nn.Linear(2, 2)
+        lone.register_forward_pre_hook(lambda m, i: None)
+        assert fuse(lone) is lone
+
+
+def test_in_place_collectives_trace_and_run_on_meta():
+    import dpcuda.parallel as par
+    meta = [torch.empty(5, device="meta") for _ in range(2)]
+    torch.ops.dpcuda.all_reduce_(meta, "sum", "auto")
+    torch.ops.dpcuda.reduce_sgd_(meta, [torch.empty(5, device="meta")] * 2, [], 0.1, 0.0, 0.0,
+                                 True, "auto")
+
+    def f(a, b):
+        par.all_reduce([a, b], op="mean")
+        return a * 2
+
+    a, b = torch.randn(6), torch.randn(6)
+    want_a = a.clone()
+    a2, b2 = a.clone(), b.clone()
+    f(want_a, b.clone())
+    got = torch.compile(f, fullgraph=True, backend="eager")(a2, b2)
+    torch.testing.assert_close(got, want_a * 2)
+    torch.testing.assert_close(a2, b2)
