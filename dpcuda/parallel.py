@@ -14,6 +14,7 @@ gives (up to float rounding): each replica's loss is weighted by its share of th
 so the summed gradient is the gradient of the global batch's mean loss.
 """
 
+import contextlib
 import copy
 import math
 import threading
@@ -134,24 +135,39 @@ def gather(outputs, device):
 def _run_all(fns, devices):
     """Runs every fn: one thread per replica when the replicas are on different devices (so
     host work on one overlaps kernels on another, as nn.parallel.parallel_apply does), in order
-    on this thread when they share a device (threads would only compete for it). Every fn
+    on this thread when they share a device (threads would only compete for it). A thread runs
+    with the caller's grad mode, autocast state and current CUDA stream of its device. Every fn
     runs; the first exception is raised after all have finished."""
     results = [None] * len(fns)
     errors = [None] * len(fns)
+    threaded = len(fns) > 1 and len(set(devices)) == len(devices)
+    # What a worker thread does not inherit and torch.nn.parallel.parallel_apply carries over:
+    # grad mode, autocast (per device type) and, per CUDA device, the caller's current stream.
     grad_enabled = torch.is_grad_enabled()
+    kinds = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    autocast = {k: (torch.is_autocast_enabled(k), torch.get_autocast_dtype(k)) for k in kinds}
+    streams = [torch.cuda.current_stream(d) if d.type == "cuda" else None for d in devices]
+
+    def call(i):
+        if devices[i].type == "cuda":
+            with torch.cuda.device(devices[i]), torch.cuda.stream(streams[i]):
+                return fns[i]()
+        return fns[i]()
 
     def run(i):
         try:
-            with torch.set_grad_enabled(grad_enabled):
-                if devices[i].type == "cuda":
-                    with torch.cuda.device(devices[i]):
-                        results[i] = fns[i]()
-                else:
-                    results[i] = fns[i]()
+            if not threaded:
+                results[i] = call(i)
+                return
+            with contextlib.ExitStack() as stack:
+                stack.enter_context(torch.set_grad_enabled(grad_enabled))
+                for kind, (enabled, dtype) in autocast.items():
+                    stack.enter_context(torch.autocast(kind, dtype=dtype, enabled=enabled))
+                results[i] = call(i)
         except BaseException as err:  # re-raised below, on the caller's thread
             errors[i] = err
 
-    if len(fns) > 1 and len(set(devices)) == len(devices):
+    if threaded:
         threads = [threading.Thread(target=run, args=(i,)) for i in range(len(fns))]
         for t in threads:
             t.start()

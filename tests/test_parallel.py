@@ -655,3 +655,27 @@ def test_dist_reducer_matches_single_process(tmp_path, dtype, inline):
     for k, v in model.state_dict().items():
         torch.testing.assert_close(runs[0]["state"][k], v, atol=tol[0], rtol=tol[1])
         assert torch.equal(runs[0]["state"][k], runs[1]["state"][k])
+
+
+def test_replica_threads_inherit_grad_mode_and_autocast():
+    # Replicas on distinct devices run on threads, which inherit nothing from the caller by
+    # themselves: grad mode and autocast must be carried over (the CUDA stream too, on GPUs), as
+    # torch.nn.parallel.parallel_apply does. Two distinct devices without a GPU: cpu and meta.
+    import threading
+    linear = torch.nn.Linear(4, 3)
+    x = torch.randn(2, 4)
+
+    def probe():
+        return (threading.current_thread() is threading.main_thread(),
+                torch.is_grad_enabled(), torch.is_autocast_enabled("cpu"),
+                torch.get_autocast_dtype("cpu"), linear(x).dtype)
+
+    for grad in (True, False):
+        with torch.set_grad_enabled(grad), torch.autocast("cpu", dtype=torch.bfloat16):
+            got = parallel._run_all([probe, probe], [torch.device("cpu"), torch.device("meta")])
+        for on_main, grad_mode, enabled, dtype, out_dtype in got:
+            assert not on_main
+            assert grad_mode is grad and enabled and dtype == torch.bfloat16
+            assert out_dtype == torch.bfloat16
+    got = parallel._run_all([probe, probe], [torch.device("cpu"), torch.device("meta")])
+    assert all(not enabled and out_dtype == torch.float32 for _, _, enabled, _, out_dtype in got)
