@@ -24,6 +24,8 @@ import warnings
 import torch
 
 from . import _C  # noqa: F401  (registers torch.ops.dpcuda.*)
+from . import ops
+from .nn import SoftmaxCrossEntropyLoss
 
 __all__ = ["replicate", "scatter", "gather", "parallel_apply", "all_reduce", "split_sizes",
            "DataParallel", "REDUCERS", "SPLITS", "ALGORITHMS"]
@@ -226,9 +228,6 @@ def _summed_loss(loss_fn, targets):
     loss as a sum over its rows, and its ignore_index. None for any other loss_fn, which must
     return the mean over all its rows. Half precision logits sum in float32: a float16 sum of a
     few thousand rows' losses overflows where the mean would not."""
-    from .nn import SoftmaxCrossEntropyLoss
-    from . import ops
-
     def summed(per_row):
         def fn(out, y):
             if out.dtype in (torch.float16, torch.bfloat16):
@@ -424,6 +423,11 @@ class DataParallel:
             return self._speed
         return None
 
+    @property
+    def _inline(self):
+        """Whether the reducer "dist" record rides behind the gradients (_record_inline)."""
+        return self._replicas[0].flat_grad.dtype in self._record_inline
+
     def step(self, inputs, targets, loss_fn):
         if self.reducer != "dist":
             return self._step(inputs, targets, loss_fn)
@@ -431,8 +435,7 @@ class DataParallel:
         # in its forward) must still take part in the step's collectives, or the others would
         # wait for it and then pair their next collectives with its next step's. So it joins
         # the exchange with a failure mark, every process raises, and none applies the step.
-        inline = self._replicas[0].flat_grad.dtype in self._record_inline
-        self._dist_count = not self._global_rows or not inline
+        self._dist_count = not self._global_rows or not self._inline
         self._dist_stage = 0  # 1: the count is done; 2: the exchange has begun
         try:
             return self._step(inputs, targets, loss_fn)
@@ -504,7 +507,7 @@ class DataParallel:
                 start = time.perf_counter()
                 x, y = part
                 # On CUDA dpcuda's loss kernel flags a bad label on the device and this step
-                # reads the flag with the loss (_label_flags), instead of the adapter
+                # reads the flag with the loss (_label_flag), instead of the adapter
                 # synchronising on every call to look.
                 defer = replica.device.type == "cuda"
                 previous = _C._defer_label_checks(True) if defer else None
@@ -560,10 +563,8 @@ class DataParallel:
         return _C._label_error_flag(device.index)[0].double()
 
     def _raise_label_error(self, targets, summed):
-        """A loss kernel saw a label outside [0, classes): clear the flags, raise naming the
-        first bad position of the global batch (before any update)."""
-        for device in {r.device for r in self._replicas if r.device.type == "cuda"}:
-            _C._label_error_flag(device.index).zero_()
+        """A loss kernel saw a label outside [0, classes): raise naming the first bad position
+        of the batch (before any update; the next step clears the flags as it starts)."""
         classes = self._classes
         ignore = summed[1] if summed is not None else -100
         y = targets.detach().cpu().reshape(-1)
@@ -629,29 +630,25 @@ class DataParallel:
         (device to device), then one all-reduce of the gradients with a three-number record
         behind them (the loss, the rows, the CUDA loss kernel's bad-label flag; float32/float64
         models) or beside them (a float64 record, in flight together; half precision models),
-        and one wait. Every process then
-        holds the same summed gradient, so each decides alike, with no further collective,
-        whether to skip the step (a NaN or Inf anywhere) and applies the same update."""
+        and one wait. Every process then holds the same summed gradient, so each decides alike,
+        with no further collective, whether to skip the step (a NaN or Inf anywhere) and
+        applies the same update."""
         rs = self._replicas
-        dtype = rs[0].flat_grad.dtype
-        inline = dtype in self._record_inline
-        record = []
+        inline = self._inline
+        local = []  # each replica's (loss, rows, bad-label flag)
         for r, loss, den in zip(rs, losses, dens):
-            record.append(torch.stack([torch.as_tensor(loss, device=r.device).detach().to(
+            local.append(torch.stack([torch.as_tensor(loss, device=r.device).detach().to(
                 dtype=torch.float64), torch.tensor(float(den), dtype=torch.float64,
-                                                   device=r.device),
-                self._label_flag(r.device).to(r.device)]))
+                                                   device=r.device), self._label_flag(r.device)]))
             if inline:
-                r.exchange[-3:].copy_(record[-1])
-        record_local = list(record)
+                r.exchange[-3:].copy_(local[-1])
         buffers = [r.exchange for r in rs] if inline else [r.flat_grad for r in rs]
         if len(rs) > 1:
             torch.ops.dpcuda.all_reduce_(buffers, "sum", self.algorithm)
         device = self._comm_device()
         comm = buffers[0] if buffers[0].device == device else buffers[0].to(device)
-        if not inline:
-            record = torch.stack([x.to(device) for x in record]).sum(0)
-        self._exchange(comm, None if inline else record, bucket_bytes)
+        record = None if inline else torch.stack([x.to(device) for x in local]).sum(0)
+        self._exchange(comm, record, bucket_bytes)
         if inline:
             record = comm[-3:]
             comm = comm[:-3]
@@ -659,7 +656,7 @@ class DataParallel:
         if failed:
             # A bad label (1 per replica that saw one) or a process that failed (2): every
             # process sees the sum, so every process raises, and none applies the step.
-            if any(float(x[2]) for x in record_local):
+            if any(float(x[2]) for x in local):
                 self._raise_label_error(targets, summed)
             raise RuntimeError("dpcuda DataParallel: another process failed in this step (a bad "
                                "label or an error); the step was not applied on any process")
@@ -713,7 +710,7 @@ class DataParallel:
             self._global_rows = int(count.item())  # as the other processes have it
         with torch.no_grad():
             r.exchange.zero_()
-        if r.flat_grad.dtype in self._record_inline:
+        if self._inline:
             r.exchange[-1] = 2.0
             comm = r.exchange if r.exchange.device == device else r.exchange.to(device)
             self._exchange(comm, None)

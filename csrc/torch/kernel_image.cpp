@@ -11,6 +11,7 @@
 #include <array>
 #include <atomic>
 #include <sstream>
+#include <string>
 
 #include "../kernels/fused_linear/epilogue.h"
 
@@ -19,28 +20,33 @@
 #endif
 
 namespace dpcuda {
+namespace {
 
+// "" when the kernels run on `device`, else the message.
 std::string kernel_image_error(int device) {
-  // 0: not asked yet, 1: runs, 2: does not. Devices past the table are asked every time.
-  static std::array<std::atomic<int>, 64> known{};
-  const bool cached = device >= 0 && device < static_cast<int>(known.size());
-  if (cached && known[device].load() == 1) return "";
+  // Devices known to run them; any other (one that cannot, or past the table) is asked again.
+  static std::array<std::atomic<bool>, 64> runs{};
+  const bool cached = device >= 0 && device < static_cast<int>(runs.size());
+  if (cached && runs[device].load()) return "";
   const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
   const cudaError_t err = cuda::kernel_image_status();
   if (err == cudaSuccess) {
-    if (cached) known[device].store(1);
+    if (cached) runs[device].store(true);
     return "";
   }
-  if (cached) known[device].store(2);
   const cudaDeviceProp* prop = at::cuda::getDeviceProperties(device);
   std::ostringstream msg;
   msg << "dpcuda's CUDA kernels cannot run on cuda:" << device << " (" << prop->name
       << ", compute capability " << prop->major << "." << prop->minor << "): "
       << cudaGetErrorString(err) << ". This build has TORCH_CUDA_ARCH_LIST=\""
-      << DPCUDA_CUDA_ARCHS << "\"; rebuild with TORCH_CUDA_ARCH_LIST=\"" << prop->major << "."
+      << cuda_archs() << "\"; rebuild with TORCH_CUDA_ARCH_LIST=\"" << prop->major << "."
       << prop->minor << "\" (pip install --no-build-isolation -e .), or use the CPU";
   return msg.str();
 }
+
+}  // namespace
+
+const char* cuda_archs() { return DPCUDA_CUDA_ARCHS; }
 
 void check_kernel_image(c10::DeviceIndex device) {
   const std::string error = kernel_image_error(device);

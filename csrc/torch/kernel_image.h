@@ -3,15 +3,13 @@
 
 #include <c10/core/Device.h>
 
-#include <string>
-
 namespace dpcuda {
 
-// "" when they can; otherwise a message naming the device, its compute capability, the
-// architectures of this build and the fix.
-std::string kernel_image_error(int device);
-
-// Raises RuntimeError with that message; cheap after the first call on a device that can.
+// Raises RuntimeError, naming the device, its compute capability, the architectures of this
+// build and the fix, when they cannot; cheap after the first call on a device that can.
 void check_kernel_image(c10::DeviceIndex device);
+
+// The TORCH_CUDA_ARCH_LIST the CUDA kernels were built for (from setup.py).
+const char* cuda_archs();
 
 }  // namespace dpcuda

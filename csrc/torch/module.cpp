@@ -15,12 +15,6 @@
 #include "kernel_image.h"
 #endif
 
-#ifdef DPCUDA_CUDA_ARCHS
-#define DPCUDA_CUDA_ARCHS_STRING DPCUDA_CUDA_ARCHS
-#else
-#define DPCUDA_CUDA_ARCHS_STRING ""
-#endif
-
 TORCH_LIBRARY(dpcuda, m) {
   // act(input @ weight.T + bias). Returns (output, pre_activation); the second is empty unless
   // the activation's derivative needs the pre-activation (gelu, gelu_tanh, silu).
@@ -65,7 +59,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "flags bad labels); returns the previous setting");
 #ifdef DPCUDA_WITH_CUDA
   // The TORCH_CUDA_ARCH_LIST the CUDA kernels were built for.
-  m.def("_cuda_archs", []() { return std::string(DPCUDA_CUDA_ARCHS_STRING); });
+  m.def("_cuda_archs", []() { return std::string(dpcuda::cuda_archs()); });
   m.def("_label_error_flag", [](int64_t device) {
     return dpcuda::label_error_flag(static_cast<c10::DeviceIndex>(device));
   });

@@ -11,13 +11,6 @@ namespace {
 
 constexpr int kThreads = 256;
 
-// 16 bytes per load: 4 floats, 2 doubles, 8 halves.
-template <typename T>
-struct alignas(16) Vec {
-  static constexpr int kSize = 16 / sizeof(T);
-  T v[kSize];
-};
-
 template <typename T> __device__ __forceinline__ T sgd_value(double d, float f);
 template <> __device__ __forceinline__ double sgd_value<double>(double d, float) { return d; }
 template <> __device__ __forceinline__ float sgd_value<float>(double, float f) { return f; }
@@ -55,6 +48,9 @@ __device__ __forceinline__ A sgd_step(A g, A p, bool use_m, A& m, const SgdIn<A>
 // is a functor whose run<K>(i) handles elements i .. i+K-1, and for_each_pack drives it.
 template <typename T>
 constexpr int kLanes = static_cast<int>(16 / sizeof(acc_t<T>));
+// The plain reduction reads and writes only T: 16 bytes of it.
+template <typename T>
+constexpr int kReduceLanes = static_cast<int>(16 / sizeof(T));
 
 template <typename T, int K>
 struct alignas(sizeof(T) * K) Pack {
@@ -87,52 +83,53 @@ __device__ __forceinline__ void for_each_pack(const Op& op, int64_t begin, int64
   for (int64_t i = scalar_from + tid; i < end; i += stride) op.template run<1>(i);
 }
 
-template <typename T>
-__device__ __forceinline__ acc_t<T> fixed_sum(const Replicas<const T>& in, int nin, int64_t i,
-                                              bool mean) {
-  acc_t<T> acc = to_acc(in.ptr[0][i]);
-  for (int r = 1; r < nin; ++r) acc = acc + to_acc(in.ptr[r][i]);
-  if (mean) acc = acc / static_cast<acc_t<T>>(nin);
-  return acc;
+// The fixed-order sum (in[0] + in[1] + ..., then / nin for a mean) of elements i .. i+K-1, in
+// the accumulation type: what every algorithm computes, so every algorithm gives the same bits.
+template <int K, typename T>
+__device__ __forceinline__ void sum_pack(const Replicas<const T>& in, int nin, int64_t i,
+                                         bool mean, acc_t<T> (&acc)[K]) {
+  Pack<T, K> x = load_pack<K>(in.ptr[0] + i);
+#pragma unroll
+  for (int k = 0; k < K; ++k) acc[k] = to_acc(x.v[k]);
+  for (int r = 1; r < nin; ++r) {
+    x = load_pack<K>(in.ptr[r] + i);
+#pragma unroll
+    for (int k = 0; k < K; ++k) acc[k] = acc[k] + to_acc(x.v[k]);
+  }
+  if (mean) {
+#pragma unroll
+    for (int k = 0; k < K; ++k) acc[k] = acc[k] / static_cast<acc_t<T>>(nin);
+  }
 }
 
-// One thread per 16-byte vector of every buffer, grid-stride; the tail past the last whole
-// vector is done element by element by the same threads.
+// The sum (or mean) of the replicas, written to every out.
+template <typename T>
+struct ReduceOp {
+  const Replicas<const T>& in;
+  int nin;
+  const Replicas<T>& out;
+  int nout;
+  bool mean;
+
+  template <int K>
+  __device__ __forceinline__ void run(int64_t i) const {
+    acc_t<T> acc[K];
+    sum_pack<K>(in, nin, i, mean, acc);
+    Pack<T, K> y;
+#pragma unroll
+    for (int k = 0; k < K; ++k) y.v[k] = from_acc<T>(acc[k]);
+    for (int o = 0; o < nout; ++o) store_pack<K>(out.ptr[o] + i, y);
+  }
+};
+
+// 16 bytes of T per thread when aligned (4 floats, 2 doubles, 8 halves), grid-stride; the tail
+// past the last whole pack element by element by the same threads.
 template <typename T>
 __global__ void reduce_kernel(const __grid_constant__ Replicas<const T> in, int nin,
                               const __grid_constant__ Replicas<T> out, int nout,
                               int64_t begin, int64_t end, bool mean, bool vectorised) {
-  using V = Vec<T>;
-  constexpr int K = V::kSize;
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  int64_t scalar_from = begin;
-  if (vectorised) {
-    const int64_t nvec = (end - begin) / K;
-    for (int64_t v = tid; v < nvec; v += stride) {
-      const int64_t i0 = begin + v * K;
-      acc_t<T> acc[K];
-      V x = *reinterpret_cast<const V*>(in.ptr[0] + i0);
-#pragma unroll
-      for (int k = 0; k < K; ++k) acc[k] = to_acc(x.v[k]);
-      for (int r = 1; r < nin; ++r) {
-        x = *reinterpret_cast<const V*>(in.ptr[r] + i0);
-#pragma unroll
-        for (int k = 0; k < K; ++k) acc[k] = acc[k] + to_acc(x.v[k]);
-      }
-      V y;
-#pragma unroll
-      for (int k = 0; k < K; ++k) {
-        y.v[k] = from_acc<T>(mean ? acc[k] / static_cast<acc_t<T>>(nin) : acc[k]);
-      }
-      for (int o = 0; o < nout; ++o) *reinterpret_cast<V*>(out.ptr[o] + i0) = y;
-    }
-    scalar_from = begin + nvec * K;
-  }
-  for (int64_t i = scalar_from + tid; i < end; i += stride) {
-    const T y = from_acc<T>(fixed_sum(in, nin, i, mean));
-    for (int o = 0; o < nout; ++o) out.ptr[o][i] = y;
-  }
+  const ReduceOp<T> op{in, nin, out, nout, mean};
+  for_each_pack<kReduceLanes<T>>(op, begin, end, vectorised);
 }
 
 // Sum of the gradients in replica order, the step on replica 0's parameters and momentum, the
@@ -153,24 +150,16 @@ struct ReduceSgdOp {
   __device__ __forceinline__ void run(int64_t i) const {
     using A = acc_t<T>;
     A g[K];
-    Pack<T, K> x = load_pack<K>(grads.ptr[0] + i);
-#pragma unroll
-    for (int k = 0; k < K; ++k) g[k] = to_acc(x.v[k]);
-    for (int r = 1; r < ngrads; ++r) {
-      x = load_pack<K>(grads.ptr[r] + i);
-#pragma unroll
-      for (int k = 0; k < K; ++k) g[k] = g[k] + to_acc(x.v[k]);
-    }
+    sum_pack<K>(grads, ngrads, i, mean, g);
     const Pack<T, K> p = load_pack<K>(params.ptr[0] + i);
     Pack<T, K> m{};
     if (nmomenta) m = load_pack<K>(momenta.ptr[0] + i);
     Pack<T, K> np, nm;
 #pragma unroll
     for (int k = 0; k < K; ++k) {
-      A gk = mean ? g[k] / static_cast<A>(ngrads) : g[k];
       // The reduced gradient is rounded to T, as the unfused path (all-reduce, then SGD)
       // stores it, so every algorithm gives the same bits for the half types too.
-      gk = to_acc(from_acc<T>(gk));
+      const A gk = to_acc(from_acc<T>(g[k]));
       A mk = nmomenta ? to_acc(m.v[k]) : A(0);
       np.v[k] = from_acc<T>(sgd_step(gk, to_acc(p.v[k]), nmomenta > 0, mk, sgd));
       nm.v[k] = from_acc<T>(mk);
@@ -281,13 +270,12 @@ int blocks_for(int64_t work) {
   return static_cast<int>(std::max<int64_t>(1, std::min(ceil_div(work, kThreads), max_grid_x())));
 }
 
-bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
-// Whether p is aligned to a whole pack of kLanes<T> elements of its type U (T or acc_t<T>); a
+// Whether p is aligned to a whole pack of `lanes` elements of its type U (T or acc_t<T>); a
 // null pointer (an absent buffer) does not count against it.
 template <typename T, typename U>
-bool pack_aligned(const U* p) {
-  return p == nullptr || reinterpret_cast<uintptr_t>(p) % (sizeof(U) * kLanes<T>) == 0;
+bool pack_aligned(const U* p, int lanes = kLanes<T>) {
+  return p == nullptr || reinterpret_cast<uintptr_t>(p) % (sizeof(U) * lanes) == 0;
 }
 
 }  // namespace
@@ -297,9 +285,9 @@ cudaError_t reduce_range(Replicas<const T> in, int nin, Replicas<T> out, int nou
                          int64_t begin, int64_t end, bool mean, cudaStream_t stream) {
   if (end <= begin) return cudaSuccess;
   bool vectorised = true;
-  for (int r = 0; r < nin; ++r) vectorised = vectorised && aligned16(in.ptr[r] + begin);
-  for (int o = 0; o < nout; ++o) vectorised = vectorised && aligned16(out.ptr[o] + begin);
-  const int64_t work = vectorised ? ceil_div(end - begin, Vec<T>::kSize) : end - begin;
+  for (int r = 0; r < nin; ++r) vectorised &= pack_aligned<T>(in.ptr[r] + begin, kReduceLanes<T>);
+  for (int o = 0; o < nout; ++o) vectorised &= pack_aligned<T>(out.ptr[o] + begin, kReduceLanes<T>);
+  const int64_t work = vectorised ? ceil_div(end - begin, kReduceLanes<T>) : end - begin;
   return launch(reduce_kernel<T>, dim3(blocks_for(work)), dim3(kThreads), 0, stream, in, nin, out,
                 nout, begin, end, mean, vectorised);
 }
