@@ -218,7 +218,7 @@ def test_torch_compile_fullgraph_training_step(device):
         torch.testing.assert_close(p, q)
 
 
-def test_no_graph_without_grad_and_forward_ad_refused():
+def test_no_graph_without_grad_and_forward_ad():
     x = torch.randn(5, 4)
     w = torch.randn(3, 4, requires_grad=True)
     b = torch.randn(3, requires_grad=True)
@@ -231,11 +231,11 @@ def test_no_graph_without_grad_and_forward_ad_refused():
     # The kernels called directly give the same values as through the autograd node.
     assert torch.equal(out, ops.full_forward(x, w, b, "gelu").detach())
     assert torch.equal(loss, ops.softmax_cross_entropy(out, labels))
-    # Forward-mode AD is not implemented: an error, never a silently dropped tangent.
+    # Forward-mode AD gives torch's tangents (tests/test_transforms.py covers it fully).
     import torch.autograd.forward_ad as fwAD
     with fwAD.dual_level():
-        dual = fwAD.make_dual(x, torch.randn_like(x))
-        with pytest.raises(RuntimeError, match="jvp"):
-            ops.full_forward(dual, w.detach(), b.detach(), "relu")
-        with pytest.raises(RuntimeError, match="jvp"):
-            ops.softmax_cross_entropy(fwAD.make_dual(out, torch.randn_like(out)), labels)
+        tangent = torch.randn_like(x)
+        dual = fwAD.make_dual(x, tangent)
+        got = fwAD.unpack_dual(ops.full_forward(dual, w.detach(), b.detach(), "relu")).tangent
+        want = fwAD.unpack_dual(torch.relu(F.linear(dual, w.detach(), b.detach()))).tangent
+        torch.testing.assert_close(got, want)

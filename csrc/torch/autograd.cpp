@@ -7,6 +7,8 @@
 // a GPU step CPU-bound. The formulas are the same; only the host overhead differs.
 #include <ATen/ATen.h>
 #include <ATen/TensorSubclassLikeUtils.h>
+#include <ATen/core/Reduction.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/autograd.h>
 #include <torch/library.h>
 
@@ -21,6 +23,67 @@ namespace {
 using at::Tensor;
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
+
+// ---------------------------------------------------------------------------------------------
+// Backward formulas autograd can differentiate, for create_graph=True (gradient penalties,
+// Hessian-vector products). The fused backward kernels are opaque to autograd: a graph built
+// through them would have wrong second derivatives with no error. So when grad mode is on inside
+// a backward (which happens exactly when the caller asked for create_graph), the gradients are
+// recomputed from the saved inputs with ATen ops whose own derivatives are torch's: the same
+// math, differentiable to any order. First-order calls keep the fused kernels.
+
+// grad_out * act'(z), with torch's own activation backward ops (so NaN/Inf behave as torch's).
+Tensor activation_backward(const Tensor& grad_out, const Tensor& z, Activation act) {
+  switch (act) {
+    case Activation::kNone:
+      return grad_out;
+    case Activation::kRelu:
+      return at::threshold_backward(grad_out, at::relu(z), 0);
+    case Activation::kGelu:
+      return at::gelu_backward(grad_out, z, "none");
+    case Activation::kGeluTanh:
+      return at::gelu_backward(grad_out, z, "tanh");
+    case Activation::kSilu: {
+      // at::silu_backward has no derivative of its own; this is its formula.
+      const Tensor s = at::sigmoid(z);
+      return grad_out * s * (1 + z * (1 - s));
+    }
+    case Activation::kSigmoid:
+      return at::sigmoid_backward(grad_out, at::sigmoid(z));
+    case Activation::kTanh:
+      return at::tanh_backward(grad_out, at::tanh(z));
+  }
+  TORCH_CHECK(false, "unknown activation");
+}
+
+variable_list differentiable_full_backward(const Tensor& grad_out, const Tensor& input,
+                                           const Tensor& weight, const Tensor& bias,
+                                           Activation act, std::array<bool, 3> mask) {
+  const Tensor z = at::linear(input, weight, bias.defined() ? c10::optional<Tensor>(bias)
+                                                            : c10::nullopt);
+  const Tensor g = activation_backward(grad_out, z, act);
+  const int64_t out_f = weight.size(0), in_f = weight.size(1);
+  const Tensor g2 = g.reshape({-1, out_f});
+  return {mask[0] ? at::matmul(g, weight) : Tensor(),
+          mask[1] ? g2.t().mm(input.reshape({-1, in_f})) : Tensor(),
+          mask[2] ? g2.sum(0) : Tensor(), Tensor()};
+}
+
+// scale * d(per-row softmax cross-entropy) / d logits, in the accumulation type (float for half
+// logits) and then in the kernel gradient's dtype: softmax minus the smoothed target, 0 on
+// ignored rows. Labels are in range: the forward checked them.
+Tensor differentiable_loss_grad(const Tensor& logits, const Tensor& labels, double scale,
+                                double label_smoothing, int64_t ignore_index,
+                                at::ScalarType dtype) {
+  const auto acc = logits.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  const int64_t classes = logits.size(1);
+  const Tensor valid = labels.ne(ignore_index);
+  const Tensor safe = at::where(valid, labels, at::zeros_like(labels));
+  const Tensor target = at::one_hot(safe, classes).to(acc) * (1.0 - label_smoothing) +
+                        label_smoothing / static_cast<double>(classes);
+  const Tensor g = (at::softmax(logits, 1, acc) - target) * valid.unsqueeze(1).to(acc);
+  return (g * scale).to(dtype);
+}
 
 class FullForward : public torch::autograd::Function<FullForward> {
  public:
@@ -38,9 +101,11 @@ class FullForward : public torch::autograd::Function<FullForward> {
     const Tensor saved = kind == Saved::kOutput          ? out
                          : kind == Saved::kPreActivation ? pre
                                                          : Tensor();
-    ctx->save_for_backward({input, weight, saved});
+    const bool has_bias = bias.has_value() && bias->defined();
+    // The bias is read only by a create_graph backward (saving it costs a reference).
+    ctx->save_for_backward({input, weight, saved, has_bias ? *bias : Tensor()});
     ctx->saved_data["activation"] = std::string(activation);
-    ctx->saved_data["has_bias"] = bias.has_value() && bias->defined();
+    ctx->saved_data["has_bias"] = has_bias;
     // The pre-activation is what the backward reads, not a result of the layer.
     ctx->mark_non_differentiable({pre});
     return {out, pre};
@@ -54,6 +119,10 @@ class FullForward : public torch::autograd::Function<FullForward> {
     if (!grad_out.defined()) return {Tensor(), Tensor(), Tensor(), Tensor()};
     const std::array<bool, 3> mask = {ctx->needs_input_grad(0), ctx->needs_input_grad(1),
                                       has_bias && ctx->needs_input_grad(2)};
+    if (at::GradMode::is_enabled()) {
+      return differentiable_full_backward(grad_out, saved[0], saved[1], saved[3],
+                                          check_activation(activation), mask);
+    }
     const Tensor s = saved[2].defined() ? saved[2] : at::empty({0}, grad_out.options());
     auto [gi, gw, gb] = call_full_backward(grad_out, saved[0], saved[1], s, activation, mask);
     return {mask[0] ? gi : Tensor(), mask[1] ? gw : Tensor(), mask[2] ? gb : Tensor(), Tensor()};
@@ -72,8 +141,12 @@ class LossGrad : public torch::autograd::Function<LossGrad> {
           call_loss_grad(logits, labels, scale, label_smoothing, ignore_index, compute_grad);
     }
     ctx->set_materialize_grads(false);
-    ctx->save_for_backward({grad});
+    // logits and labels are read only by a create_graph backward.
+    ctx->save_for_backward({grad, logits, labels});
     ctx->saved_data["compute_grad"] = compute_grad;
+    ctx->saved_data["scale"] = scale;
+    ctx->saved_data["label_smoothing"] = label_smoothing;
+    ctx->saved_data["ignore_index"] = ignore_index;
     ctx->mark_non_differentiable({grad});
     return {loss, grad};
   }
@@ -85,29 +158,91 @@ class LossGrad : public torch::autograd::Function<LossGrad> {
                 "loss_grad was called with compute_grad=False, so it cannot be differentiated; "
                 "call it with compute_grad=True");
     if (!grads[0].defined()) return {Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
-    const Tensor grad = ctx->get_saved_variables()[0];
+    const auto saved = ctx->get_saved_variables();
+    const Tensor grad =
+        at::GradMode::is_enabled()
+            ? differentiable_loss_grad(saved[1], saved[2], ctx->saved_data["scale"].toDouble(),
+                                       ctx->saved_data["label_smoothing"].toDouble(),
+                                       ctx->saved_data["ignore_index"].toInt(),
+                                       saved[0].scalar_type())
+            : saved[0];
     const Tensor grad_logits = grads[0].to(grad.scalar_type()).unsqueeze(1) * grad;
     return {grad_logits, Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
   }
 };
 
-// Whether a call needs the autograd node: grad mode on and an input that requires grad, or a
-// forward-mode tangent (which apply() reports as unsupported rather than dropping it). When
+// Whether a call needs the autograd node: grad mode on and an input that requires grad. When
 // not, the kernels are called directly: apply() costs several microseconds even then.
 bool needs_node(std::initializer_list<const Tensor*> inputs) {
-  const bool grad_mode = at::GradMode::is_enabled();
+  if (!at::GradMode::is_enabled()) return false;
   for (const Tensor* t : inputs) {
-    if (t->defined() && ((grad_mode && t->requires_grad()) || t->_fw_grad(0).defined())) {
-      return true;
-    }
+    if (t->defined() && t->requires_grad()) return true;
   }
   return false;
+}
+
+// Forward-mode AD (a tangent on an input) and torch.func transforms cannot go through a C++
+// autograd::Function: torch refuses it ("cannot use C++ torch::autograd::Function with
+// functorch transforms") because functorch lifts only Python ones. There the ops compute the
+// same math with ATen ops, which every transform understands (grad, jvp, vjp, vmap, hessian,
+// forward AD): slower, as torch's unfused layers are, and differentiable to any order.
+bool needs_composite(std::initializer_list<const Tensor*> inputs) {
+  // functorch includes its front-mode key in the thread's dispatch keys while a transform is on.
+  if (c10::impl::tls_is_dispatch_key_included(c10::DispatchKey::FuncTorchDynamicLayerFrontMode)) {
+    return true;
+  }
+  for (const Tensor* t : inputs) {
+    if (t->defined() && t->_fw_grad(0).defined()) return true;
+  }
+  return false;
+}
+
+Tensor activation_forward(const Tensor& z, Activation act) {
+  switch (act) {
+    case Activation::kNone: return z;
+    case Activation::kRelu: return at::relu(z);
+    case Activation::kGelu: return at::gelu(z, "none");
+    case Activation::kGeluTanh: return at::gelu(z, "tanh");
+    case Activation::kSilu: return at::silu(z);
+    case Activation::kSigmoid: return at::sigmoid(z);
+    case Activation::kTanh: return at::tanh(z);
+  }
+  TORCH_CHECK(false, "unknown activation");
+}
+
+std::tuple<Tensor, Tensor> composite_full_forward(const Tensor& input, const Tensor& weight,
+                                                  const c10::optional<Tensor>& bias,
+                                                  c10::string_view activation) {
+  const Activation act = check_activation(activation);
+  const Tensor z = at::linear(input, weight, bias);
+  const Tensor pre = saved_for_backward(act) == Saved::kPreActivation
+                         ? z
+                         : at::empty({0}, input.options());
+  return {activation_forward(z, act), pre};
+}
+
+// The loss in the accumulation type (float for half logits), as the kernel returns it.
+std::tuple<Tensor, Tensor> composite_loss_grad(const Tensor& logits, const Tensor& labels,
+                                               double scale, double label_smoothing,
+                                               int64_t ignore_index, bool compute_grad) {
+  const auto acc = logits.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  const Tensor losses = at::cross_entropy_loss(logits.to(acc), labels, c10::nullopt,
+                                               at::Reduction::None, ignore_index,
+                                               label_smoothing) * scale;
+  const Tensor grad = compute_grad ? differentiable_loss_grad(logits, labels, scale,
+                                                              label_smoothing, ignore_index,
+                                                              logits.scalar_type())
+                                   : at::empty({0}, logits.options());
+  return {losses, grad};
 }
 
 std::tuple<Tensor, Tensor> full_forward_autograd(const Tensor& input, const Tensor& weight,
                                                  const c10::optional<Tensor>& bias,
                                                  c10::string_view activation) {
   const Tensor no_bias;
+  if (needs_composite({&input, &weight, bias.has_value() ? &*bias : &no_bias})) {
+    return composite_full_forward(input, weight, bias, activation);
+  }
   if (!needs_node({&input, &weight, bias.has_value() ? &*bias : &no_bias})) {
     at::AutoDispatchBelowADInplaceOrView below;
     return call_full_forward(input, weight, bias, activation);
@@ -119,6 +254,10 @@ std::tuple<Tensor, Tensor> full_forward_autograd(const Tensor& input, const Tens
 std::tuple<Tensor, Tensor> loss_grad_autograd(const Tensor& logits, const Tensor& labels,
                                               double scale, double label_smoothing,
                                               int64_t ignore_index, bool compute_grad) {
+  if (needs_composite({&logits})) {
+    return composite_loss_grad(logits, labels, scale, label_smoothing, ignore_index,
+                               compute_grad);
+  }
   if (!needs_node({&logits})) {
     at::AutoDispatchBelowADInplaceOrView below;
     return call_loss_grad(logits, labels, scale, label_smoothing, ignore_index, compute_grad);
@@ -194,22 +333,34 @@ class SoftmaxCrossEntropy : public torch::autograd::Function<SoftmaxCrossEntropy
       // Mean as a scaled sum: the kernel's loss and gradient already carry 1 / count.
       auto [losses, grad] = call_loss_grad(logits, labels, 1.0 / static_cast<double>(*host_count),
                                            label_smoothing, ignore_index, compute_grad);
-      ctx->save_for_backward({grad});
+      ctx->save_for_backward({grad, Tensor(), logits, labels});
       ctx->saved_data["reduction"] = std::string("sum");
+      ctx->saved_data["scale"] = 1.0 / static_cast<double>(*host_count);
+      ctx->saved_data["label_smoothing"] = label_smoothing;
+      ctx->saved_data["ignore_index"] = ignore_index;
       return {as_dtype(losses.sum(), logits.scalar_type())};
     }
     auto [losses, grad] = call_loss_grad(logits, labels, 1.0, label_smoothing, ignore_index,
                                          compute_grad);
     const Tensor count = reduction == "mean" ? valid_count(labels, ignore_index) : Tensor();
-    ctx->save_for_backward({grad, count});
+    ctx->save_for_backward({grad, count, logits, labels});
     ctx->saved_data["reduction"] = std::string(reduction);
+    ctx->saved_data["scale"] = 1.0;
+    ctx->saved_data["label_smoothing"] = label_smoothing;
+    ctx->saved_data["ignore_index"] = ignore_index;
     return {reduce_losses(losses, count, reduction, logits.scalar_type())};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     if (!grads[0].defined()) return {Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
     const auto saved = ctx->get_saved_variables();
-    const Tensor& grad = saved[0];
+    const Tensor grad =
+        at::GradMode::is_enabled()
+            ? differentiable_loss_grad(saved[2], saved[3], ctx->saved_data["scale"].toDouble(),
+                                       ctx->saved_data["label_smoothing"].toDouble(),
+                                       ctx->saved_data["ignore_index"].toInt(),
+                                       saved[0].scalar_type())
+            : saved[0];
     const std::string reduction = ctx->saved_data["reduction"].toStringRef();
     const Tensor g = as_dtype(grads[0], grad.scalar_type());
     Tensor grad_logits;
@@ -229,6 +380,14 @@ class SoftmaxCrossEntropy : public torch::autograd::Function<SoftmaxCrossEntropy
 Tensor softmax_cross_entropy_autograd(const Tensor& logits, const Tensor& labels,
                                       c10::string_view reduction, double label_smoothing,
                                       int64_t ignore_index) {
+  if (needs_composite({&logits})) {
+    check_reduction(reduction);
+    const int64_t r = reduction == "none"  ? at::Reduction::None
+                      : reduction == "sum" ? at::Reduction::Sum
+                                           : at::Reduction::Mean;
+    return at::cross_entropy_loss(logits, labels, c10::nullopt, r, ignore_index,
+                                  label_smoothing);
+  }
   if (!needs_node({&logits})) {
     at::AutoDispatchBelowADInplaceOrView below;
     return softmax_cross_entropy_forward(logits, labels, reduction, label_smoothing,
