@@ -40,10 +40,7 @@ def devices_for_tests():
 @pytest.mark.parametrize("replicas", [1, 2, 3, 4, 8])
 @pytest.mark.parametrize("size", [1, 7, 4096 + 3, 1 << 20])
 def test_all_reduce_matches_float64_sum_and_is_bitwise_identical(device, replicas, size):
-    dtypes = [torch.float32, torch.float64]
-    if device.startswith("cuda"):
-        dtypes += [torch.float16, torch.bfloat16]
-    for dtype in dtypes:
+    for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
         gen = torch.Generator().manual_seed(replicas * 1000 + size)
         base = [torch.randn(size, generator=gen, dtype=torch.float64).to(dtype)
                 for _ in range(replicas)]
@@ -619,7 +616,7 @@ def test_dist_a_step_failing_on_one_process_fails_on_all_and_they_go_on(tmp_path
 
 
 # float32/float64 send the loss and the rows behind the gradients, half precision models in a
-# tensor beside them ("beside"; the CPU kernels take no half precision, so float32 runs it).
+# tensor beside them ("beside": float32 runs it here, where its numbers are exact to compare).
 @pytest.mark.parametrize("dtype,inline", [(torch.float32, True), (torch.float64, True),
                                           (torch.float32, False)],
                          ids=["float32-behind", "float64-behind", "float32-beside"])

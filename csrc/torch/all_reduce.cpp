@@ -109,6 +109,13 @@ const cpu::ParallelFor& torch_threads() {
   return parallel;
 }
 
+std::vector<Tensor> as_float(const std::vector<Tensor>& ts) {
+  std::vector<Tensor> f;
+  f.reserve(ts.size());
+  for (const Tensor& t : ts) f.push_back(t.to(at::kFloat));
+  return f;
+}
+
 // The CPU algorithms' scratch, as a tensor that lives for the call.
 Tensor cpu_scratch(Algorithm algo, const std::vector<Tensor>& ts) {
   const int64_t n = cpu::all_reduce_scratch(algo, static_cast<int>(ts.size()), ts[0].numel());
@@ -118,6 +125,14 @@ Tensor cpu_scratch(Algorithm algo, const std::vector<Tensor>& ts) {
 void all_reduce_cpu(at::TensorList tensors, c10::string_view op, c10::string_view algorithm) {
   const std::vector<Tensor> ts = tensors.vec();
   check_replicas(ts, "tensors", nullptr);
+  if (is_half_type(ts[0])) {
+    // bfloat16/half on the CPU: the float algorithm on float copies, each result rounded once
+    // (as the CUDA kernels accumulate in float).
+    std::vector<Tensor> f = as_float(ts);
+    all_reduce_cpu(f, op, algorithm);
+    for (size_t i = 0; i < ts.size(); ++i) ts[i].copy_(f[i]);
+    return;
+  }
   check_cpu_dtype(ts[0], "tensors");
   const bool mean = parse_mean(op);
   const Algorithm algo = parse_algorithm(algorithm, ts[0].nbytes(), ts.size(), true);
@@ -161,6 +176,13 @@ void reduce_sgd_cpu(at::TensorList params, at::TensorList grads, at::TensorList 
   const std::vector<Tensor> p = params.vec(), g = grads.vec();
   const std::vector<Tensor> m = momentum != 0.0 ? momentum_buffers.vec() : std::vector<Tensor>();
   check_sgd_args(p, g, m, lr, momentum, weight_decay);
+  if (is_half_type(p[0])) {
+    std::vector<Tensor> fp = as_float(p), fm = as_float(m);
+    reduce_sgd_cpu(fp, as_float(g), fm, lr, momentum, weight_decay, mean, algorithm);
+    for (size_t i = 0; i < p.size(); ++i) p[i].copy_(fp[i]);
+    for (size_t i = 0; i < m.size(); ++i) m[i].copy_(fm[i]);
+    return;
+  }
   check_cpu_dtype(p[0], "params");
   const Algorithm algo = parse_algorithm(algorithm, p[0].nbytes(), p.size(), true);
   const Tensor scratch = cpu_scratch(algo, p);

@@ -37,6 +37,20 @@ inline void check_cpu_dtype(const at::Tensor& t, const char* name) {
                    t.scalar_type());
 }
 
+// The layer and loss ops also take bfloat16 and half on the CPU, as nn.Linear and
+// F.cross_entropy do: stored in the half type, computed in float (the float kernels run on
+// upcast copies and each result is rounded once).
+inline bool is_half_type(const at::Tensor& t) {
+  return t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf;
+}
+
+inline void check_cpu_layer_dtype(const at::Tensor& t, const char* name) {
+  TORCH_CHECK_TYPE(t.scalar_type() == at::kFloat || t.scalar_type() == at::kDouble ||
+                       is_half_type(t),
+                   "dpcuda's CPU layer kernels take float32, float64, bfloat16 or float16; ",
+                   name, " is ", t.scalar_type());
+}
+
 inline void check_cuda_dtype(const at::Tensor& t, const char* name) {
   const auto s = t.scalar_type();
   TORCH_CHECK_TYPE(s == at::kFloat || s == at::kDouble || s == at::kHalf || s == at::kBFloat16,

@@ -41,7 +41,13 @@ std::tuple<Tensor, Tensor> loss_grad_cpu(const Tensor& logits, const Tensor& lab
                                          double scale, double label_smoothing,
                                          int64_t ignore_index, bool compute_grad) {
   const LossShape s = check_loss(logits, labels, label_smoothing);
-  check_cpu_dtype(logits, "logits");
+  check_cpu_layer_dtype(logits, "logits");
+  if (is_half_type(logits)) {
+    // The loss stays in float (the accumulation type, as on CUDA); the gradient is rounded.
+    auto [loss, grad] = loss_grad_cpu(logits.to(at::kFloat), labels, scale, label_smoothing,
+                                      ignore_index, compute_grad);
+    return {loss, grad.to(logits.scalar_type())};
+  }
   const Tensor z = logits.contiguous();
   const Tensor y = labels.contiguous();
   const int64_t* yp = y.data_ptr<int64_t>();

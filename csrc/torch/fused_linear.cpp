@@ -80,7 +80,15 @@ std::tuple<Tensor, Tensor> full_forward_cpu(const Tensor& input, const Tensor& w
                                             c10::string_view activation) {
   const Activation act = check_activation(activation);
   const LinearShape s = check_linear(input, weight, bias);
-  check_cpu_dtype(input, "input");
+  check_cpu_layer_dtype(input, "input");
+  if (is_half_type(input)) {
+    const bool has_b = bias.has_value() && bias->defined();
+    auto [out, pre] = full_forward_cpu(input.to(at::kFloat), weight.to(at::kFloat),
+                                       has_b ? c10::optional<Tensor>(bias->to(at::kFloat))
+                                             : c10::nullopt,
+                                       activation);
+    return {out.to(input.scalar_type()), pre.to(input.scalar_type())};
+  }
   // With an activation, the GEMM writes x @ W^T alone and our pass adds the bias as it applies
   // the activation in place (keeping the pre-activation when the backward needs it): that saves
   // addmm's broadcast copy of the bias into the output and its beta = 1 read. Without one, the
@@ -113,7 +121,15 @@ std::tuple<Tensor, Tensor, Tensor> full_backward_cpu(const Tensor& grad_output,
                                                      c10::string_view activation,
                                                      std::array<bool, 3> output_mask) {
   const BackwardPlan p = plan_backward(grad_output, input, weight, saved, activation,
-                                      output_mask, &check_cpu_dtype);
+                                      output_mask, &check_cpu_layer_dtype);
+  if (is_half_type(input)) {
+    const auto f = [](const Tensor& t) { return t.to(at::kFloat); };
+    const auto dtype = input.scalar_type();
+    auto [gi, gw, gb] = full_backward_cpu(f(grad_output), f(input), f(weight),
+                                          saved.defined() ? f(saved) : saved, activation,
+                                          output_mask);
+    return {gi.to(dtype), gw.to(dtype), gb.to(dtype)};
+  }
   const int64_t rows = p.shape.rows, out_f = p.shape.out_features;
   if (p.fused_pass || output_mask[2]) {
     const int64_t chunk_rows = cpu::bias_chunk_rows(rows);

@@ -1,0 +1,148 @@
+"""bfloat16/float16 and torch.autocast (#11 item 7): a fused model runs wherever nn.Linear does,
+and gives torch's numbers within the half type's rounding.
+
+The rule for half types: dpcuda's error against a float64 reference computed from the same
+(rounded) inputs is at most twice torch's own error plus one unit in the last place
+(assert_within_torch_error).
+"""
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from conftest import assert_within_torch_error
+from dpcuda import ops, reference as ref
+from dpcuda.nn import FusedMLP, SoftmaxCrossEntropyLoss, fuse
+from dpcuda.parallel import DataParallel
+
+ACTS = ["none", "relu", "gelu", "gelu_tanh", "silu", "sigmoid", "tanh"]
+TORCH_ACTS = {"relu": nn.ReLU, "gelu": nn.GELU, "silu": nn.SiLU, "sigmoid": nn.Sigmoid,
+              "tanh": nn.Tanh}
+HALF = [torch.bfloat16, torch.float16]
+ULP = {torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10}
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("activation", ACTS)
+def test_half_storage_forward_backward(dtype, activation):
+    x = torch.randn(33, 20).to(dtype)
+    w = (torch.randn(12, 20) / 4).to(dtype)
+    b = torch.randn(12).to(dtype)
+    go = torch.randn(33, 12).to(dtype)
+    out = ops.full_forward(x, w, b, activation)
+    plain = ref.full_forward(x, w, b, activation)
+    assert out.dtype == dtype and out.shape == plain.shape
+    x64, w64, b64 = x.double(), w.double(), b.double()
+    want = ref.full_forward(x64, w64, b64, activation)
+    scale = want.abs().max().item() + 1
+    assert_within_torch_error(out, plain, want, atol=ULP[dtype] * scale)
+    # backward through autograd against torch's autograd on the same half tensors
+    leaves = [t.clone().requires_grad_() for t in (x, w, b)]
+    ops.full_forward(*leaves, activation).backward(go)
+    plain_leaves = [t.clone().requires_grad_() for t in (x, w, b)]
+    ref.full_forward(*plain_leaves, activation).backward(go)
+    want_grads = ref.full_backward(go.double(), x64, w64, b64, activation)
+    for ours, theirs, want_g in zip(leaves, plain_leaves, want_grads):
+        assert ours.grad.dtype == dtype
+        g_scale = want_g.abs().max().item() + 1
+        assert_within_torch_error(ours.grad, theirs.grad, want_g, atol=2 * ULP[dtype] * g_scale)
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_half_logits_cross_entropy(dtype, reduction):
+    logits = (torch.randn(40, 7) * 3).to(dtype)
+    labels = torch.randint(0, 7, (40,))
+    labels[::5] = -100
+    ours = ops.softmax_cross_entropy(logits, labels, reduction, 0.1)
+    plain = F.cross_entropy(logits, labels, reduction=reduction, label_smoothing=0.1)
+    want = F.cross_entropy(logits.double(), labels, reduction=reduction, label_smoothing=0.1)
+    assert ours.dtype == plain.dtype == dtype
+    assert_within_torch_error(ours, plain, want, atol=ULP[dtype] * (want.abs().max().item() + 1))
+    z = logits.clone().requires_grad_()
+    ops.softmax_cross_entropy(z, labels, reduction, 0.1).sum().backward()
+    z2 = logits.clone().requires_grad_()
+    F.cross_entropy(z2, labels, reduction=reduction, label_smoothing=0.1).sum().backward()
+    z3 = logits.double().requires_grad_()
+    F.cross_entropy(z3, labels, reduction=reduction, label_smoothing=0.1).sum().backward()
+    assert_within_torch_error(z.grad, z2.grad, z3.grad, atol=ULP[dtype])
+
+
+@pytest.mark.parametrize("activation", sorted(TORCH_ACTS))
+def test_autocast_matches_torch(activation):
+    plain = nn.Sequential(nn.Linear(16, 32), TORCH_ACTS[activation](), nn.Linear(32, 10))
+    fused = fuse(copy.deepcopy(plain))
+    x = torch.randn(64, 16)
+    y = torch.randint(0, 10, (64,))
+    results = []
+    for model, loss_fn in ((plain, F.cross_entropy), (fused, ops.softmax_cross_entropy)):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(x)
+            loss = loss_fn(out, y)
+        loss.backward()
+        results.append((out, loss, [p.grad for p in model.parameters()]))
+    (out_p, loss_p, grads_p), (out_f, loss_f, grads_f) = results
+    # The casts are torch's: the layers' outputs in bfloat16, the loss in float32.
+    assert out_f.dtype == out_p.dtype == torch.bfloat16
+    assert loss_f.dtype == loss_p.dtype == torch.float32
+    torch.testing.assert_close(out_f, out_p, rtol=2 * ULP[torch.bfloat16], atol=1e-2)
+    torch.testing.assert_close(loss_f, loss_p, rtol=1e-2, atol=1e-3)
+    for gf, gp in zip(grads_f, grads_p):
+        assert gf.dtype == gp.dtype == torch.float32  # the parameters stay float32
+        torch.testing.assert_close(gf, gp, rtol=0, atol=2e-2 * gp.abs().max().item())
+
+
+def test_autocast_leaves_float64_alone_and_casts_loss_to_float():
+    x, w = torch.randn(4, 5, dtype=torch.float64), torch.randn(3, 5, dtype=torch.float64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert ops.full_forward(x, w, None, "relu").dtype == torch.float64
+        logits = torch.randn(4, 3).bfloat16()
+        labels = torch.tensor([0, 1, 2, 1])
+        assert ops.softmax_cross_entropy(logits, labels).dtype == torch.float32
+        losses, grad = ops.loss_grad(logits, labels)
+        assert grad.dtype == torch.float32
+        assert SoftmaxCrossEntropyLoss()(logits, labels).dtype == torch.float32
+
+
+@pytest.mark.parametrize("reducer", ["p2p", "host"])
+def test_data_parallel_in_bfloat16_and_under_autocast(reducer):
+    model = FusedMLP([16, 32, 10])
+    x, y = torch.randn(24, 16), torch.randint(0, 10, (24,))
+    loss_fn = SoftmaxCrossEntropyLoss()
+    # bfloat16 parameters: replicas against torch.optim.SGD on one device, both against the
+    # same training in float64 (bfloat16 training drifts; dpcuda may not drift further).
+    dp_model = copy.deepcopy(model).bfloat16()
+    dp = DataParallel(dp_model, devices=["cpu", "cpu", "cpu"], reducer=reducer, lr=0.1,
+                      momentum=0.9)
+    trained = []
+    for dtype in (torch.bfloat16, torch.float64):
+        one = copy.deepcopy(model).to(dtype)
+        opt = torch.optim.SGD(one.parameters(), lr=0.1, momentum=0.9)
+        for _ in range(3):
+            opt.zero_grad()
+            F.cross_entropy(one(x.to(dtype)), y).backward()
+            opt.step()
+        trained.append(one)
+    for _ in range(3):
+        dp.step(x.bfloat16(), y, loss_fn)
+    for p, q, want in zip(dp.module.parameters(), trained[0].parameters(),
+                          trained[1].parameters()):
+        assert p.dtype == torch.bfloat16
+        assert_within_torch_error(p, q, want.detach(), atol=ULP[torch.bfloat16])
+    # autocast: float32 parameters, bfloat16 compute, against the same on one device
+    dp_model = copy.deepcopy(model)
+    dp = DataParallel(dp_model, devices=["cpu", "cpu"], reducer=reducer, lr=0.1)
+    one = copy.deepcopy(model)
+    opt = torch.optim.SGD(one.parameters(), lr=0.1)
+    for _ in range(3):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            dp.step(x, y, loss_fn)
+            opt.zero_grad()
+            loss = loss_fn(one(x), y)
+        loss.backward()
+        opt.step()
+    for p, q in zip(dp.module.parameters(), one.parameters()):
+        assert p.dtype == torch.float32
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-2 * q.abs().max().item())
