@@ -25,12 +25,14 @@ import torch
 
 from . import _C  # noqa: F401  (registers torch.ops.dpcuda.*)
 from . import ops
+from .batchnorm import Exchange, replica_context, sync_batch_norm_
 from .nn import SoftmaxCrossEntropyLoss
 
 __all__ = ["replicate", "scatter", "gather", "parallel_apply", "all_reduce", "split_sizes",
            "DataParallel", "REDUCERS", "SPLITS", "ALGORITHMS"]
 
 REDUCERS = ("p2p", "host", "dist")
+BUFFERS = ("broadcast", "sync")
 SPLITS = ("even", "weighted", "auto")
 ALGORITHMS = ("auto", "one_shot", "two_shot", "ring")
 MAX_REPLICAS = 16
@@ -134,15 +136,17 @@ def gather(outputs, device):
     return torch.cat([o.to(device) for o in outputs], dim=0)
 
 
-def _run_all(fns, devices):
+def _run_all(fns, devices, concurrent=False, on_error=None):
     """Runs every fn: one thread per replica when the replicas are on different devices (so
     host work on one overlaps kernels on another, as nn.parallel.parallel_apply does), in order
     on this thread when they share a device (threads would only compete for it). A thread runs
     with the caller's grad mode, autocast state and current CUDA stream of its device. Every fn
-    runs; the first exception is raised after all have finished."""
+    runs; the first exception is raised after all have finished. concurrent=True gives every
+    fn a thread even on a shared device (they must run at once: buffers="sync"), and on_error
+    is called as soon as one fails (to wake the others)."""
     results = [None] * len(fns)
     errors = [None] * len(fns)
-    threaded = len(fns) > 1 and len(set(devices)) == len(devices)
+    threaded = len(fns) > 1 and (concurrent or len(set(devices)) == len(devices))
     # What a worker thread does not inherit and torch.nn.parallel.parallel_apply carries over:
     # grad mode, autocast (per device type) and, per CUDA device, the caller's current stream.
     grad_enabled = torch.is_grad_enabled()
@@ -168,6 +172,8 @@ def _run_all(fns, devices):
                 results[i] = call(i)
         except BaseException as err:  # re-raised below, on the caller's thread
             errors[i] = err
+            if on_error is not None:
+                on_error()
 
     if threaded:
         threads = [threading.Thread(target=run, args=(i,)) for i in range(len(fns))]
@@ -178,9 +184,9 @@ def _run_all(fns, devices):
     else:
         for i in range(len(fns)):
             run(i)
-    for err in errors:
-        if err is not None:
-            raise err
+    failed = [e for e in errors if e is not None]
+    for err in sorted(failed, key=lambda e: getattr(e, "dpcuda_secondary", False)):
+        raise err
     return results
 
 
@@ -303,10 +309,17 @@ class DataParallel:
     split "even" gives every replica the same rows, "weighted" rows proportional to
     split_weights, "auto" rows proportional to each replica's measured speed.
 
+    buffers says what batch norm does across replicas: "broadcast" (default, as DDP) gives every
+    replica (and process) replica 0's buffers (of rank 0) after each step, so the statistics
+    are those of replica 0's rows; "sync" normalises BatchNorm1d/2d/3d in training mode with
+    the statistics of the whole global batch, as one device would (dpcuda.batchnorm; not with
+    reducer "dist"). timeout bounds each wait of that exchange (seconds).
+
     step(inputs, targets, loss_fn) runs forward, loss, backward and the update, and returns the
     global batch's mean loss as a float. loss_fn(outputs, targets) must return the mean loss of
     its rows (as nn.CrossEntropyLoss does by default). A step whose gradients hold NaN or Inf is
-    skipped with a warning; a step that raises leaves every replica's weights as they were.
+    skipped with a warning; a step that raises leaves every replica's weights and buffers as
+    they were.
     """
 
     # The model dtypes whose gradient buffer carries the reducer "dist" record (the loss; the
@@ -314,13 +327,19 @@ class DataParallel:
     _record_inline = (torch.float32, torch.float64)
 
     def __init__(self, module, devices, reducer="p2p", split="even", lr=0.01, momentum=0.0,
-                 weight_decay=0.0, split_weights=None, algorithm="auto", process_group=None):
+                 weight_decay=0.0, split_weights=None, algorithm="auto", process_group=None,
+                 buffers="broadcast", timeout=300.0):
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
         if reducer not in REDUCERS:
             raise ValueError(f"reducer must be one of {', '.join(REDUCERS)}; got {reducer!r}")
         if split not in SPLITS:
             raise ValueError(f"split must be one of {', '.join(SPLITS)}; got {split!r}")
+        if buffers not in BUFFERS:
+            raise ValueError(f"buffers must be one of {', '.join(BUFFERS)}; got {buffers!r}")
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or \
+                not timeout > 0 or not math.isfinite(timeout):
+            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
         if algorithm not in ALGORITHMS:
             raise ValueError(f"algorithm must be one of {', '.join(ALGORITHMS)}; got "
                              f"{algorithm!r}")
@@ -349,8 +368,21 @@ class DataParallel:
             self._dist = dist
             self._group = process_group
             self._global_rows = None  # the last step's global batch
+        self.buffers, self.timeout = buffers, float(timeout)
+        copies = replicate(module, self.devices)
+        self._sync_bn = False
+        if buffers == "sync":
+            if reducer == "dist":
+                raise ValueError("buffers='sync' synchronises batch norm over the replicas of "
+                                 "one process; with reducer='dist' use buffers='broadcast'")
+            cuda = [d for d in self.devices if d.type == "cuda"]
+            if len(set(cuda)) != len(cuda):
+                raise ValueError("buffers='sync' needs one replica per CUDA device (the "
+                                 "autograd engine runs a device's backwards on one thread)")
+            self._sync_bn = sum(sync_batch_norm_(m) for m in copies) > 0
         self._replicas = [_Replica(m, d, self.momentum != 0.0, 3 if reducer == "dist" else 0)
-                          for m, d in zip(replicate(module, self.devices), self.devices)]
+                          for m, d in zip(copies, self.devices)]
+        self._buffers = [list(r.module.buffers()) for r in self._replicas]
         if reducer == "dist":
             # Every process starts from rank 0's weights, frozen ones included.
             self._dist.broadcast(self._replicas[0].flat_param, src=0, group=self._group)
@@ -429,6 +461,34 @@ class DataParallel:
         return self._replicas[0].flat_grad.dtype in self._record_inline
 
     def step(self, inputs, targets, loss_fn):
+        # A step that raises leaves the buffers (batch-norm statistics) as they were, as it
+        # leaves the weights.
+        saved = [[b.clone() for b in bs] for bs in self._buffers] if self._buffers[0] else None
+        try:
+            loss = self._step_any(inputs, targets, loss_fn)
+        except BaseException:
+            if saved is not None:
+                with torch.no_grad():
+                    for bs, copies in zip(self._buffers, saved):
+                        for b, c in zip(bs, copies):
+                            b.copy_(c)
+            raise
+        if saved is not None and self.buffers == "broadcast":
+            self._broadcast_buffers()
+        return loss
+
+    def _broadcast_buffers(self):
+        """Every replica (and with reducer "dist" every process) takes replica 0's buffers (of
+        rank 0), as DDP broadcasts rank 0's at each step."""
+        with torch.no_grad():
+            if self.reducer == "dist":
+                for b in self._buffers[0]:
+                    self._dist.broadcast(b, src=0, group=self._group)
+            for bs in self._buffers[1:]:
+                for b, b0 in zip(bs, self._buffers[0]):
+                    b.copy_(b0)
+
+    def _step_any(self, inputs, targets, loss_fn):
         if self.reducer != "dist":
             return self._step(inputs, targets, loss_fn)
         # Across processes a step that fails on one process (bad input, a bad label, an error
@@ -500,9 +560,17 @@ class DataParallel:
         for device in {r.device for r in self._replicas if r.device.type == "cuda"}:
             _C._label_error_flag(device.index).zero_()
 
-        def work(replica, part, size):
+        exchange = Exchange(len(self._replicas), self.timeout) if self._sync_bn else None
+
+        def work(index, replica, part, size):
             def run():
-                if size == 0:
+                if exchange is not None:
+                    with replica_context(exchange, index):
+                        return step_replica()
+                return step_replica()
+
+            def step_replica():
+                if size == 0 and exchange is None:
                     return 0.0, 0.0
                 start = time.perf_counter()
                 x, y = part
@@ -513,7 +581,9 @@ class DataParallel:
                 previous = _C._defer_label_checks(True) if defer else None
                 try:
                     out = replica.module(x)
-                    if summed is None:
+                    if size == 0:  # it takes part in the batch-norm exchanges only
+                        loss = out.sum() * 0.0
+                    elif summed is None:
                         loss = loss_fn(out, y) * (size * inv)
                     else:
                         loss = summed[0](out, y) * inv
@@ -527,8 +597,10 @@ class DataParallel:
                 return loss.detach(), time.perf_counter() - start
             return run
 
-        results = _run_all([work(r, p, s) for r, p, s in zip(self._replicas, parts, sizes)],
-                           self.devices)
+        results = _run_all([work(i, r, p, s) for i, (r, p, s)
+                            in enumerate(zip(self._replicas, parts, sizes))], self.devices,
+                           concurrent=exchange is not None,
+                           on_error=exchange.abort if exchange is not None else None)
         if self.split == "auto":
             self._update_speed(sizes, [t for _, t in results])
         if self.reducer == "dist":
