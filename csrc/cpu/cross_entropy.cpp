@@ -13,6 +13,22 @@ namespace {
 // Classes per block of exponentials when there is no gradient row to hold them.
 constexpr int64_t kBlock = 256;
 
+// The gradient of an ignored row, as torch's: log_softmax's backward of a zero gradient,
+// 0 - exp(log_softmax(z)) * 0, which is NaN throughout when the row's log-sum-exp is NaN (a NaN
+// or +inf logit, or every logit -inf) and 0 otherwise.
+template <typename T>
+T ignored_row_grad(const T* z, int64_t classes) {
+  T zmax = -std::numeric_limits<T>::infinity();
+  bool nan = false;
+  for (int64_t c = 0; c < classes; ++c) {
+    nan |= z[c] != z[c];
+    zmax = z[c] > zmax ? z[c] : zmax;
+  }
+  const bool nan_row = nan || zmax == std::numeric_limits<T>::infinity() ||
+                       zmax == -std::numeric_limits<T>::infinity();
+  return nan_row ? std::numeric_limits<T>::quiet_NaN() : T(0);
+}
+
 }  // namespace
 
 template <typename T>
@@ -30,7 +46,8 @@ DPCUDA_CPU_CLONES void cross_entropy_rows(const T* logits, const int64_t* labels
     if (y == ignore_index) {
       loss[r] = T(0);
       if (g) {
-        for (int64_t c = 0; c < classes; ++c) g[c] = T(0);
+        const T fill = ignored_row_grad(z, classes);
+        for (int64_t c = 0; c < classes; ++c) g[c] = fill;
       }
       continue;
     }

@@ -28,45 +28,56 @@ using torch::autograd::variable_list;
 // Backward formulas autograd can differentiate, for create_graph=True (gradient penalties,
 // Hessian-vector products). The fused backward kernels are opaque to autograd: a graph built
 // through them would have wrong second derivatives with no error. So when grad mode is on inside
-// a backward (which happens exactly when the caller asked for create_graph), the gradients are
-// recomputed from the saved inputs with ATen ops whose own derivatives are torch's: the same
-// math, differentiable to any order. First-order calls keep the fused kernels.
+// a backward (which happens exactly when the caller asked for create_graph), the op's forward is
+// recomputed from the saved inputs with the ATen ops it stands in for (linear + the activation,
+// cross_entropy) and differentiated by torch's own autograd (a reentrant torch::autograd::grad
+// with create_graph): the graph of the gradients is torch's, to any order, Inf and NaN
+// included. First-order calls keep the fused kernels.
 
-// grad_out * act'(z), with torch's own activation backward ops (so NaN/Inf behave as torch's).
-Tensor activation_backward(const Tensor& grad_out, const Tensor& z, Activation act) {
+Tensor activation_forward(const Tensor& z, Activation act) {
   switch (act) {
-    case Activation::kNone:
-      return grad_out;
-    case Activation::kRelu:
-      return at::threshold_backward(grad_out, at::relu(z), 0);
-    case Activation::kGelu:
-      return at::gelu_backward(grad_out, z, "none");
-    case Activation::kGeluTanh:
-      return at::gelu_backward(grad_out, z, "tanh");
-    case Activation::kSilu: {
-      // at::silu_backward has no derivative of its own; this is its formula.
-      const Tensor s = at::sigmoid(z);
-      return grad_out * s * (1 + z * (1 - s));
-    }
-    case Activation::kSigmoid:
-      return at::sigmoid_backward(grad_out, at::sigmoid(z));
-    case Activation::kTanh:
-      return at::tanh_backward(grad_out, at::tanh(z));
+    case Activation::kNone: return z;
+    case Activation::kRelu: return at::relu(z);
+    case Activation::kGelu: return at::gelu(z, "none");
+    case Activation::kGeluTanh: return at::gelu(z, "tanh");
+    case Activation::kSilu: return at::silu(z);
+    case Activation::kSigmoid: return at::sigmoid(z);
+    case Activation::kTanh: return at::tanh(z);
   }
   TORCH_CHECK(false, "unknown activation");
 }
 
-variable_list differentiable_full_backward(const Tensor& grad_out, const Tensor& input,
-                                           const Tensor& weight, const Tensor& bias,
-                                           Activation act, std::array<bool, 3> mask) {
-  const Tensor z = at::linear(input, weight, bias.defined() ? c10::optional<Tensor>(bias)
-                                                            : c10::nullopt);
-  const Tensor g = activation_backward(grad_out, z, act);
-  const int64_t out_f = weight.size(0), in_f = weight.size(1);
-  const Tensor g2 = g.reshape({-1, out_f});
-  return {mask[0] ? at::matmul(g, weight) : Tensor(),
-          mask[1] ? g2.t().mm(input.reshape({-1, in_f})) : Tensor(),
-          mask[2] ? g2.sum(0) : Tensor(), Tensor()};
+variable_list torch_full_backward(const Tensor& grad_out, const Tensor& input,
+                                  const Tensor& weight, const Tensor& bias, Activation act,
+                                  std::array<bool, 3> mask) {
+  const Tensor y = activation_forward(
+      at::linear(input, weight, bias.defined() ? c10::optional<Tensor>(bias) : c10::nullopt),
+      act);
+  const std::array<Tensor, 3> args = {input, weight, bias};
+  std::vector<Tensor> wrt;
+  for (int i = 0; i < 3; ++i) {
+    if (mask[i]) wrt.push_back(args[i]);
+  }
+  variable_list out(4);
+  if (wrt.empty()) return out;
+  const variable_list grads = torch::autograd::grad({y}, wrt, {grad_out}, /*retain_graph=*/true,
+                                                    /*create_graph=*/true, /*allow_unused=*/true);
+  for (int i = 0, k = 0; i < 3; ++i) {
+    if (mask[i]) out[i] = grads[k++];
+  }
+  return out;
+}
+
+// The vector-Jacobian product of `scale * cross_entropy(logits, labels, reduction)` with
+// `grad`, as torch's autograd computes it, differentiable (for the loss ops' create_graph path).
+Tensor torch_loss_vjp(const Tensor& logits, const Tensor& labels, int64_t reduction,
+                      double scale, double label_smoothing, int64_t ignore_index,
+                      const Tensor& grad, at::ScalarType loss_dtype) {
+  const Tensor loss = at::cross_entropy_loss(logits, labels, c10::nullopt, reduction,
+                                             ignore_index, label_smoothing).to(loss_dtype) *
+                      scale;
+  return torch::autograd::grad({loss}, {logits}, {grad.to(loss_dtype)}, /*retain_graph=*/true,
+                               /*create_graph=*/true)[0];
 }
 
 // scale * d(per-row softmax cross-entropy) / d logits, in the accumulation type (float for half
@@ -120,8 +131,8 @@ class FullForward : public torch::autograd::Function<FullForward> {
     const std::array<bool, 3> mask = {ctx->needs_input_grad(0), ctx->needs_input_grad(1),
                                       has_bias && ctx->needs_input_grad(2)};
     if (at::GradMode::is_enabled()) {
-      return differentiable_full_backward(grad_out, saved[0], saved[1], saved[3],
-                                          check_activation(activation), mask);
+      return torch_full_backward(grad_out, saved[0], saved[1], saved[3],
+                                 check_activation(activation), mask);
     }
     const Tensor s = saved[2].defined() ? saved[2] : at::empty({0}, grad_out.options());
     auto [gi, gw, gb] = call_full_backward(grad_out, saved[0], saved[1], s, activation, mask);
@@ -159,13 +170,15 @@ class LossGrad : public torch::autograd::Function<LossGrad> {
                 "call it with compute_grad=True");
     if (!grads[0].defined()) return {Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
     const auto saved = ctx->get_saved_variables();
-    const Tensor grad =
-        at::GradMode::is_enabled()
-            ? differentiable_loss_grad(saved[1], saved[2], ctx->saved_data["scale"].toDouble(),
-                                       ctx->saved_data["label_smoothing"].toDouble(),
-                                       ctx->saved_data["ignore_index"].toInt(),
-                                       saved[0].scalar_type())
-            : saved[0];
+    if (at::GradMode::is_enabled()) {
+      return {torch_loss_vjp(saved[1], saved[2], at::Reduction::None,
+                             ctx->saved_data["scale"].toDouble(),
+                             ctx->saved_data["label_smoothing"].toDouble(),
+                             ctx->saved_data["ignore_index"].toInt(), grads[0],
+                             grads[0].scalar_type()),
+              Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
+    }
+    const Tensor& grad = saved[0];
     const Tensor grad_logits = grads[0].to(grad.scalar_type()).unsqueeze(1) * grad;
     return {grad_logits, Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
   }
@@ -195,19 +208,6 @@ bool needs_composite(std::initializer_list<const Tensor*> inputs) {
     if (t->defined() && t->_fw_grad(0).defined()) return true;
   }
   return false;
-}
-
-Tensor activation_forward(const Tensor& z, Activation act) {
-  switch (act) {
-    case Activation::kNone: return z;
-    case Activation::kRelu: return at::relu(z);
-    case Activation::kGelu: return at::gelu(z, "none");
-    case Activation::kGeluTanh: return at::gelu(z, "tanh");
-    case Activation::kSilu: return at::silu(z);
-    case Activation::kSigmoid: return at::sigmoid(z);
-    case Activation::kTanh: return at::tanh(z);
-  }
-  TORCH_CHECK(false, "unknown activation");
 }
 
 std::tuple<Tensor, Tensor> composite_full_forward(const Tensor& input, const Tensor& weight,
@@ -354,14 +354,18 @@ class SoftmaxCrossEntropy : public torch::autograd::Function<SoftmaxCrossEntropy
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     if (!grads[0].defined()) return {Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
     const auto saved = ctx->get_saved_variables();
-    const Tensor grad =
-        at::GradMode::is_enabled()
-            ? differentiable_loss_grad(saved[2], saved[3], ctx->saved_data["scale"].toDouble(),
-                                       ctx->saved_data["label_smoothing"].toDouble(),
-                                       ctx->saved_data["ignore_index"].toInt(),
-                                       saved[0].scalar_type())
-            : saved[0];
     const std::string reduction = ctx->saved_data["reduction"].toStringRef();
+    if (at::GradMode::is_enabled()) {
+      const int64_t r = reduction == "none"  ? at::Reduction::None
+                        : reduction == "sum" ? at::Reduction::Sum
+                                             : at::Reduction::Mean;
+      return {torch_loss_vjp(saved[2], saved[3], r, ctx->saved_data["scale"].toDouble(),
+                             ctx->saved_data["label_smoothing"].toDouble(),
+                             ctx->saved_data["ignore_index"].toInt(), grads[0],
+                             grads[0].scalar_type()),
+              Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
+    }
+    const Tensor& grad = saved[0];
     const Tensor g = as_dtype(grads[0], grad.scalar_type());
     Tensor grad_logits;
     if (reduction == "none") {
@@ -369,9 +373,10 @@ class SoftmaxCrossEntropy : public torch::autograd::Function<SoftmaxCrossEntropy
     } else if (reduction == "sum") {
       grad_logits = grad * g;
     } else {
-      // A mean over no rows (every label ignored): torch's gradient is 0, whatever comes in;
-      // g / 0 would make it NaN.
-      grad_logits = at::where(saved[1] > 0, grad * (g / saved[1]), at::zeros_like(grad));
+      // A mean over no rows (every label ignored): torch's gradient is 0 whatever comes in
+      // (g / 0 would make it NaN), except on rows whose logits make log_softmax NaN, where the
+      // kernel's gradient is NaN already: grad * 0 keeps exactly those.
+      grad_logits = at::where(saved[1] > 0, grad * (g / saved[1]), grad * 0);
     }
     return {grad_logits, Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
   }

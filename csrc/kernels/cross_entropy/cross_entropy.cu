@@ -121,6 +121,21 @@ __device__ __forceinline__ void finish_row(const T* z, int64_t y, acc* loss, T* 
   }
 }
 
+// An ignored row: loss 0, and torch's gradient, log_softmax's backward of a zero gradient
+// (0 - exp(log_softmax(z)) * 0): NaN throughout when the row's log-sum-exp is NaN (a NaN or +inf
+// logit, or every logit -inf; accumulate_row's pair says which), 0 otherwise.
+template <typename T, typename acc>
+__device__ __forceinline__ void finish_ignored_row(acc* loss, T* g, int64_t classes,
+                                                   int64_t first, int64_t step,
+                                                   MaxSum<acc> ms) {
+  if (first == 0) *loss = acc(0);
+  if (g == nullptr) return;
+  const acc inf = std::numeric_limits<acc>::infinity();
+  const bool nan_row = ms.s != ms.s || ms.m == inf || ms.m == -inf;
+  const T fill = from_acc<T>(nan_row ? std::numeric_limits<acc>::quiet_NaN() : acc(0));
+  for (int64_t c = first; c < classes; c += step) g[c] = fill;
+}
+
 // Rows of many classes: one block per row.
 template <typename T, typename acc>
 __global__ void __launch_bounds__(kThreads)
@@ -132,17 +147,15 @@ __global__ void __launch_bounds__(kThreads)
     const T* z = logits + row * classes;
     T* g = grad != nullptr ? grad + row * classes : nullptr;
     const int64_t y = labels[row];
-    if (y == ignore_index) {
-      if (threadIdx.x == 0) loss[row] = acc(0);
-      if (g != nullptr) {
-        for (int64_t c = threadIdx.x; c < classes; c += kThreads) g[c] = from_acc<T>(acc(0));
-      }
-      continue;
-    }
     MaxSum<acc> ms{-std::numeric_limits<acc>::infinity(), acc(0)};
     acc zsum = acc(0);
+    // Ignored rows too: their gradient depends on whether the log-sum-exp is NaN.
     accumulate_row(z, classes, threadIdx.x, kThreads, ms, zsum);
     block_reduce(ms, zsum);
+    if (y == ignore_index) {
+      finish_ignored_row(loss + row, g, classes, threadIdx.x, kThreads, ms);
+      continue;
+    }
     finish_row(z, y, loss + row, g, classes, threadIdx.x, kThreads, ms, zsum, scale, eps,
                label_error);
   }
@@ -172,7 +185,7 @@ __global__ void __launch_bounds__(kThreads, 2)
     const T* z = logits + (active ? row : 0) * classes;
     MaxSum<acc> ms{-std::numeric_limits<acc>::infinity(), acc(0)};
     acc zsum = acc(0);
-    if (active && !ignored) accumulate_row(z, classes, lane, width, ms, zsum);
+    if (active) accumulate_row(z, classes, lane, width, ms, zsum);
     for (int offset = width / 2; offset > 0; offset >>= 1) {
       // Lanes offset apart belong to the same group: groups are aligned runs of width lanes.
       MaxSum<acc> other{__shfl_xor_sync(0xffffffffu, ms.m, offset),
@@ -183,10 +196,7 @@ __global__ void __launch_bounds__(kThreads, 2)
     if (!active) continue;
     T* g = grad != nullptr ? grad + row * classes : nullptr;
     if (ignored) {
-      if (lane == 0) loss[row] = acc(0);
-      if (g != nullptr) {
-        for (int64_t c = lane; c < classes; c += width) g[c] = from_acc<T>(acc(0));
-      }
+      finish_ignored_row(loss + row, g, classes, lane, width, ms);
       continue;
     }
     finish_row(z, y, loss + row, g, classes, lane, width, ms, zsum, scale, eps, label_error);

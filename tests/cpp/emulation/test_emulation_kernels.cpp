@@ -242,12 +242,14 @@ void cross_entropy_ref(const std::vector<double>& z, int64_t y, double scale, do
                        int64_t ignore, double* loss, std::vector<double>* grad) {
   const int64_t C = static_cast<int64_t>(z.size());
   grad->assign(C, 0.0);
+  double m = -kInf;
+  for (double v : z) m = std::isnan(v) || std::isnan(m) ? kNaN : (v > m ? v : m);
   if (y == ignore) {
+    // torch: log_softmax's backward of a zero gradient, NaN where the log-sum-exp is NaN.
     *loss = 0;
+    if (std::isnan(m) || std::isinf(m)) grad->assign(C, kNaN);
     return;
   }
-  double m = -kInf;
-  for (double v : z) m = std::isnan(v) ? v : (v > m ? v : m);
   double sum = 0;
   for (double v : z) sum += std::exp(v - m);
   const double lse = m + std::log(sum);
@@ -346,6 +348,15 @@ void test_cross_entropy(std::mt19937& rng) {
     }
     rows.push_back(plain());
     labels.push_back(kIgnore);
+    // Ignored rows whose gradient is NaN as torch's (NaN, +inf, all -inf) or 0 (a -inf).
+    for (double bad : {kNaN, kInf, -kInf}) {
+      auto z = plain();
+      z[C / 2] = bad;
+      rows.push_back(z);
+      labels.push_back(kIgnore);
+    }
+    rows.push_back(std::vector<double>(C, -kInf));
+    labels.push_back(kIgnore);
     const int64_t R = static_cast<int64_t>(rows.size());
     for (double eps : {0.0, 0.1}) {
       for (bool with_grad : {true, false}) {
@@ -383,6 +394,10 @@ void test_cross_entropy(std::mt19937& rng) {
           for (int64_t c = 0; c < C; ++c) {
             expect_close(to_double(grad[r * C + c]), want_grad[c], tolerance<T>() + 1e-6, 0,
                          "cross_entropy grad", name<T>(), r * C + c);
+            if constexpr (std::is_same<T, float>::value || std::is_same<T, double>::value) {
+              expect_close(cpu_grad[r * C + c], want_grad[c], tolerance<T>() + 1e-6, 0,
+                           "cross_entropy grad (CPU kernel)", name<T>(), r * C + c);
+            }
           }
         }
       }
