@@ -124,6 +124,9 @@ def main():
         ext_modules=[ext],
         cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
         python_requires=">=3.10",
+        # What `import dpcuda` and the command line need at run time besides torch (which the
+        # build itself needs, so it is installed first: scripts/setup.sh).
+        install_requires=["numpy", "tqdm", "scikit-learn", "matplotlib"],
         entry_points={"console_scripts": ["dpcuda=dpcuda.cli:main"]},
     )
 

@@ -10,9 +10,17 @@ import warnings
 import torch
 
 from . import _C
-from . import ops, nn, reference
+from . import ops, nn, reference, parallel
 
-__all__ = ["built_with_cuda", "cuda_available", "ops", "nn", "reference"]
+__all__ = ["built_with_cuda", "cuda_available", "load_checkpoint_model", "ops", "nn",
+           "parallel", "reference"]
+
+
+def load_checkpoint_model(path, device="cpu"):
+    """The model of a `python -m dpcuda train` checkpoint, ready for inference (eval mode),
+    taking raw features (the saved standardisation is applied first). See dpcuda.train."""
+    from .train import load_checkpoint_model as load
+    return load(path, device)
 __version__ = "0.1.0"
 
 

@@ -1,12 +1,15 @@
-"""The command line: `python -m dpcuda train` (also the `dpcuda` console script) and
-`python -m dpcuda bench scaling`.
+"""The command line: `python -m dpcuda train` (also the `dpcuda` console script), `eval`,
+`predict` and `bench scaling`.
 
     python -m dpcuda train                         the digits MLP, 10 epochs, every GPU or the CPU
-    python -m dpcuda train --replicas 4 --reducer host --json run.json
+    python -m dpcuda train --replicas 4 --reducer host --json run.json --checkpoint ck.pt
+    python -m dpcuda eval --checkpoint ck.pt       test-split loss and accuracy
+    python -m dpcuda predict --checkpoint ck.pt --input x.npy --output y.npy
     python -m dpcuda bench scaling --json scaling.json --plot scaling.png
 
-Bad options exit with status 2 and a one-line message; Ctrl-C saves the last good state (with
---checkpoint) and exits with status 130.
+Bad options and paths exit with status 2 and a one-line message, before any training; Ctrl-C
+and SIGTERM save the state reached (with --checkpoint) and exit with status 130 and 143; a
+diverged run, a failed write or a lost peer process exit with status 1 and one line.
 """
 
 import argparse
@@ -30,6 +33,34 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message):
         self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+class _Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The module docstring as written, and every option's default in --help (those that
+    have one)."""
+
+    def _get_help_string(self, action):
+        if action.default in (None, False) or action.help is None:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def _momentum(text):
+    value = _non_negative_float("--momentum")(text)
+    if value >= 1:
+        raise argparse.ArgumentTypeError(f"--momentum must be in [0, 1), got {text!r}")
+    return value
+
+
+def _timeout(text):
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"--timeout must be a positive number of seconds, "
+                                         f"got {text!r}")
+    return value
 
 
 def _positive_int(name):
@@ -65,53 +96,115 @@ def _default_devices():
     return ["cpu"]
 
 
+def _add_data(p):
+    p.add_argument("--seed", type=int, default=0,
+                   help="initial weights, data order (and the synthetic data)")
+    p.add_argument("--dataset", choices=data_mod.DATASETS, default="digits", help="data set")
+    p.add_argument("--data-dir", default=None, help="folder of the Fashion-MNIST IDX files")
+    p.add_argument("--samples", type=_positive_int("--samples"), default=None,
+                   help="synthetic data set size (default 60000)")
+    p.add_argument("--features", type=_positive_int("--features"), default=None,
+                   help="synthetic data set features (default 784)")
+    p.add_argument("--classes", type=_positive_int("--classes"), default=None,
+                   help="synthetic data set classes (default 10)")
+
+
+def _data_args(args, parser):
+    """--samples, --features and --classes: the synthetic data set's; an error elsewhere."""
+    given = [f"--{k}" for k in ("samples", "features", "classes") if getattr(args, k) is not None]
+    if given and args.dataset != "synthetic":
+        parser.error(f"{', '.join(given)} only apply to --dataset synthetic, not {args.dataset}")
+    for key, default in (("samples", 60000), ("features", 784), ("classes", 10)):
+        if getattr(args, key) is None:
+            setattr(args, key, default)
+
+
 def _add_model_and_data(p, epochs_default):
     p.add_argument("--devices", default=None,
                    help="comma-separated devices, e.g. cuda:0,cuda:1 (default: every GPU, "
                         "else the CPU)")
-    p.add_argument("--batch-size", type=_positive_int("--batch-size"), default=256)
-    p.add_argument("--lr", type=_non_negative_float("--lr"), default=0.2)
-    p.add_argument("--momentum", type=_non_negative_float("--momentum"), default=0.9)
-    p.add_argument("--weight-decay", type=_non_negative_float("--weight-decay"), default=0.0)
-    p.add_argument("--epochs", type=_positive_int("--epochs"), default=epochs_default)
-    p.add_argument("--hidden", type=_positive_int("--hidden"), default=256)
+    p.add_argument("--batch-size", type=_positive_int("--batch-size"), default=256,
+                   help="global batch, split over the replicas")
+    p.add_argument("--lr", type=_non_negative_float("--lr"), default=0.2, help="learning rate")
+    p.add_argument("--momentum", type=_momentum, default=0.9, help="SGD momentum")
+    p.add_argument("--weight-decay", type=_non_negative_float("--weight-decay"), default=0.0,
+                   help="SGD weight decay")
+    p.add_argument("--epochs", type=_positive_int("--epochs"), default=epochs_default,
+                   help="passes over the training split")
+    p.add_argument("--hidden", type=_positive_int("--hidden"), default=256,
+                   help="width of the hidden layer")
     p.add_argument("--activation", choices=[a for a in ACTIVATIONS if a != "none"],
-                   default="relu")
+                   default="relu", help="activation of the hidden layer")
     p.add_argument("--split", choices=SPLITS, default="even",
                    help="rows per replica: even, weighted (by --split-weights) or auto (by "
                         "measured speed)")
     p.add_argument("--split-weights", default=None,
                    help="with --split weighted: comma-separated weights, one per replica")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dataset", choices=data_mod.DATASETS, default="digits")
-    p.add_argument("--data-dir", default=None, help="folder of the Fashion-MNIST IDX files")
-    p.add_argument("--samples", type=_positive_int("--samples"), default=60000,
-                   help="synthetic data set size")
-    p.add_argument("--features", type=_positive_int("--features"), default=784)
-    p.add_argument("--classes", type=_positive_int("--classes"), default=10)
+    _add_data(p)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def _parser():
-    parser = _Parser(prog="dpcuda", description=__doc__,
-                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    from . import __version__
+    parser = _Parser(prog="dpcuda", description=__doc__, formatter_class=_Formatter)
+    parser.add_argument("--version", action="version", version=f"dpcuda {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    t = sub.add_parser("train", help="train the MLP data-parallel")
+    t = sub.add_parser("train", help="train the MLP data-parallel", formatter_class=_Formatter)
     _add_model_and_data(t, 10)
     t.add_argument("--replicas", type=_positive_int("--replicas"), default=None,
                    help="k replicas over the devices (default: one per device); on a "
                         "CPU-only machine this is how k devices are simulated")
-    t.add_argument("--reducer", choices=REDUCERS, default="p2p")
+    t.add_argument("--reducer", choices=REDUCERS, default="p2p",
+                   help="dist: across processes with torch.distributed, under torchrun")
     t.add_argument("--no-fused", action="store_true", help="plain torch.nn layers")
-    t.add_argument("--checkpoint", default=None, help="save a checkpoint here every epoch")
-    t.add_argument("--resume", default=None, help="continue from this checkpoint")
+    t.add_argument("--checkpoint", default=None,
+                   help="save a checkpoint here every epoch (and on Ctrl-C or SIGTERM)")
+    t.add_argument("--resume", default=None,
+                   help="continue from this checkpoint; 'auto': from --checkpoint if it exists "
+                        "(for restarted jobs)")
+    t.add_argument("--overwrite", action="store_true",
+                   help="replace an existing --checkpoint file without resuming it")
     t.add_argument("--json", default=None, help="write every figure of the run here")
+    t.add_argument("--max-bad-steps", type=_positive_int("--max-bad-steps"), default=5,
+                   help="stop after this many consecutive steps with NaN or Inf gradients")
+    t.add_argument("--timeout", type=_timeout, default=300.0,
+                   help="seconds a wait on another process (--reducer dist) may take")
+
+    e = sub.add_parser("eval", help="test-split loss and accuracy of a checkpoint",
+                       formatter_class=_Formatter)
+    e.add_argument("--checkpoint", required=True)
+    e.add_argument("--device", default="cpu")
+    e.add_argument("--data-dir", default=None, help="folder of the Fashion-MNIST IDX files")
+    e.add_argument("--dataset", choices=data_mod.DATASETS, default=None,
+                   help="the data set (default: the checkpoint's)")
+    e.add_argument("--json", default=None)
+
+    pr = sub.add_parser("predict", help="class predictions of a checkpoint's model",
+                        formatter_class=_Formatter)
+    pr.add_argument("--checkpoint", required=True)
+    pr.add_argument("--input", required=True, help=".npy file of raw features, (rows, features)")
+    pr.add_argument("--output", required=True, help=".npy file for the int64 classes, (rows,)")
+    pr.add_argument("--device", default="cpu")
 
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench", required=True, parser_class=_Parser)
-    s = bsub.add_parser("scaling", help="epoch time and accuracy for 1, 2, 4 replicas")
-    _add_model_and_data(s, 2)
-    s.set_defaults(dataset="synthetic", samples=16384)
+    s = bsub.add_parser("scaling", help="epoch time and accuracy for 1, 2, 4 replicas",
+                        formatter_class=_Formatter)
+    s.add_argument("--devices", default=None,
+                   help="comma-separated devices (default: every GPU, else the CPU)")
+    s.add_argument("--lr", type=_non_negative_float("--lr"), default=0.2,
+                   help="learning rate at the first --batches entry")
+    s.add_argument("--momentum", type=_momentum, default=0.9)
+    s.add_argument("--weight-decay", type=_non_negative_float("--weight-decay"), default=0.0)
+    s.add_argument("--epochs", type=_positive_int("--epochs"), default=2)
+    s.add_argument("--hidden", type=_positive_int("--hidden"), default=256)
+    s.add_argument("--activation", choices=[a for a in ACTIVATIONS if a != "none"],
+                   default="relu")
+    s.add_argument("--split", choices=SPLITS, default="even")
+    s.add_argument("--split-weights", default=None)
+    _add_data(s)
+    s.add_argument("--no-progress", action="store_true", help="no progress bar")
+    s.set_defaults(dataset="synthetic")
     s.add_argument("--replicas", default="1,2,4")
     s.add_argument("--batches", default="256,512",
                    help="global batch sizes; lr scales linearly from --lr at the first")
@@ -120,6 +213,8 @@ def _parser():
     s.add_argument("--plot", default="scaling.png")
     # Each command reports its errors under its own name ("dpcuda train: error: ...").
     t.set_defaults(run=_train, command_parser=t)
+    e.set_defaults(run=_eval, command_parser=e)
+    pr.set_defaults(run=_predict, command_parser=pr)
     s.set_defaults(run=_bench_scaling, command_parser=s)
     return parser
 
@@ -129,9 +224,14 @@ def _devices(args, parser):
     names = [n.strip() for n in names if n.strip()]
     from .parallel import _device
     try:
-        return [str(_device(n, "--devices")) for n in names]
+        devices = [_device(n, "--devices") for n in names]
     except ValueError as err:
         parser.error(str(err))
+    for name, device in zip(names, devices):
+        if device.type == "cpu" and device.index not in (None, 0):
+            parser.error(f"--devices: {name!r} does not exist; the CPU is 'cpu' (for k "
+                         f"replicas on it use --replicas k)")
+    return [str(d) for d in devices]
 
 
 def _replica_devices(devices, replicas):
@@ -161,7 +261,7 @@ def _split_weights(args, devices):
 
 def _config(args, devices, **over):
     from .train import TrainConfig
-    values = dict(devices=devices, batch_size=args.batch_size, lr=args.lr,
+    values = dict(devices=devices, batch_size=getattr(args, "batch_size", 256), lr=args.lr,
                   momentum=args.momentum, weight_decay=args.weight_decay, epochs=args.epochs,
                   hidden=args.hidden, activation=args.activation, split=args.split,
                   seed=args.seed, dataset=args.dataset, data_dir=args.data_dir,
@@ -184,17 +284,42 @@ def _print_table(history):
     print(f"{'epoch':>6}{'seconds':>10}{'samples/s':>12}{'train loss':>12}{'test acc':>10}")
     for r in history:
         print(f"{r['epoch']:>6}{r['seconds']:>10.2f}{r['samples_per_s']:>12.0f}"
-              f"{r['train_loss']:>12.4f}{100 * r['test_accuracy']:>9.2f}%")
+              f"{r['train_loss']:>12.4g}{100 * r['test_accuracy']:>9.2f}%")
+
+
+def _finite(value):
+    """value with every non-finite float replaced by None (JSON has no NaN or Infinity)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
 
 
 def _write_json(path, payload):
+    """Atomically (a temporary file renamed over path) and valid (null for a non-finite
+    number). A failed write raises WriteError naming the path."""
+    from .train import WriteError
     folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(payload, f, indent=2)
+    tmp = os.path.join(folder, f".{os.path.basename(path)}.tmp-{os.getpid()}")
+    try:
+        os.makedirs(folder, exist_ok=True)
+        with open(tmp, "w") as f:
+            json.dump(_finite(payload), f, indent=2, allow_nan=False)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as err:
+        raise WriteError(f"cannot write {path}: {err.strerror or err}") from None
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
 
 
-def _init_dist(devices):
+def _init_dist(devices, timeout):
+    import datetime
     import torch.distributed as dist
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         raise ValueError("--reducer dist needs torch.distributed's environment: start with "
@@ -202,50 +327,106 @@ def _init_dist(devices):
                          "--reducer dist)")
     backend = "nccl" if torch.device(devices[0]).type == "cuda" else "gloo"
     if not dist.is_initialized():
-        dist.init_process_group(backend)
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
     return dist.get_rank(), dist.get_world_size()
 
 
+def _replicas_text(devices, processes=1):
+    k = len(devices) * processes
+    names = sorted(set(devices), key=devices.index)
+    where = ",".join(names) if len(names) <= 8 else f"{','.join(names[:8])},..."
+    return f"{k} replica{'s' if k != 1 else ''} on {where}"
+
+
 def _train(args, parser):
-    from .train import CheckpointError, Interrupted, train
+    from .train import (CheckpointError, Diverged, Interrupted, OutputError, WriteError,
+                        check_output_path, train)
+    _data_args(args, parser)
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if world > 1 and args.reducer != "dist":
+        parser.error(f"running under torchrun (WORLD_SIZE={world}) needs --reducer dist; "
+                     f"without it every process would train its own copy and write the same "
+                     f"files")
     devices = _replica_devices(_devices(args, parser), args.replicas)
     if args.dataset == "fashion-mnist" and not args.data_dir:
         parser.error("--dataset fashion-mnist needs --data-dir")
-    if args.resume and not os.path.isfile(args.resume):
+    if args.resume == "auto":
+        if not args.checkpoint:
+            parser.error("--resume auto needs --checkpoint (it resumes that file if it exists)")
+        args.resume = args.checkpoint if os.path.isfile(args.checkpoint) else None
+    elif args.resume and not os.path.isfile(args.resume):
         parser.error(f"--resume {args.resume}: no such file")
+    if args.checkpoint and os.path.isfile(args.checkpoint) and not args.overwrite and not (
+            args.resume and os.path.samefile(args.resume, args.checkpoint)):
+        parser.error(f"--checkpoint {args.checkpoint} exists (another run's?); --resume "
+                     f"{args.checkpoint} continues it, --overwrite replaces it")
+    lead_process = int(os.environ.get("RANK", "0") or 0) == 0
     try:
+        if args.json and lead_process:
+            check_output_path(args.json, "--json")
         cfg = _config(args, devices, reducer=args.reducer, fused=not args.no_fused,
-                      checkpoint=args.checkpoint, resume=args.resume)
+                      checkpoint=args.checkpoint, resume=args.resume,
+                      max_bad_steps=args.max_bad_steps, timeout=args.timeout)
     except ValueError as err:
         parser.error(str(err))
     dist_info = None
+
+    def write_json(result):
+        if args.json and (dist_info is None or dist_info[0] == 0):
+            payload = dict(result)
+            payload.pop("data_parallel", None)
+            _write_json(args.json, {"command": "train", **payload,
+                                    "environment": _env(cfg.devices)})
+            return True
+        return False
+
     try:
         if args.reducer == "dist":
             if "LOCAL_RANK" in os.environ and torch.device(devices[0]).type == "cuda":
                 local = int(os.environ["LOCAL_RANK"])
                 cfg.devices = [f"cuda:{local}"] if not args.devices else cfg.devices
-            dist_info = _init_dist(cfg.devices)
+            dist_info = _init_dist(cfg.devices, args.timeout)
         dataset = data_mod.load(cfg.dataset, cfg.data_dir, cfg.samples, cfg.features,
                                 cfg.classes, cfg.seed)
         lead = dist_info is None or dist_info[0] == 0
-        if lead:
-            print(f"dpcuda train: {dataset.name} ({dataset.x_train.shape[0]} train, "
-                  f"{dataset.x_test.shape[0]} test, {dataset.features} features), MLP "
-                  f"{dataset.features}-{cfg.hidden}-{dataset.classes} {cfg.activation}, "
-                  f"{'fused' if cfg.fused else 'plain torch'} layers, "
-                  f"{len(cfg.devices) * (dist_info[1] if dist_info else 1)} replicas on "
-                  f"{','.join(cfg.devices)}, reducer {cfg.reducer}, batch {cfg.batch_size}, "
-                  f"lr {cfg.lr}, momentum {cfg.momentum}", flush=True)
-        result = train(cfg, dataset, dist_info)
-    except (ValueError, CheckpointError, data_mod.DataError) as err:
+
+        def announce():  # once every check has passed, before the first step
+            if lead:
+                print(f"dpcuda train: {dataset.name} ({dataset.x_train.shape[0]} train, "
+                      f"{dataset.x_test.shape[0]} test, {dataset.features} features), MLP "
+                      f"{dataset.features}-{cfg.hidden}-{dataset.classes} {cfg.activation}, "
+                      f"{'fused' if cfg.fused else 'plain torch'} layers, "
+                      f"{_replicas_text(cfg.devices, dist_info[1] if dist_info else 1)}, "
+                      f"reducer {cfg.reducer}, batch {cfg.batch_size}, lr {cfg.lr}, momentum "
+                      f"{cfg.momentum}", flush=True)
+
+        result = train(cfg, dataset, dist_info, announce=announce)
+    except (ValueError, CheckpointError, OutputError, data_mod.DataError) as err:
         parser.exit(2, f"{parser.prog}: error: {err}\n")
     except Interrupted as stop:
         print(f"dpcuda train: {stop}", file=sys.stderr)
-        if args.json:
-            payload = dict(stop.result)
-            payload.pop("data_parallel", None)
-            _write_json(args.json, {"command": "train", **payload, "environment": _env(devices)})
-        return 130
+        try:
+            write_json({**stop.result, "final": None})
+        except WriteError as err:
+            print(f"dpcuda train: error: {err}", file=sys.stderr)
+        return 128 + int(stop.signum)
+    except Diverged as err:
+        try:
+            write_json({**err.result, "final": None})
+        except WriteError:
+            pass
+        parser.exit(1, f"{parser.prog}: error: {err}\n")
+    except WriteError as err:
+        parser.exit(1, f"{parser.prog}: error: {err}\n")
+    except Exception as err:
+        if dist_info is None or not _is_dist_failure(err):
+            raise
+        reason = str(err).strip().splitlines()[0][:200] if str(err).strip() else \
+            type(err).__name__
+        kept = f"; the last checkpoint {cfg.checkpoint} is intact" if cfg.checkpoint else ""
+        parser.exit(1, f"{parser.prog}: error: rank {dist_info[0]}: lost another process (it "
+                       f"stopped, died or did not answer within {args.timeout:g} s): "
+                       f"{reason}{kept}\n")
     result.pop("data_parallel")
     if dist_info is None or dist_info[0] == 0:
         print()
@@ -255,21 +436,143 @@ def _train(args, parser):
             print(f"final test accuracy {100 * fin['test_accuracy']:.2f}% after "
                   f"{fin['epochs']} epochs, {fin['total_seconds']:.2f} s of training, "
                   f"{fin['samples_per_s']:.0f} samples/s")
-        if args.json:
-            _write_json(args.json, {"command": "train", **result,
-                                    "environment": _env(cfg.devices)})
-            print(f"wrote {args.json}")
+        try:
+            if write_json(result):
+                print(f"wrote {args.json}")
+        except WriteError as err:
+            parser.exit(1, f"{parser.prog}: error: {err}\n")
+    return 0
+
+
+def _is_dist_failure(err):
+    """Whether err is torch.distributed reporting a lost or silent peer (gloo/NCCL)."""
+    import torch.distributed as dist
+    kinds = tuple(k for k in (getattr(dist, "DistError", None),
+                              getattr(dist, "DistBackendError", None),
+                              getattr(dist, "DistNetworkError", None)) if k is not None)
+    if kinds and isinstance(err, kinds):
+        return True
+    text = str(err).lower()
+    return isinstance(err, RuntimeError) and any(
+        s in text for s in ("gloo", "nccl", "connection", "timed out", "timeout", "peer"))
+
+
+def _load_model_for(args, parser):
+    from .train import CheckpointError, load_checkpoint_model
+    from .parallel import _device
+    try:
+        device = _device(args.device, "--device")
+        return load_checkpoint_model(args.checkpoint, device), device
+    except (CheckpointError, ValueError) as err:
+        parser.exit(2, f"{parser.prog}: error: {err}\n")
+
+
+def _eval(args, parser):
+    from .train import load_checkpoint
+    import torch.nn.functional as F
+    model, device = _load_model_for(args, parser)
+    cfg = load_checkpoint(args.checkpoint, option="--checkpoint").get("config") or {}
+    name = args.dataset or cfg.get("dataset", "digits")
+    try:
+        dataset = data_mod.load(name, args.data_dir or cfg.get("data_dir"),
+                                cfg.get("samples", 60000), cfg.get("features", 784),
+                                cfg.get("classes", 10), cfg.get("seed", 0))
+    except data_mod.DataError as err:
+        parser.exit(2, f"{parser.prog}: error: {err}\n")
+    # Raw features: the model applies the standardisation its checkpoint saved.
+    x = dataset.x_test * dataset.std + dataset.mean if hasattr(model, "mean") else dataset.x_test
+    features = model.mean.shape[0] if hasattr(model, "mean") else \
+        model.layers[0].weight.shape[1]
+    if x.shape[1] != features:
+        parser.exit(2, f"{parser.prog}: error: {name} has {x.shape[1]} features, the "
+                       f"checkpoint's model takes {features}\n")
+    with torch.no_grad():
+        logits = torch.cat([model(x[i:i + 4096].to(device)).cpu()
+                            for i in range(0, x.shape[0], 4096)])
+    loss = float(F.cross_entropy(logits.float(), dataset.y_test))
+    accuracy = float((logits.argmax(1) == dataset.y_test).float().mean())
+    print(f"{name} test split: {x.shape[0]} samples, loss {loss:.4f}, accuracy "
+          f"{100 * accuracy:.2f}%")
+    if args.json:
+        try:
+            _write_json(args.json, {"command": "eval", "checkpoint": args.checkpoint,
+                                    "dataset": name, "samples": x.shape[0], "loss": loss,
+                                    "accuracy": accuracy})
+        except OSError as err:
+            parser.exit(1, f"{parser.prog}: error: {err}\n")
+    return 0
+
+
+def _predict(args, parser):
+    import numpy as np
+    model, device = _load_model_for(args, parser)
+    try:
+        x = np.load(args.input, allow_pickle=False)
+    except (OSError, ValueError) as err:
+        parser.exit(2, f"{parser.prog}: error: --input {args.input}: cannot read a .npy array "
+                       f"({str(err).splitlines()[0] if str(err) else type(err).__name__})\n")
+    features = model.mean.shape[0] if hasattr(model, "mean") else \
+        model.layers[0].weight.shape[1]
+    if x.ndim == 1 and x.shape[0] == features:
+        x = x[None]
+    if x.ndim != 2 or x.shape[1] != features or not np.issubdtype(x.dtype, np.number):
+        parser.exit(2, f"{parser.prog}: error: --input {args.input}: expected numbers of shape "
+                       f"(rows, {features}), got {x.dtype} {x.shape}\n")
+    from .train import WriteError, check_output_path
+    try:
+        check_output_path(args.output, "--output")
+    except ValueError as err:
+        parser.exit(2, f"{parser.prog}: error: {err}\n")
+    xt = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
+    with torch.no_grad():
+        classes = torch.cat([model(xt[i:i + 4096].to(device)).argmax(1).cpu()
+                             for i in range(0, xt.shape[0], 4096)]) if len(xt) else \
+            torch.zeros(0, dtype=torch.int64)
+    folder = os.path.dirname(os.path.abspath(args.output))
+    tmp = os.path.join(folder, f".{os.path.basename(args.output)}.tmp-{os.getpid()}.npy")
+    try:
+        np.save(tmp, classes.numpy().astype(np.int64))
+        os.replace(tmp, args.output)
+    except OSError as err:
+        parser.exit(1, f"{parser.prog}: error: cannot write {args.output}: "
+                       f"{err.strerror or err}\n")
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    print(f"wrote {args.output}: {classes.shape[0]} predictions")
     return 0
 
 
 def _bench_scaling(args, parser):
     from .train import train
+    if args.samples is None and args.dataset == "synthetic":
+        args.samples = 16384
+    _data_args(args, parser)
     devices = _devices(args, parser)
     try:
         replica_counts = [int(r) for r in args.replicas.split(",")]
         batches = [int(b) for b in args.batches.split(",")]
     except ValueError:
         parser.error("--replicas and --batches take comma-separated integers")
+    if min(replica_counts) < 1 or min(batches) < 1:
+        parser.error("--replicas and --batches take positive integers")
+    if args.plot:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        kinds = plt.figure().canvas.get_supported_filetypes()
+        plt.close("all")
+        ext = os.path.splitext(args.plot)[1].lstrip(".").lower()
+        if ext not in kinds:
+            parser.error(f"--plot {args.plot}: unknown image type {ext!r}; use one of "
+                         f"{', '.join(sorted(kinds))}")
+    from .train import check_output_path
+    try:
+        for path, option in ((args.json, "--json"), (args.plot, "--plot")):
+            if path:
+                check_output_path(path, option)
+    except ValueError as err:
+        parser.error(str(err))
     reducers = [r.strip() for r in args.reducers.split(",")]
     for r in reducers:
         if r not in ("p2p", "host"):
@@ -310,7 +613,10 @@ def _bench_scaling(args, parser):
                "train_samples": dataset.x_train.shape[0], "epochs": args.epochs,
                "devices": devices, "environment": _env(devices), "results": rows}
     if args.json:
-        _write_json(args.json, payload)
+        try:
+            _write_json(args.json, payload)
+        except OSError as err:
+            parser.exit(1, f"{parser.prog}: error: {err}\n")
         print(f"wrote {args.json}")
     if args.plot:
         _plot(rows, args.plot, f"{dataset.name}, {_env(devices)['device_name']}")

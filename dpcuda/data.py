@@ -38,6 +38,8 @@ class Dataset:
     x_test: torch.Tensor
     y_test: torch.Tensor
     classes: int
+    mean: torch.Tensor = None  # the standardisation: x_standardised = (x_raw - mean) / std
+    std: torch.Tensor = None
 
     @property
     def features(self):
@@ -108,9 +110,15 @@ def _fashion_mnist(data_dir):
     arrays = {key: read_idx(path) for key, path in paths.items()}
     for split in ("train", "test"):
         images, labels = arrays[f"{split}_images"], arrays[f"{split}_labels"]
+        name = paths[f"{split}_images"]
         if images.ndim != 3 or labels.ndim != 1 or images.shape[0] != labels.shape[0]:
             raise DataError(f"--data-dir {data_dir}: {split} images of shape {images.shape} do "
                             f"not match labels of shape {labels.shape}")
+        if images.shape[0] == 0:
+            raise DataError(f"{name}: no images")
+    if arrays["train_images"].shape[1:] != arrays["test_images"].shape[1:]:
+        raise DataError(f"{paths['test_images']}: images of {arrays['test_images'].shape[1:]} "
+                        f"pixels, the train images have {arrays['train_images'].shape[1:]}")
     x_train = torch.from_numpy(arrays["train_images"].reshape(len(arrays["train_images"]), -1))
     x_test = torch.from_numpy(arrays["test_images"].reshape(len(arrays["test_images"]), -1))
     y_train = torch.from_numpy(arrays["train_labels"].astype(np.int64))
@@ -160,7 +168,11 @@ def load(name, data_dir=None, samples=60000, features=784, classes=10, seed=0):
     else:
         raise DataError(f"unknown dataset {name!r}; choose one of {', '.join(DATASETS)}")
     name, x_train, y_train, x_test, y_test, classes = parts
+    if x_train.shape[0] == 0 or x_test.shape[0] == 0:
+        raise DataError(f"{name}: the {'train' if x_train.shape[0] == 0 else 'test'} split "
+                        f"has no samples")
     mean = x_train.mean(0)
     std = x_train.std(0).clamp_min(0.1)
     return Dataset(name, ((x_train - mean) / std).contiguous(), y_train.contiguous(),
-                   ((x_test - mean) / std).contiguous(), y_test.contiguous(), classes)
+                   ((x_test - mean) / std).contiguous(), y_test.contiguous(), classes,
+                   mean, std)

@@ -1,13 +1,17 @@
 """The training run behind `python -m dpcuda train`: a 2-layer MLP trained data-parallel with
 dpcuda.parallel.DataParallel, per-epoch figures, atomic checkpoints that resume to identical
-weights, and a clean stop on Ctrl-C.
+weights, output paths checked before the first step, a divergence guard, and a clean stop on
+Ctrl-C or SIGTERM.
 """
 
 import math
 import os
+import shutil
 import signal
+import tempfile
 import threading
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -17,11 +21,21 @@ from . import data as data_mod
 from .nn import FusedMLP, SoftmaxCrossEntropyLoss
 from .parallel import DataParallel
 
-__all__ = ["TrainConfig", "CheckpointError", "Interrupted", "build_model", "train",
-           "save_checkpoint", "load_checkpoint", "CHECKPOINT_FORMAT"]
+__all__ = ["TrainConfig", "CheckpointError", "OutputError", "WriteError", "Diverged",
+           "Interrupted", "build_model", "train", "save_checkpoint", "load_checkpoint",
+           "load_checkpoint_model", "check_output_path", "CHECKPOINT_FORMAT"]
 
 CHECKPOINT_FORMAT = "dpcuda-checkpoint"
-CHECKPOINT_VERSION = 1
+CHECKPOINT_VERSION = 2
+_READABLE_VERSIONS = (1, 2)  # version 1: the weights as an unnamed list, no normalisation
+
+# What a resumed run must share with its checkpoint (config key: option): these set the model or
+# the order of the data. The rest (lr, momentum, replicas, devices, reducer, epochs upwards, ...)
+# may change. samples, features and classes matter for the synthetic data set only.
+_SAME_ON_RESUME = {"dataset": "--dataset", "seed": "--seed", "batch_size": "--batch-size",
+                   "activation": "--activation", "hidden": "--hidden", "samples": "--samples",
+                   "features": "--features", "classes": "--classes"}
+_SYNTHETIC_ONLY = ("samples", "features", "classes")
 
 _ACTIVATION_MODULES = {
     "relu": torch.nn.ReLU, "gelu": torch.nn.GELU, "gelu_tanh": lambda: torch.nn.GELU("tanh"),
@@ -35,12 +49,30 @@ class CheckpointError(ValueError):
     another model."""
 
 
-class Interrupted(Exception):
-    """Raised by train() after Ctrl-C, once the last good state is saved."""
+class OutputError(ValueError):
+    """An output path (--checkpoint, --json) that cannot be written: found before training."""
+
+
+class WriteError(OSError):
+    """A write that failed during the run (a full disk, say); the previous file is intact."""
+
+
+class Diverged(Exception):
+    """Raised by train() after max_bad_steps consecutive steps with non-finite gradients."""
 
     def __init__(self, message, result):
         super().__init__(message)
         self.result = result
+
+
+class Interrupted(Exception):
+    """Raised by train() after Ctrl-C or SIGTERM, once the last good state is saved; signum
+    says which."""
+
+    def __init__(self, message, result, signum=signal.SIGINT):
+        super().__init__(message)
+        self.result = result
+        self.signum = signum
 
 
 @dataclass
@@ -67,6 +99,8 @@ class TrainConfig:
     resume: str = None
     progress: bool = True
     log: bool = True
+    max_bad_steps: int = 5  # consecutive steps with non-finite gradients that end the run
+    timeout: float = 300.0  # seconds any wait on another process or replica may take
 
 
 def build_model(features, hidden, classes, activation, fused, seed):
@@ -88,46 +122,150 @@ def _model_spec(cfg, dataset):
             "activation": cfg.activation}
 
 
+def _os_error(err):
+    """The OSError behind err (torch.save wraps a failed write in a RuntimeError)."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        if isinstance(err, OSError):
+            return err
+        seen.add(id(err))
+        err = err.__cause__ or err.__context__
+    return None
+
+
 def save_checkpoint(path, payload):
     """Writes payload to path atomically: a temporary file in the same folder, flushed to disk,
-    then renamed over path, so a crash leaves either the old checkpoint or the new one."""
+    then renamed over path, so a crash or a full disk leaves the old checkpoint or the new one.
+    A failed write raises WriteError naming the path and the system's reason."""
     folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
     tmp = os.path.join(folder, f".{os.path.basename(path)}.tmp-{os.getpid()}")
     try:
+        os.makedirs(folder, exist_ok=True)
         with open(tmp, "wb") as f:
             torch.save(payload, f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except Exception as err:
+        cause = _os_error(err)
+        reason = (cause.strerror or str(cause)) if cause is not None else str(err).splitlines()[0]
+        raise WriteError(f"cannot write the checkpoint {path}: {reason}; the previous "
+                         f"checkpoint, if any, is intact") from None
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
 
 
-def load_checkpoint(path, spec=None):
+def check_output_path(path, option, need_bytes=0):
+    """Before the first step: path can be written (not a folder, its folder exists or can be
+    made, files can be created there) and its disk has need_bytes free. OutputError if not."""
+    if os.path.isdir(path):
+        raise OutputError(f"{option} {path}: is a folder, not a file")
+    folder = os.path.dirname(os.path.abspath(path))
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as err:
+        raise OutputError(f"{option} {path}: cannot make its folder {folder}: "
+                          f"{err.strerror or err}") from None
+    try:
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=f".{os.path.basename(path)}.probe-"):
+            pass
+    except OSError as err:
+        raise OutputError(f"{option} {path}: cannot write in {folder}: "
+                          f"{err.strerror or err}") from None
+    if need_bytes:
+        free = shutil.disk_usage(folder).free
+        if free < need_bytes:
+            raise OutputError(f"{option} {path}: {free} bytes free in {folder}, a checkpoint "
+                              f"needs about {need_bytes}")
+
+
+def _fused_keys(spec):
+    model = FusedMLP([spec["features"], spec["hidden"], spec["classes"]],
+                     activation=spec["activation"], device="meta")
+    return list(model.state_dict().keys())
+
+
+def load_checkpoint(path, spec=None, option="--resume"):
     """A checkpoint's payload, checked to be a dpcuda checkpoint (of the model spec, if
-    given). Raises CheckpointError with a one-line reason otherwise."""
+    given), with its weights under "model_state_dict" (FusedMLP's keys) whatever its version.
+    Raises CheckpointError with a one-line reason otherwise."""
     if not os.path.isfile(path):
-        raise CheckpointError(f"--resume {path}: no such file")
+        raise CheckpointError(f"{option} {path}: no such file")
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # truncated zip, not a pickle, unsupported objects ...
         reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise CheckpointError(f"--resume {path}: not a readable checkpoint (truncated or "
+        raise CheckpointError(f"{option} {path}: not a readable checkpoint (truncated or "
                               f"another kind of file): {reason[:160]}") from None
     if not isinstance(payload, dict) or payload.get("format") != CHECKPOINT_FORMAT:
-        raise CheckpointError(f"--resume {path}: not a dpcuda checkpoint")
-    if payload.get("version") != CHECKPOINT_VERSION:
-        raise CheckpointError(f"--resume {path}: checkpoint version {payload.get('version')} "
-                              f"is not supported (this dpcuda writes {CHECKPOINT_VERSION})")
+        raise CheckpointError(f"{option} {path}: not a dpcuda checkpoint")
+    if payload.get("version") not in _READABLE_VERSIONS:
+        raise CheckpointError(f"{option} {path}: checkpoint version {payload.get('version')} "
+                              f"is not supported (this dpcuda reads versions "
+                              f"{', '.join(map(str, _READABLE_VERSIONS))})")
     if spec is not None and payload.get("model") != spec:
         have = payload.get("model") or {}
         raise CheckpointError(
-            f"--resume {path}: checkpoint is of a {have.get('features')}-{have.get('hidden')}-"
+            f"{option} {path}: checkpoint is of a {have.get('features')}-{have.get('hidden')}-"
             f"{have.get('classes')} {have.get('activation')} MLP, this run builds a "
             f"{spec['features']}-{spec['hidden']}-{spec['classes']} {spec['activation']} MLP")
+    if payload["version"] == 1:
+        keys = _fused_keys(payload["model"])
+        if len(payload["parameters"]) != len(keys):
+            raise CheckpointError(f"{option} {path}: {len(payload['parameters'])} parameter "
+                                  f"tensors, the model has {len(keys)}")
+        payload["model_state_dict"] = dict(zip(keys, payload["parameters"]))
+        payload["normalization"] = None
     return payload
+
+
+def _check_resume(path, payload, cfg):
+    saved = payload.get("config") or {}
+    diffs = []
+    for key, option in _SAME_ON_RESUME.items():
+        if key in _SYNTHETIC_ONLY and cfg.dataset != "synthetic":
+            continue
+        if key in saved and saved[key] != getattr(cfg, key):
+            diffs.append(f"{option} {getattr(cfg, key)} (checkpoint: {saved[key]})")
+    if diffs:
+        raise CheckpointError(f"--resume {path}: this run differs from the checkpoint's in what "
+                              f"sets the model or the data order: {'; '.join(diffs)}")
+    epoch, step = int(payload["epoch"]), int(payload["step"])
+    needed = epoch + (1 if step else 0)
+    if cfg.epochs < needed:
+        raise CheckpointError(f"--epochs {cfg.epochs} is below the checkpoint's "
+                              f"{needed if step else epoch} {'started' if step else 'completed'} "
+                              f"epochs; --epochs may only grow on a resume")
+
+
+class Standardized(torch.nn.Module):
+    """A trained model with its input standardisation: forward(x) = model((x - mean) / std) on
+    raw features, as the data set gave them before training standardised them."""
+
+    def __init__(self, model, mean, std):
+        super().__init__()
+        self.model = model
+        self.register_buffer("mean", mean.detach().clone())
+        self.register_buffer("std", std.detach().clone())
+
+    def forward(self, x):
+        return self.model((x - self.mean) / self.std)
+
+
+def load_checkpoint_model(path, device="cpu"):
+    """The model a `dpcuda train` checkpoint holds, ready for inference (eval mode): a
+    Standardized(FusedMLP) that takes raw features. Version 1 checkpoints, which did not save
+    the standardisation, give the bare FusedMLP (it takes standardised features)."""
+    payload = load_checkpoint(path, option="--checkpoint")
+    spec = payload["model"]
+    model = FusedMLP([spec["features"], spec["hidden"], spec["classes"]],
+                     activation=spec["activation"])
+    model.load_state_dict(payload["model_state_dict"])
+    norm = payload.get("normalization")
+    if norm is not None:
+        model = Standardized(model, norm["mean"], norm["std"])
+    return model.to(device).eval()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -143,33 +281,40 @@ def _evaluate(module, x, y, device, batch=4096):
 
 
 class _StopFlag:
-    """Ctrl-C sets the flag; the loop checks it between steps."""
+    """Ctrl-C (SIGINT) or SIGTERM (what torchrun, Slurm and Kubernetes send at preemption)
+    sets the flag; the loop checks it between steps. A second Ctrl-C stops at once."""
+
+    _SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
     def __init__(self):
         self.set = False
-        self._previous = None
+        self.signum = None
+        self._previous = {}
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGINT, self._handle)
+            for sig in self._SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
     def _handle(self, signum, frame):
-        if self.set:  # a second Ctrl-C: stop at once
+        if self.set and signum == signal.SIGINT:  # a second Ctrl-C: stop at once
             raise KeyboardInterrupt
         self.set = True
+        self.signum = self.signum or signum
 
     def __exit__(self, *exc):
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
         return False
 
 
-def train(cfg, dataset=None, dist_info=None):
+def train(cfg, dataset=None, dist_info=None, announce=None):
     """Runs training as cfg says; returns a dict with every figure of the run.
 
     dist_info: (rank, world) when running under torch.distributed with reducer "dist"; each
-    process then steps on its slice of every global batch.
+    process then steps on its slice of every global batch. announce() is called once every
+    check (configuration, resume, output paths) has passed, before the first step.
     """
     rank, world = dist_info or (0, 1)
     lead = rank == 0
@@ -185,23 +330,32 @@ def train(cfg, dataset=None, dist_info=None):
                          f"replicas; every replica needs at least one row")
     spec = _model_spec(cfg, dataset)
     resumed = load_checkpoint(cfg.resume, spec) if cfg.resume else None
+    if resumed is not None:
+        _check_resume(cfg.resume, resumed, cfg)
+    if cfg.checkpoint and lead:
+        # The checkpoint holds the weights, the momentum buffer, the data order: room for it
+        # (and for the old one while the new one is written) before the first step.
+        n_params = sum(p.numel() for p in build_model(dataset.features, cfg.hidden,
+                                                      dataset.classes, cfg.activation, True,
+                                                      cfg.seed).parameters())
+        need = (n_params * 4 * (2 if cfg.momentum else 1) + n_train * 8
+                + dataset.features * 8) * 11 // 10 + (1 << 20)
+        check_output_path(cfg.checkpoint, "--checkpoint", need)
 
     model = build_model(dataset.features, cfg.hidden, dataset.classes, cfg.activation,
                         cfg.fused, cfg.seed)
     loss_fn = SoftmaxCrossEntropyLoss() if cfg.fused else F.cross_entropy
     dp = DataParallel(model, cfg.devices, reducer=cfg.reducer, split=cfg.split, lr=cfg.lr,
                       momentum=cfg.momentum, weight_decay=cfg.weight_decay,
-                      split_weights=cfg.split_weights)
+                      split_weights=cfg.split_weights, timeout=cfg.timeout)
     order_gen = torch.Generator().manual_seed(cfg.seed)
     history, start_epoch, start_step, order = [], 0, 0, None
     partial = {"loss_sum": 0.0, "samples": 0, "seconds": 0.0}
     if resumed is not None:
+        # FusedMLP's keys in the checkpoint, the same tensors in the same order as
+        # nn.Sequential(Linear, act, Linear)'s.
         keys = list(dp.state_dict().keys())
-        params = resumed["parameters"]
-        if len(params) != len(keys):
-            raise CheckpointError(f"--resume {cfg.resume}: {len(params)} parameter tensors, "
-                                  f"the model has {len(keys)}")
-        dp.load_state_dict(dict(zip(keys, params)))
+        dp.load_state_dict(dict(zip(keys, resumed["model_state_dict"].values())))
         dp.load_optimizer_state_dict(resumed["optimizer"])
         order_gen.set_state(resumed["order_generator"])
         torch.set_rng_state(resumed["torch_rng"])
@@ -211,8 +365,11 @@ def train(cfg, dataset=None, dist_info=None):
         partial = dict(resumed["partial"])
 
     def checkpoint_payload(epoch, step, order, partial):
+        weights = [p.detach().to("cpu", copy=True) for p in dp.module.parameters()]
         return {"format": CHECKPOINT_FORMAT, "version": CHECKPOINT_VERSION, "model": spec,
-                "parameters": [p.detach().to("cpu", copy=True) for p in dp.module.parameters()],
+                "model_state_dict": dict(zip(_fused_keys(spec), weights)),
+                "normalization": None if dataset.mean is None else
+                {"mean": dataset.mean.clone(), "std": dataset.std.clone()},
                 "optimizer": dp.optimizer_state_dict(), "epoch": epoch, "step": step,
                 "order": order, "order_generator": order_gen.get_state(),
                 "torch_rng": torch.get_rng_state(), "history": history,
@@ -222,6 +379,8 @@ def train(cfg, dataset=None, dist_info=None):
         if cfg.checkpoint and lead:
             save_checkpoint(cfg.checkpoint, checkpoint_payload(epoch, step, order, partial))
 
+    if announce is not None:
+        announce()
     steps_per_epoch = math.ceil(n_train / cfg.batch_size)
     result = {"config": asdict(cfg), "replicas": replicas, "devices": list(cfg.devices),
               "dataset": {"name": dataset.name, "train": n_train,
@@ -229,6 +388,7 @@ def train(cfg, dataset=None, dist_info=None):
                           "classes": dataset.classes},
               "resumed_from": cfg.resume, "epochs": history, "interrupted": False}
     progress = None
+    bad_steps = 0
     with _StopFlag() as stop:
         for epoch in range(start_epoch, cfg.epochs):
             if order is None:
@@ -249,35 +409,58 @@ def train(cfg, dataset=None, dist_info=None):
                     rest = idx.shape[0] - share * world
                     lo = rank * share + min(rank, rest)
                     idx = idx[lo:lo + share + (1 if rank < rest else 0)]
-                loss = dp.step(dataset.x_train[idx], dataset.y_train[idx], loss_fn)
-                partial["loss_sum"] += loss * rows
-                partial["samples"] += rows
+                skipped = dp.skipped_steps
+                with warnings.catch_warnings():
+                    # Counted here (bad_steps, the divergence guard), not warned step by step.
+                    warnings.filterwarnings("ignore", message="dpcuda DataParallel: step .* "
+                                                              "NaN or Inf")
+                    loss = dp.step(dataset.x_train[idx], dataset.y_train[idx], loss_fn)
+                if dp.skipped_steps > skipped:
+                    bad_steps += 1
+                    partial["skipped_steps"] = partial.get("skipped_steps", 0) + 1
+                    if bad_steps >= cfg.max_bad_steps:
+                        if progress is not None:
+                            progress.close()
+                        result["diverged"] = True
+                        raise Diverged(
+                            f"the run diverged: {bad_steps} consecutive steps with NaN or Inf "
+                            f"gradients, the last at epoch {epoch + 1}, step {step + 1}; the "
+                            f"weights were not updated by them (lower --lr; the last "
+                            f"checkpoint, if any, is intact)", result)
+                else:
+                    bad_steps = 0
+                    partial["loss_sum"] += loss * rows
+                    partial["samples"] += rows
                 partial["seconds"] += time.perf_counter() - t0
                 if progress is not None:
                     progress.update(1)
-                    progress.set_postfix(loss=f"{loss:.4f}")
-                if stop.set:
+                    progress.set_postfix(loss=f"{loss:.4g}")
+                if _agreed_stop(stop, dp, world):
                     if progress is not None:
                         progress.close()
                     save(epoch, step + 1, order, partial)
                     result["interrupted"] = True
                     where = f"epoch {epoch + 1}, step {step + 1} of {steps_per_epoch}"
                     saved = f"; saved {cfg.checkpoint}" if cfg.checkpoint else ""
-                    raise Interrupted(f"interrupted at {where}{saved}", result)
+                    name = signal.Signals(stop.signum or signal.SIGINT).name
+                    raise Interrupted(f"stopped by {name} at {where}{saved}", result,
+                                      stop.signum or signal.SIGINT)
             if progress is not None:
                 progress.close()
             accuracy = _evaluate(dp.module, dataset.x_test, dataset.y_test, dp.devices[0])
             record = {"epoch": epoch + 1, "seconds": partial["seconds"],
                       "samples_per_s": partial["samples"] / max(partial["seconds"], 1e-12),
-                      "train_loss": partial["loss_sum"] / max(partial["samples"], 1),
-                      "test_accuracy": accuracy}
+                      "train_loss": partial["loss_sum"] / partial["samples"]
+                      if partial["samples"] else math.nan,
+                      "test_accuracy": accuracy,
+                      "skipped_steps": partial.get("skipped_steps", 0)}
             history.append(record)
             order = None
             save(epoch + 1, 0, None, {"loss_sum": 0.0, "samples": 0, "seconds": 0.0})
             if cfg.log and lead:
                 msg = (f"epoch {epoch + 1:>3}/{cfg.epochs}  {record['seconds']:7.2f} s  "
                        f"{record['samples_per_s']:10.0f} samples/s  loss "
-                       f"{record['train_loss']:.4f}  test accuracy "
+                       f"{record['train_loss']:.4g}  test accuracy "
                        f"{100 * accuracy:6.2f}%")
                 if progress is not None:
                     from tqdm import tqdm
@@ -289,6 +472,20 @@ def train(cfg, dataset=None, dist_info=None):
                                                     for p in dp.module.parameters()))
     result["data_parallel"] = dp
     return result
+
+
+def _agreed_stop(stop, dp, world):
+    """Whether to stop after this step: the signal flag, agreed by every process under
+    torch.distributed (a process stopping alone would leave the others waiting in the next
+    step's collectives), in one tiny all-reduce per step."""
+    if world == 1:
+        return stop.set
+    import torch.distributed as dist
+    flag = torch.tensor([1.0 if stop.set else 0.0], device=dp._comm_device())
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if flag.item() > 0 and not stop.set:
+        stop.set, stop.signum = True, signal.SIGTERM  # another process was signalled
+    return stop.set
 
 
 def _summary(history):

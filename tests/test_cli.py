@@ -112,26 +112,39 @@ def test_interrupt_saves_and_resumes_mid_epoch(tmp_path):
         assert torch.equal(a, b)
 
 
-def test_sigint_to_the_cli_exits_130_with_a_checkpoint(tmp_path):
+@pytest.mark.parametrize("sig, status", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_signal_to_the_cli_saves_mid_epoch_and_resumes(tmp_path, sig, status):
+    """Ctrl-C and SIGTERM (preemption): the state reached is saved mid-epoch, the exit status
+    is 128 + the signal, and the resumed run ends where an uninterrupted one does."""
     ck = tmp_path / "ck.pt"
+    common = ["--dataset", "synthetic", "--samples", "40000", "--features", "32", "--epochs",
+              "2", "--batch-size", "64", "--no-progress", "--hidden", "32"]
     env = dict(os.environ, PYTHONPATH=ROOT)
-    proc = subprocess.Popen([sys.executable, "-m", "dpcuda", "train", "--dataset", "synthetic",
-                             "--samples", "200000", "--features", "64", "--epochs", "50",
-                             "--batch-size", "64", "--no-progress", "--checkpoint", str(ck)],
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+    proc = subprocess.Popen([sys.executable, "-m", "dpcuda", "train", *common, "--checkpoint",
+                             str(ck)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
     try:
-        # Wait for the first epoch's line, then interrupt the second epoch.
+        # Wait for the first epoch's line, then stop the second epoch.
         line = proc.stdout.readline()
         while line and not line.startswith("epoch"):
             line = proc.stdout.readline()
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(sig)
         _, err = proc.communicate(timeout=120)
     finally:
         proc.kill()
-    assert proc.returncode == 130, err
-    assert "interrupted at epoch" in err and "Traceback" not in err
-    assert load_checkpoint(str(ck))["epoch"] >= 1
+    assert proc.returncode == status, err
+    assert f"stopped by {sig.name} at epoch 2" in err and "Traceback" not in err
+    saved = load_checkpoint(str(ck))
+    assert saved["epoch"] == 1 and saved["step"] >= 1 and saved["version"] == 2
+    proc = run_cli("train", *common, "--checkpoint", str(ck), "--resume", "auto",
+                   "--json", str(tmp_path / "resumed.json"))
+    assert proc.returncode == 0, proc.stderr
+    proc = run_cli("train", *common, "--json", str(tmp_path / "whole.json"))
+    assert proc.returncode == 0, proc.stderr
+    resumed = json.loads((tmp_path / "resumed.json").read_text())
+    whole = json.loads((tmp_path / "whole.json").read_text())
+    assert resumed["final_parameters_checksum"] == whole["final_parameters_checksum"]
+    assert resumed["final"]["test_accuracy"] == whole["final"]["test_accuracy"]
 
 
 @pytest.mark.parametrize("args, message", [
@@ -145,6 +158,12 @@ def test_sigint_to_the_cli_exits_130_with_a_checkpoint(tmp_path):
     (["--resume", "/nonexistent/ck.pt"], "no such file"),
     (["--split", "weighted"], "needs --split-weights"),
     (["--replicas", "2", "--split", "weighted", "--split-weights", "1"], "1 weights for 2"),
+    (["--momentum", "5"], "--momentum must be in [0, 1)"),
+    (["--devices", "cpu:1"], "'cpu:1' does not exist"),
+    (["--samples", "100"], "--samples only apply to --dataset synthetic, not digits"),
+    (["--timeout", "0"], "--timeout must be a positive number of seconds"),
+    (["--resume", "auto"], "--resume auto needs --checkpoint"),
+    (["--max-bad-steps", "0"], "--max-bad-steps must be a positive integer"),
 ])
 def test_bad_options_exit_2_with_one_line(args, message):
     proc = run_cli("train", "--no-progress", *args)
@@ -152,6 +171,7 @@ def test_bad_options_exit_2_with_one_line(args, message):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1, proc.stderr
     assert message in lines[0]
+    assert proc.stdout == ""  # refused before anything ran
 
 
 def test_bad_checkpoints_are_refused_and_kept(tmp_path):

@@ -1,0 +1,226 @@
+"""The training command under faults (#12): overwrites, resumes with another configuration,
+bad output paths, a full disk, divergence, torchrun without --reducer dist; the eval and predict
+commands and the v2 checkpoint format. Every refusal is one line with exit status 2 and comes
+before the first step; a failure during the run is one line with exit status 1 and leaves the
+previous checkpoint intact."""
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import dpcuda
+from dpcuda import data
+from dpcuda.nn import FusedMLP
+from dpcuda.train import load_checkpoint, save_checkpoint
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+QUICK = ["--no-progress", "--epochs", "2", "--hidden", "32"]
+
+
+def run(*args, env=None, code=None, timeout=300):
+    full_env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    full_env.update(env or {})
+    cmd = [sys.executable, "-c", code, *args] if code else [sys.executable, "-m", "dpcuda",
+                                                            *args]
+    start = time.monotonic()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                          env=full_env)
+    proc.seconds = time.monotonic() - start
+    return proc
+
+
+def one_line_error(proc, status, message):
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == status, proc.stderr
+    assert len(lines) == 1 and message in lines[0], proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("trained")
+    ck = folder / "ck.pt"
+    proc = run("train", *QUICK, "--checkpoint", str(ck), "--json", str(folder / "run.json"))
+    assert proc.returncode == 0, proc.stderr
+    return ck, json.loads((folder / "run.json").read_text())
+
+
+def test_existing_checkpoint_is_not_overwritten(trained, tmp_path):
+    ck, _ = trained
+    before = ck.read_bytes()
+    proc = run("train", *QUICK, "--hidden", "16", "--checkpoint", str(ck))
+    one_line_error(proc, 2, "exists (another run's?); --resume")
+    assert ck.read_bytes() == before and proc.stdout == ""
+    copy = tmp_path / "ck.pt"
+    copy.write_bytes(before)
+    proc = run("train", *QUICK, "--hidden", "16", "--checkpoint", str(copy), "--overwrite")
+    assert proc.returncode == 0, proc.stderr
+    assert load_checkpoint(str(copy))["model"]["hidden"] == 16
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--batch-size", "64"], "--batch-size 64 (checkpoint: 256)"),
+    (["--seed", "7"], "--seed 7 (checkpoint: 0)"),
+    (["--dataset", "synthetic", "--samples", "3000", "--features", "64"],
+     "--dataset synthetic (checkpoint: digits)"),
+    (["--activation", "tanh"], "relu MLP, this run builds a 64-32-10 tanh MLP"),
+    (["--epochs", "1"], "--epochs 1 is below the checkpoint's 2 completed epochs"),
+])
+def test_resume_refuses_what_changes_the_model_or_the_data_order(trained, tmp_path, args,
+                                                                 message):
+    ck, _ = trained
+    copy = tmp_path / "ck.pt"
+    copy.write_bytes(ck.read_bytes())
+    proc = run("train", *QUICK, "--resume", str(copy), "--checkpoint", str(copy), *args)
+    one_line_error(proc, 2, message)
+    assert copy.read_bytes() == ck.read_bytes() and proc.stdout == ""
+
+
+def test_resume_may_grow_epochs_and_change_replicas_and_lr(trained, tmp_path):
+    ck, _ = trained
+    copy = tmp_path / "ck.pt"
+    copy.write_bytes(ck.read_bytes())
+    proc = run("train", *QUICK, "--epochs", "3", "--replicas", "2", "--lr", "0.1",
+               "--resume", "auto", "--checkpoint", str(copy))
+    assert proc.returncode == 0, proc.stderr
+    assert load_checkpoint(str(copy))["epoch"] == 3
+
+
+@pytest.mark.parametrize("option", ["--checkpoint", "--json"])
+def test_bad_output_paths_exit_2_before_training(tmp_path, option):
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    for path, message in ((tmp_path, "is a folder, not a file"),
+                          (a_file / "out", "cannot make its folder"),
+                          ("/proc/dpcuda-out", "cannot write in /proc")):
+        proc = run("train", *QUICK, "--epochs", "50", option, str(path))
+        one_line_error(proc, 2, message)
+        assert proc.stdout == "" and proc.seconds < 60
+
+
+FULL_DISK = """
+import errno, sys, torch
+real, calls = torch.save, [0]
+def save(obj, f, *args, **kwargs):  # the second checkpoint hits a full disk half-way
+    calls[0] += 1
+    if calls[0] < 2:
+        return real(obj, f, *args, **kwargs)
+    f.write(b"partial")
+    try:
+        raise OSError(errno.ENOSPC, "No space left on device")
+    except OSError as err:  # as torch reports it: a RuntimeError with the OSError behind it
+        raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos") from err
+torch.save = save
+from dpcuda.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_full_disk_one_line_and_previous_checkpoint_intact(tmp_path):
+    ck = tmp_path / "ck.pt"
+    proc = run("train", *QUICK, "--epochs", "3", "--checkpoint", str(ck), code=FULL_DISK)
+    one_line_error(proc, 1, f"cannot write the checkpoint {ck}: No space left on device")
+    saved = load_checkpoint(str(ck))  # the first epoch's, whole
+    assert saved["epoch"] == 1
+    assert sorted(os.listdir(tmp_path)) == ["ck.pt"]  # no temporary file left behind
+
+
+def test_divergence_stops_the_run_and_json_stays_valid(tmp_path):
+    out = tmp_path / "run.json"
+    proc = run("train", *QUICK, "--lr", "1e308", "--json", str(out))
+    one_line_error(proc, 1, "the run diverged: 5 consecutive steps with NaN or Inf gradients")
+    assert json.loads(out.read_text())["diverged"] is True
+    # a guard wide enough to let every step of the second epoch be skipped: its loss is NaN,
+    # written as null (strict JSON: NaN is refused by the parse below)
+    proc = run("train", *QUICK, "--lr", "1e308", "--max-bad-steps", "1000", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    payload = json.loads(out.read_text(), parse_constant=lambda c: pytest.fail(c))
+    assert payload["epochs"][1]["train_loss"] is None
+    assert payload["epochs"][1]["skipped_steps"] == 6
+
+
+def test_torchrun_without_dist_is_refused():
+    proc = run("train", *QUICK, env={"WORLD_SIZE": "2", "RANK": "1"})
+    one_line_error(proc, 2, "running under torchrun (WORLD_SIZE=2) needs --reducer dist")
+
+
+def test_eval_predict_and_the_v2_checkpoint(trained, tmp_path):
+    ck, run_json = trained
+    payload = load_checkpoint(str(ck))
+    assert payload["version"] == 2
+    assert list(payload["model_state_dict"]) == ["layers.0.weight", "layers.0.bias",
+                                                 "layers.1.weight", "layers.1.bias"]
+    assert payload["config"]["hidden"] == 32 and "momentum_buffer" in str(payload["optimizer"]) \
+        or payload["optimizer"] is not None
+    # FusedMLP loads the weights; nn.Sequential through to_sequential's mapping
+    model = FusedMLP([64, 32, 10])
+    model.load_state_dict(payload["model_state_dict"])
+    plain = model.to_sequential()
+    digits = data.load("digits")
+    x_raw = digits.x_test * digits.std + digits.mean
+    want = run_json["final"]["test_accuracy"]
+    with torch.no_grad():
+        acc = (plain(digits.x_test).argmax(1) == digits.y_test).float().mean().item()
+        ready = dpcuda.load_checkpoint_model(str(ck))
+        acc_raw = (ready(x_raw).argmax(1) == digits.y_test).float().mean().item()
+    assert abs(acc - want) < 1e-6 and abs(acc_raw - want) < 1e-6
+    # eval
+    proc = run("eval", "--checkpoint", str(ck), "--json", str(tmp_path / "eval.json"))
+    assert proc.returncode == 0, proc.stderr
+    assert f"accuracy {100 * want:.2f}%" in proc.stdout
+    assert abs(json.loads((tmp_path / "eval.json").read_text())["accuracy"] - want) < 1e-6
+    # predict, on raw features
+    np.save(tmp_path / "x.npy", x_raw.numpy())
+    proc = run("predict", "--checkpoint", str(ck), "--input", str(tmp_path / "x.npy"),
+               "--output", str(tmp_path / "y.npy"))
+    assert proc.returncode == 0, proc.stderr
+    y = np.load(tmp_path / "y.npy")
+    assert y.dtype == np.int64 and abs((y == digits.y_test.numpy()).mean() - want) < 1e-6
+    # bad inputs: one line, status 2
+    np.save(tmp_path / "bad.npy", np.zeros((3, 5), dtype=np.float32))
+    one_line_error(run("predict", "--checkpoint", str(ck), "--input", str(tmp_path / "bad.npy"),
+                       "--output", str(tmp_path / "y2.npy")), 2, "expected numbers of shape")
+    one_line_error(run("predict", "--checkpoint", str(ck), "--input", str(tmp_path / "no.npy"),
+                       "--output", str(tmp_path / "y2.npy")), 2, "cannot read a .npy array")
+    one_line_error(run("eval", "--checkpoint", str(tmp_path / "none.pt")), 2, "no such file")
+
+
+def test_version_1_checkpoints_still_resume(trained, tmp_path):
+    ck, _ = trained
+    payload = load_checkpoint(str(ck))
+    v1 = {k: v for k, v in payload.items() if k not in ("model_state_dict", "normalization")}
+    v1["version"] = 1
+    v1["parameters"] = list(payload["model_state_dict"].values())
+    old = tmp_path / "v1.pt"
+    save_checkpoint(str(old), v1)
+    proc = run("train", *QUICK, "--epochs", "3", "--resume", str(old), "--checkpoint",
+               str(tmp_path / "v2.pt"))
+    assert proc.returncode == 0, proc.stderr
+    assert load_checkpoint(str(tmp_path / "v2.pt"))["epoch"] == 3
+    v1["version"] = 7
+    save_checkpoint(str(old), v1)
+    one_line_error(run("train", *QUICK, "--resume", str(old)), 2,
+                   "checkpoint version 7 is not supported (this dpcuda reads versions 1, 2)")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--batches", "0"], "--replicas and --batches take positive integers"),
+    (["--replicas", "0,1"], "--replicas and --batches take positive integers"),
+    (["--plot", "out.xyz"], "unknown image type 'xyz'"),
+    (["--dataset", "digits", "--features", "9"], "--features only apply to --dataset synthetic"),
+])
+def test_bench_scaling_bad_options(args, message):
+    one_line_error(run("bench", "scaling", *args), 2, message)
+
+
+def test_help_version_and_package():
+    proc = run("--version")
+    assert proc.returncode == 0 and proc.stdout.strip() == f"dpcuda {dpcuda.__version__}"
+    proc = run("train", "--help")
+    assert "(default: 256)" in proc.stdout and "(default: 5)" in proc.stdout
+    assert dpcuda.parallel.DataParallel is not None
