@@ -95,14 +95,15 @@ def _sync_forward(bn, x, exchange, index):
     acc = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
     xf = x.to(acc)
     local_count = x.numel() // channels if channels else 0
-    # The count travels with the sums (exact in float64 up to 2**53 rows).
-    total = _AllSum.apply(torch.cat([xf.sum(dims), xf.new_tensor([local_count])]), exchange,
-                          index)
+    # The count travels with the sums, in float64 (exact up to 2**53 values per channel).
+    local = torch.cat([xf.sum(dims).to(torch.float64),
+                       torch.tensor([float(local_count)], dtype=torch.float64, device=x.device)])
+    total = _AllSum.apply(local, exchange, index)
     count = int(total[-1].item())  # on CUDA one synchronisation per layer and step
     if count <= 1:
         raise ValueError(f"Expected more than 1 value per channel when training, got {count} "
                          f"over the global batch")
-    mean = total[:-1] / count
+    mean = total[:-1].to(acc) / count
     d = xf - mean.view(shape)
     var = _AllSum.apply((d * d).sum(dims), exchange, index) / count
     y = d * torch.rsqrt(var + bn.eps).view(shape)

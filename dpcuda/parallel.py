@@ -17,6 +17,7 @@ so the summed gradient is the gradient of the global batch's mean loss.
 import contextlib
 import copy
 import math
+import re
 import threading
 import time
 import warnings
@@ -597,10 +598,20 @@ class DataParallel:
                 return loss.detach(), time.perf_counter() - start
             return run
 
-        results = _run_all([work(i, r, p, s) for i, (r, p, s)
-                            in enumerate(zip(self._replicas, parts, sizes))], self.devices,
-                           concurrent=exchange is not None,
-                           on_error=exchange.abort if exchange is not None else None)
+        try:
+            results = _run_all([work(i, r, p, s) for i, (r, p, s)
+                                in enumerate(zip(self._replicas, parts, sizes))], self.devices,
+                               concurrent=exchange is not None,
+                               on_error=exchange.abort if exchange is not None else None)
+        except ValueError as err:
+            # A loss that checks labels as it runs (the CPU kernels, torch's losses) names a
+            # position in its replica's slice: name the position in the caller's batch.
+            found = re.match(r"labels must be class indices in \[0, (\d+)\)", str(err))
+            if found is None:
+                raise
+            self._classes = int(found.group(1))
+            self._raise_label_error(targets, summed)
+            raise
         if self.split == "auto":
             self._update_speed(sizes, [t for _, t in results])
         if self.reducer == "dist":

@@ -13,15 +13,17 @@ def dtypes_for(device):
 
 def assert_within_torch_error(ours, plain, reference, atol):
     """Our error against a float64 reference is at most twice the plain PyTorch path's error
-    against the same reference, plus atol (the flash-attention rule)."""
+    against the same reference, plus atol (the flash-attention rule). Where torch itself
+    overflowed in this dtype (plain non-finite, the reference finite), ours may give torch's
+    value (dpcuda rounds where torch rounds) or be within atol of the reference."""
     ours64, plain64 = ours.double(), plain.double()
-    our_err = (ours64 - reference).abs().max().item() if reference.numel() else 0.0
-    plain_err = (plain64 - reference).abs().max().item() if reference.numel() else 0.0
-    if plain_err != plain_err or plain_err == float("inf"):
-        plain_err = 0.0  # torch itself overflowed in this dtype: ours must be within atol
+    if not reference.numel():
+        return
+    overflow = ~plain64.isfinite() & reference.isfinite()
+    same = (ours64 == plain64) | (ours64.isnan() & plain64.isnan())
+    near = (ours64 - reference).abs() <= atol
+    assert bool((same | near)[overflow].all()), "differs where torch overflowed"
+    keep = ~overflow
+    our_err = (ours64 - reference)[keep].abs().max().item() if keep.any() else 0.0
+    plain_err = (plain64 - reference)[keep].abs().max().item() if keep.any() else 0.0
     assert our_err <= 2 * plain_err + atol, f"error {our_err} vs plain torch {plain_err}"
-
-
-@pytest.fixture(autouse=True)
-def _seed():
-    torch.manual_seed(0)

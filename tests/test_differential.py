@@ -3,7 +3,7 @@
 Each example must end in one of two outcomes: dpcuda agrees with torch (fuse()d model against
 the nn.Sequential it came from; DataParallel against torch.optim.SGD on one device) within the
 dtype's tolerance, NaN and Inf included; or both raise. The draws cover widths and batches of 1
-(and batches of 0), float32/float64/bfloat16, every activation, bias on and off, frozen
+(and batches of 0), float32/float64/bfloat16/float16, every activation, bias on and off, frozen
 parameters, NaN and +-Inf planted in inputs and upstream gradients, create_graph, autocast,
 no_grad and inference_mode, ignore_index and label smoothing, BatchNorm/Dropout/LayerNorm
 between layers, 1-4 replicas with even and weighted splits, momentum and weight decay.
@@ -43,7 +43,7 @@ SETTINGS = settings(max_examples=EXAMPLES, deadline=None, derandomize=True, data
 ACTS = {"relu": nn.ReLU, "gelu": nn.GELU, "gelu_tanh": lambda: nn.GELU(approximate="tanh"),
         "silu": nn.SiLU, "sigmoid": nn.Sigmoid, "tanh": nn.Tanh}
 # |ours - torch| <= TOL * (1 + max |torch|), elementwise, over finite entries.
-TOL = {torch.float64: 1e-9, torch.float32: 5e-5, torch.bfloat16: 4e-2}
+TOL = {torch.float64: 1e-9, torch.float32: 5e-5, torch.float16: 5e-3, torch.bfloat16: 4e-2}
 
 
 def build(widths, act, bias, between, dtype, frozen, seed):
@@ -122,7 +122,8 @@ def model_cases(draw):
         "act": draw(st.sampled_from(sorted(ACTS))),
         "bias": draw(st.booleans()),
         "between": draw(st.sampled_from([None, "batchnorm", "layernorm", "dropout"])),
-        "dtype": draw(st.sampled_from([torch.float32, torch.float64, torch.bfloat16])),
+        "dtype": draw(st.sampled_from([torch.float32, torch.float64, torch.bfloat16,
+                                       torch.float16])),
         "frozen": draw(st.booleans()),
         "batch": draw(st.sampled_from([0, 1, 2, 5])),
         "plant": draw(st.sampled_from([None, None, "nan", "inf", "-inf", "nan_grad",
@@ -135,8 +136,8 @@ def model_cases(draw):
         "seed": draw(st.integers(0, 2 ** 16)),
     }
     case["autocast"] = case["dtype"] == torch.float32 and draw(st.booleans())
-    if case["dtype"] == torch.bfloat16:
-        case["create_graph"] = False  # torch's bfloat16 double backward is not the point
+    if case["dtype"] in (torch.bfloat16, torch.float16):
+        case["create_graph"] = False  # torch's half-type double backward is not the point
     return case
 
 

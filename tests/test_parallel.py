@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 import dpcuda
 from dpcuda import parallel
-from dpcuda.nn import FusedMLP
+from dpcuda.nn import FusedMLP, SoftmaxCrossEntropyLoss
 from dpcuda.parallel import DataParallel
 
 ALGOS = ["one_shot", "two_shot", "ring", "auto"]
@@ -676,3 +676,12 @@ def test_replica_threads_inherit_grad_mode_and_autocast():
             assert out_dtype == torch.bfloat16
     got = parallel._run_all([probe, probe], [torch.device("cpu"), torch.device("meta")])
     assert all(not enabled and out_dtype == torch.float32 for _, _, enabled, _, out_dtype in got)
+
+
+def test_bad_label_names_its_position_in_the_callers_batch():
+    model = FusedMLP([4, 8, 3])
+    dp = DataParallel(model, ["cpu", "cpu"], lr=0.1)
+    y = torch.tensor([0, 1, 2, 0, 1, 7, 2, 0])
+    # (torch's own losses raise their IndexError, which names no position)
+    with pytest.raises(ValueError, match="got 7 at position 5"):
+        dp.step(torch.randn(8, 4), y, SoftmaxCrossEntropyLoss())

@@ -146,3 +146,32 @@ def test_data_parallel_in_bfloat16_and_under_autocast(reducer):
     for p, q in zip(dp.module.parameters(), one.parameters()):
         assert p.dtype == torch.float32
         torch.testing.assert_close(p, q, rtol=0, atol=1e-2 * q.abs().max().item())
+
+
+def test_float16_overflows_where_torch_overflows():
+    """The half types are rounded where torch rounds them: a layer output beyond float16's
+    range is Inf before the activation (so NaN or Inf after it, as torch's), and a
+    log-probability beyond it makes the loss Inf."""
+    x = torch.tensor([[-300.0, -300.0], [1.0, 2.0]], dtype=torch.float16)
+    w = torch.tensor([[200.0, 200.0], [1.0, -1.0]], dtype=torch.float16)
+    for activation in ACTS:
+        got = ops.full_forward(x, w, None, activation)
+        want = ref.full_forward(x, w, None, activation)
+        torch.testing.assert_close(got, want, equal_nan=True)
+    logits = torch.tensor([[40000.0, -40000.0], [0.0, 0.0]], dtype=torch.float16)
+    for labels, smoothing in ((torch.tensor([1, 0]), 0.0), (torch.tensor([0, 0]), 0.1)):
+        for reduction in ("none", "sum", "mean"):
+            got = ops.softmax_cross_entropy(logits, labels, reduction, smoothing)
+            want = F.cross_entropy(logits, labels, reduction=reduction,
+                                   label_smoothing=smoothing)
+            torch.testing.assert_close(got, want, equal_nan=True)
+    # a pre-activation gradient beyond float16's range overflows as torch's does
+    z = torch.tensor([[3.0]], dtype=torch.float16, requires_grad=True)
+    w1 = torch.ones(1, 1, dtype=torch.float16, requires_grad=True)
+    go = torch.tensor([[60000.0]], dtype=torch.float16)
+    ops.full_forward(z, w1, None, "silu").backward(go)
+    z2 = z.detach().clone().requires_grad_()
+    w2 = w1.detach().clone().requires_grad_()
+    F.silu(F.linear(z2, w2)).backward(go)
+    torch.testing.assert_close(z.grad, z2.grad, equal_nan=True)
+    torch.testing.assert_close(w1.grad, w2.grad, equal_nan=True)

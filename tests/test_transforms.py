@@ -199,3 +199,32 @@ def test_first_order_backward_keeps_the_fused_kernels():
     out.backward(go)
     gi, gw, gb = ops.full_backward(go, x.detach(), w.detach(), out.detach(), "tanh")
     assert torch.equal(x.grad, gi) and torch.equal(w.grad, gw) and torch.equal(b.grad, gb)
+
+
+def test_in_place_changes_after_the_forward():
+    """A first-order backward does not read the bias or the logits (as torch's linear and
+    log_softmax do not), so changing them in place after the forward is allowed; a
+    create_graph backward, which reads them, says they changed."""
+    x, w, b = _leaf(4, 3), _leaf(2, 3), _leaf(2)
+    y = ops.full_forward(x, w, b, "relu")
+    with torch.no_grad():
+        b.add_(1.0)
+    y.sum().backward()
+    for fn in (lambda z, t: ops.softmax_cross_entropy(z, t),
+               lambda z, t: ops.loss_grad(z, t, 0.5)[0]):
+        z = _leaf(4, 3) * 2
+        labels = torch.tensor([0, 1, 2, 1])
+        loss = fn(z, labels)
+        z.add_(1.0)
+        loss.backward()
+        leaf = _leaf(4, 3)
+        z = leaf * 2
+        loss = fn(z, labels)
+        z.add_(1.0)
+        with pytest.raises(RuntimeError, match="its logits, has been modified by an inplace"):
+            torch.autograd.grad(loss, leaf, create_graph=True)
+    y = ops.full_forward(x, w, b, "tanh")
+    with torch.no_grad():
+        b.add_(1.0)
+    with pytest.raises(RuntimeError, match="its bias, has been modified by an inplace"):
+        torch.autograd.grad(y.sum(), x, create_graph=True)

@@ -96,6 +96,26 @@ Tensor differentiable_loss_grad(const Tensor& logits, const Tensor& labels, doub
   return (g * scale).to(dtype);
 }
 
+// Inputs that only a create_graph backward reads are kept in saved_data, not
+// save_for_backward: that would make a first-order backward fail when they are modified in place
+// after the forward, which torch's own ops allow (linear does not save its bias, log_softmax
+// saves its output, not the logits). Their version is checked where they are read.
+void keep_for_double_backward(AutogradContext* ctx, const std::string& name, const Tensor& t) {
+  if (!t.defined()) return;
+  ctx->saved_data[name] = t;
+  ctx->saved_data[name + "_version"] = static_cast<int64_t>(t._version());
+}
+
+Tensor kept_for_double_backward(AutogradContext* ctx, const std::string& name, const char* op) {
+  if (!ctx->saved_data.count(name)) return Tensor();
+  const Tensor t = ctx->saved_data[name].toTensor();
+  TORCH_CHECK(t._version() == ctx->saved_data[name + "_version"].toInt(),
+              "one of the variables needed for the double backward (create_graph=True) of "
+              "dpcuda::", op, ", its ", name, ", has been modified by an inplace operation since "
+              "the forward");
+  return t;
+}
+
 class FullForward : public torch::autograd::Function<FullForward> {
  public:
   static variable_list forward(AutogradContext* ctx, const Tensor& input, const Tensor& weight,
@@ -113,8 +133,8 @@ class FullForward : public torch::autograd::Function<FullForward> {
                          : kind == Saved::kPreActivation ? pre
                                                          : Tensor();
     const bool has_bias = bias.has_value() && bias->defined();
-    // The bias is read only by a create_graph backward (saving it costs a reference).
-    ctx->save_for_backward({input, weight, saved, has_bias ? *bias : Tensor()});
+    ctx->save_for_backward({input, weight, saved});
+    keep_for_double_backward(ctx, "bias", has_bias ? *bias : Tensor());
     ctx->saved_data["activation"] = std::string(activation);
     ctx->saved_data["has_bias"] = has_bias;
     // The pre-activation is what the backward reads, not a result of the layer.
@@ -131,7 +151,8 @@ class FullForward : public torch::autograd::Function<FullForward> {
     const std::array<bool, 3> mask = {ctx->needs_input_grad(0), ctx->needs_input_grad(1),
                                       has_bias && ctx->needs_input_grad(2)};
     if (at::GradMode::is_enabled()) {
-      return torch_full_backward(grad_out, saved[0], saved[1], saved[3],
+      return torch_full_backward(grad_out, saved[0], saved[1],
+                                 kept_for_double_backward(ctx, "bias", "full_forward"),
                                  check_activation(activation), mask);
     }
     const Tensor s = saved[2].defined() ? saved[2] : at::empty({0}, grad_out.options());
@@ -152,8 +173,9 @@ class LossGrad : public torch::autograd::Function<LossGrad> {
           call_loss_grad(logits, labels, scale, label_smoothing, ignore_index, compute_grad);
     }
     ctx->set_materialize_grads(false);
-    // logits and labels are read only by a create_graph backward.
-    ctx->save_for_backward({grad, logits, labels});
+    ctx->save_for_backward({grad});
+    keep_for_double_backward(ctx, "logits", logits);
+    keep_for_double_backward(ctx, "labels", labels);
     ctx->saved_data["compute_grad"] = compute_grad;
     ctx->saved_data["scale"] = scale;
     ctx->saved_data["label_smoothing"] = label_smoothing;
@@ -171,7 +193,9 @@ class LossGrad : public torch::autograd::Function<LossGrad> {
     if (!grads[0].defined()) return {Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
     const auto saved = ctx->get_saved_variables();
     if (at::GradMode::is_enabled()) {
-      return {torch_loss_vjp(saved[1], saved[2], at::Reduction::None,
+      return {torch_loss_vjp(kept_for_double_backward(ctx, "logits", "loss_grad"),
+                             kept_for_double_backward(ctx, "labels", "loss_grad"),
+                             at::Reduction::None,
                              ctx->saved_data["scale"].toDouble(),
                              ctx->saved_data["label_smoothing"].toDouble(),
                              ctx->saved_data["ignore_index"].toInt(), grads[0],
@@ -333,7 +357,9 @@ class SoftmaxCrossEntropy : public torch::autograd::Function<SoftmaxCrossEntropy
       // Mean as a scaled sum: the kernel's loss and gradient already carry 1 / count.
       auto [losses, grad] = call_loss_grad(logits, labels, 1.0 / static_cast<double>(*host_count),
                                            label_smoothing, ignore_index, compute_grad);
-      ctx->save_for_backward({grad, Tensor(), logits, labels});
+      ctx->save_for_backward({grad, Tensor()});
+      keep_for_double_backward(ctx, "logits", logits);
+      keep_for_double_backward(ctx, "labels", labels);
       ctx->saved_data["reduction"] = std::string("sum");
       ctx->saved_data["scale"] = 1.0 / static_cast<double>(*host_count);
       ctx->saved_data["label_smoothing"] = label_smoothing;
@@ -343,7 +369,9 @@ class SoftmaxCrossEntropy : public torch::autograd::Function<SoftmaxCrossEntropy
     auto [losses, grad] = call_loss_grad(logits, labels, 1.0, label_smoothing, ignore_index,
                                          compute_grad);
     const Tensor count = reduction == "mean" ? valid_count(labels, ignore_index) : Tensor();
-    ctx->save_for_backward({grad, count, logits, labels});
+    ctx->save_for_backward({grad, count});
+    keep_for_double_backward(ctx, "logits", logits);
+    keep_for_double_backward(ctx, "labels", labels);
     ctx->saved_data["reduction"] = std::string(reduction);
     ctx->saved_data["scale"] = 1.0;
     ctx->saved_data["label_smoothing"] = label_smoothing;
@@ -359,7 +387,9 @@ class SoftmaxCrossEntropy : public torch::autograd::Function<SoftmaxCrossEntropy
       const int64_t r = reduction == "none"  ? at::Reduction::None
                         : reduction == "sum" ? at::Reduction::Sum
                                              : at::Reduction::Mean;
-      return {torch_loss_vjp(saved[2], saved[3], r, ctx->saved_data["scale"].toDouble(),
+      return {torch_loss_vjp(kept_for_double_backward(ctx, "logits", "softmax_cross_entropy"),
+                             kept_for_double_backward(ctx, "labels", "softmax_cross_entropy"), r,
+                             ctx->saved_data["scale"].toDouble(),
                              ctx->saved_data["label_smoothing"].toDouble(),
                              ctx->saved_data["ignore_index"].toInt(), grads[0],
                              grads[0].scalar_type()),

@@ -43,10 +43,16 @@ std::tuple<Tensor, Tensor> loss_grad_cpu(const Tensor& logits, const Tensor& lab
   const LossShape s = check_loss(logits, labels, label_smoothing);
   check_cpu_layer_dtype(logits, "logits");
   if (is_half_type(logits)) {
-    // The loss stays in float (the accumulation type, as on CUDA); the gradient is rounded.
+    // The kernel in float (it checks the labels) gives the gradient, rounded once. The loss is
+    // torch's own for these types, kept in float: its log_softmax is rounded to the half type,
+    // so a log-probability below the type's range makes the loss Inf exactly where torch's is.
     auto [loss, grad] = loss_grad_cpu(logits.to(at::kFloat), labels, scale, label_smoothing,
                                       ignore_index, compute_grad);
-    return {loss, grad.to(logits.scalar_type())};
+    const Tensor torch_loss = at::cross_entropy_loss(logits, labels, c10::nullopt,
+                                                     at::Reduction::None, ignore_index,
+                                                     label_smoothing)
+                                  .to(at::kFloat);
+    return {torch_loss * scale, grad.to(logits.scalar_type())};
   }
   const Tensor z = logits.contiguous();
   const Tensor y = labels.contiguous();

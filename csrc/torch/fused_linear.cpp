@@ -82,12 +82,26 @@ std::tuple<Tensor, Tensor> full_forward_cpu(const Tensor& input, const Tensor& w
   const LinearShape s = check_linear(input, weight, bias);
   check_cpu_layer_dtype(input, "input");
   if (is_half_type(input)) {
+    // Rounded where torch rounds: the layer's output x @ W^T + b (computed in float) to the half
+    // type, where it overflows to +-Inf as torch's does; then the activation computed in float
+    // from that and rounded again.
+    const auto dtype = input.scalar_type();
     const bool has_b = bias.has_value() && bias->defined();
-    auto [out, pre] = full_forward_cpu(input.to(at::kFloat), weight.to(at::kFloat),
-                                       has_b ? c10::optional<Tensor>(bias->to(at::kFloat))
-                                             : c10::nullopt,
-                                       activation);
-    return {out.to(input.scalar_type()), pre.to(input.scalar_type())};
+    const Tensor z = std::get<0>(full_forward_cpu(
+                         input.to(at::kFloat), weight.to(at::kFloat),
+                         has_b ? c10::optional<Tensor>(bias->to(at::kFloat)) : c10::nullopt,
+                         "none"))
+                         .to(dtype);
+    if (act == Activation::kNone) return {z, empty_like_options(z)};
+    Tensor out = z.to(at::kFloat).contiguous();
+    float* out_ptr = out.data_ptr<float>();
+    const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, s.out_features));
+    at::parallel_for(0, s.rows, grain, [&](int64_t begin, int64_t end) {
+      cpu::bias_activation_forward<float>(out_ptr, nullptr, nullptr, begin, end, s.out_features,
+                                          act);
+    });
+    const bool keep_pre = saved_for_backward(act) == Saved::kPreActivation;
+    return {out.to(dtype), keep_pre ? z : empty_like_options(z)};
   }
   // With an activation, the GEMM writes x @ W^T alone and our pass adds the bias as it applies
   // the activation in place (keeping the pre-activation when the backward needs it): that saves
@@ -123,11 +137,30 @@ std::tuple<Tensor, Tensor, Tensor> full_backward_cpu(const Tensor& grad_output,
   const BackwardPlan p = plan_backward(grad_output, input, weight, saved, activation,
                                       output_mask, &check_cpu_layer_dtype);
   if (is_half_type(input)) {
-    const auto f = [](const Tensor& t) { return t.to(at::kFloat); };
+    // As torch: grad_output * act'(saved) computed in float and rounded to the half type (where
+    // it may overflow as torch's does), then the GEMMs and the bias sum accumulate in float from
+    // it and each result is rounded once.
     const auto dtype = input.scalar_type();
-    auto [gi, gw, gb] = full_backward_cpu(f(grad_output), f(input), f(weight),
-                                          saved.defined() ? f(saved) : saved, activation,
-                                          output_mask);
+    Tensor g = p.grad_out;
+    if (p.fused_pass) {
+      const Tensor go = p.grad_out.to(at::kFloat).contiguous();
+      const Tensor sv = p.saved.to(at::kFloat).contiguous();
+      Tensor gf = at::empty_like(go);
+      const float* go_ptr = go.data_ptr<float>();
+      const float* sv_ptr = sv.data_ptr<float>();
+      float* g_ptr = gf.data_ptr<float>();
+      const int64_t out_f = p.shape.out_features;
+      const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, out_f));
+      at::parallel_for(0, p.shape.rows, grain, [&](int64_t begin, int64_t end) {
+        cpu::activation_backward_rows<float>(go_ptr, sv_ptr, g_ptr, nullptr, begin, end, out_f,
+                                             p.act);
+      });
+      g = gf.to(dtype);
+    }
+    auto [gi, gw, gb] = full_backward_cpu(g.to(at::kFloat).view(grad_output.sizes()),
+                                          input.to(at::kFloat), weight.to(at::kFloat),
+                                          at::empty({0}, input.options().dtype(at::kFloat)),
+                                          "none", output_mask);
     return {gi.to(dtype), gw.to(dtype), gb.to(dtype)};
   }
   const int64_t rows = p.shape.rows, out_f = p.shape.out_features;
