@@ -17,6 +17,7 @@ import json
 import math
 import os
 import sys
+import threading
 import time
 
 import torch
@@ -369,7 +370,7 @@ def _train(args, parser):
                       max_bad_steps=args.max_bad_steps, timeout=args.timeout)
     except ValueError as err:
         parser.error(str(err))
-    dist_info = None
+    dist_info, heartbeat = None, None
 
     def write_json(result):
         if args.json and (dist_info is None or dist_info[0] == 0):
@@ -386,6 +387,7 @@ def _train(args, parser):
                 local = int(os.environ["LOCAL_RANK"])
                 cfg.devices = [f"cuda:{local}"] if not args.devices else cfg.devices
             dist_info = _init_dist(cfg.devices, args.timeout)
+            heartbeat = _Heartbeat.start(*dist_info, args.timeout)
         dataset = data_mod.load(cfg.dataset, cfg.data_dir, cfg.samples, cfg.features,
                                 cfg.classes, cfg.seed)
         lead = dist_info is None or dist_info[0] == 0
@@ -421,12 +423,17 @@ def _train(args, parser):
     except Exception as err:
         if dist_info is None or not _is_dist_failure(err):
             raise
-        reason = str(err).strip().splitlines()[0][:200] if str(err).strip() else \
+        reason = str(err).strip().splitlines()[0][:160] if str(err).strip() else \
             type(err).__name__
         kept = f"; the last checkpoint {cfg.checkpoint} is intact" if cfg.checkpoint else ""
-        parser.exit(1, f"{parser.prog}: error: rank {dist_info[0]}: lost another process (it "
-                       f"stopped, died or did not answer within {args.timeout:g} s): "
-                       f"{reason}{kept}\n")
+        silent = heartbeat.silent_ranks() if heartbeat is not None else []
+        who = (f"rank{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))} stopped "
+               f"or died (no heartbeat)" if silent else
+               f"lost another process (stopped, dead or silent for {args.timeout:g} s)")
+        parser.exit(1, f"{parser.prog}: error: rank {dist_info[0]}: {who}: {reason}{kept}\n")
+    finally:
+        if heartbeat is not None:
+            heartbeat.stop()
     result.pop("data_parallel")
     if dist_info is None or dist_info[0] == 0:
         print()
@@ -442,6 +449,67 @@ def _train(args, parser):
         except WriteError as err:
             parser.exit(1, f"{parser.prog}: error: {err}\n")
     return 0
+
+
+class _Heartbeat:
+    """The health check of a --reducer dist run: every process bumps a counter in the
+    rendezvous store (torchrun's, at MASTER_ADDR:MASTER_PORT) every second from a thread of its
+    own. When a collective fails or times out, the counters that stopped moving name the ranks
+    that stopped (SIGSTOP, a hung machine) or died. Clock-free: it compares counts, not times."""
+
+    INTERVAL = 1.0
+
+    def __init__(self, store, rank, world, prefix):
+        self.store, self.rank, self.world, self.prefix = store, rank, world, prefix
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._beat, name="dpcuda-heartbeat",
+                                        daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def start(cls, rank, world, timeout):
+        """A heartbeat, or None where there is no store to beat in (no MASTER_ADDR/PORT)."""
+        import datetime
+        import torch.distributed as dist
+        try:
+            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                  is_master=False,
+                                  timeout=datetime.timedelta(seconds=min(timeout, 30.0)))
+        except Exception:  # no store reachable: the run goes on without naming lost ranks
+            return None
+        run = os.environ.get("TORCHELASTIC_RUN_ID", "run")
+        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        return cls(store, rank, world, f"dpcuda/heartbeat/{run}/{restart}/")
+
+    def _beat(self):
+        count = 0
+        while not self._done.is_set():
+            count += 1
+            try:
+                self.store.set(f"{self.prefix}{self.rank}", str(count))
+            except Exception:
+                return
+            self._done.wait(self.INTERVAL)
+
+    def _counts(self):
+        counts = {}
+        for r in range(self.world):
+            key = f"{self.prefix}{r}"
+            counts[r] = int(self.store.get(key)) if self.store.check([key]) else 0
+        return counts
+
+    def silent_ranks(self, wait=3.5):
+        """The other ranks whose counter did not move for `wait` seconds ([] if unknown)."""
+        try:
+            before = self._counts()
+            time.sleep(wait)
+            after = self._counts()
+        except Exception:
+            return []
+        return [r for r in range(self.world) if r != self.rank and after[r] == before[r]]
+
+    def stop(self):
+        self._done.set()
 
 
 def _is_dist_failure(err):

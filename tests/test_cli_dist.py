@@ -1,0 +1,154 @@
+"""`python -m dpcuda train --reducer dist` when a process fails (#12): a stopped rank, a killed
+rank, SIGTERM to one rank, and an elastic restart under torchrun. Two gloo processes on the
+CPU. Every survivor ends within --timeout (plus the heartbeat's few seconds) with one line
+naming the lost rank, a non-zero status, and the last checkpoint intact."""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from dpcuda.train import load_checkpoint
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RUN = ["train", "--reducer", "dist", "--dataset", "synthetic", "--samples", "40000",
+       "--features", "32", "--hidden", "32", "--batch-size", "64", "--no-progress"]
+TIMEOUT = 8
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(tmp_path, *extra, epochs=30):
+    """Two processes started by hand (as Slurm or Kubernetes would; no torchrun agent)."""
+    port = free_port()
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, PYTHONPATH=ROOT, RANK=str(rank), WORLD_SIZE="2",
+                   LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                   OMP_NUM_THREADS="1")
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "dpcuda", *RUN, "--epochs", str(epochs), "--timeout",
+             str(TIMEOUT), "--checkpoint", str(tmp_path / "ck.pt"), *extra],
+            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    return procs
+
+
+def wait_for_epoch(proc):
+    line = proc.stdout.readline()
+    while line and not line.startswith("epoch"):
+        line = proc.stdout.readline()
+    assert line, proc.stderr.read()
+
+
+def worker_pids(marker, rank):
+    """The processes whose command line holds marker and whose environment says RANK=rank."""
+    pids = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
+            with open(f"/proc/{name}/environ", "rb") as f:
+                environ = f.read().split(b"\0")
+        except OSError:
+            continue
+        if marker in cmdline and "torch.distributed.run" not in cmdline and \
+                f"RANK={rank}".encode() in environ:
+            pids.append(int(name))
+    return pids
+
+
+def finish(procs, timeout=120):
+    outs = []
+    for p in procs:
+        try:
+            outs.append(p.communicate(timeout=timeout))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            outs.append(p.communicate())
+    return outs
+
+
+@pytest.mark.parametrize("sig", [signal.SIGSTOP, signal.SIGKILL])
+def test_a_stopped_or_killed_rank_ends_the_survivor_within_the_timeout(tmp_path, sig):
+    procs = launch(tmp_path)
+    try:
+        wait_for_epoch(procs[0])
+        procs[1].send_signal(sig)
+        start = time.monotonic()
+        _, err = procs[0].communicate(timeout=TIMEOUT + 60)
+        elapsed = time.monotonic() - start
+    finally:
+        for p in procs:
+            p.kill()
+        finish(procs)
+    assert procs[0].returncode == 1, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0].startswith("dpcuda train: error: rank 0: rank 1 stopped or died"), err
+    assert "the last checkpoint" in lines[0] and "is intact" in lines[0]
+    # within the timeout, plus the heartbeat's check and the process's start of the step
+    assert elapsed < TIMEOUT + 15, elapsed
+    assert load_checkpoint(str(tmp_path / "ck.pt"))["epoch"] >= 1
+
+
+def test_sigterm_to_one_rank_stops_both_at_the_same_step(tmp_path):
+    procs = launch(tmp_path)
+    try:
+        wait_for_epoch(procs[0])
+        procs[1].send_signal(signal.SIGTERM)
+        outs = finish(procs, timeout=TIMEOUT + 60)
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [143, 143], outs
+    stops = [err.strip().splitlines()[-1] for _, err in outs]
+    assert all("stopped by SIGTERM at epoch" in s for s in stops), stops
+    assert stops[0].split(" at ")[1].split(";")[0] == stops[1].split(" at ")[1].split(";")[0]
+    saved = load_checkpoint(str(tmp_path / "ck.pt"))
+    assert saved["step"] > 0  # the state reached, mid-epoch
+
+
+def test_elastic_restart_resumes_to_the_uninterrupted_weights(tmp_path):
+    """torchrun --max-restarts 1 restarts the group after a rank is killed mid-epoch; with
+    --resume auto it continues from the run's checkpoint and ends with the weights of a run
+    that was never interrupted."""
+    def torchrun(folder, *extra):
+        folder.mkdir()
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+               "--max-restarts", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+               f"127.0.0.1:{free_port()}", "-m", "dpcuda", *RUN, "--epochs", "3",
+               "--checkpoint", str(folder / "ck.pt"), "--resume", "auto", "--json",
+               str(folder / "run.json"), "--timeout", str(TIMEOUT), *extra]
+        return subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    whole = torchrun(tmp_path / "whole")
+    out, err = whole.communicate(timeout=300)
+    assert whole.returncode == 0, err[-3000:]
+    run = torchrun(tmp_path / "restarted")
+    try:
+        wait_for_epoch(run)
+        killed = [pid for pid in worker_pids(str(tmp_path / "restarted"), rank=1)]
+        for pid in killed:
+            os.kill(pid, signal.SIGKILL)
+        assert killed
+        out, err = run.communicate(timeout=300)
+    finally:
+        run.kill()
+    assert run.returncode == 0, err[-3000:]
+    a = json.loads((tmp_path / "whole" / "run.json").read_text())
+    b = json.loads((tmp_path / "restarted" / "run.json").read_text())
+    assert b["resumed_from"] is not None  # the restarted group resumed
+    assert a["final_parameters_checksum"] == b["final_parameters_checksum"]
+    assert a["final"]["test_accuracy"] == b["final"]["test_accuracy"]
