@@ -230,6 +230,19 @@ def test_fashion_mnist_from_idx_files(tmp_path):
     proc = run_cli("train", "--no-progress", "--dataset", "fashion-mnist", "--data-dir",
                    str(tmp_path), "--epochs", "1", "--batch-size", "16")
     assert proc.returncode == 0, proc.stderr
+    # test images of another size, then no test images: one line naming the file
+    test_images = tmp_path / "t10k-images-idx3-ubyte.gz"
+    for images, message in ((rng.integers(0, 256, (10, 14, 14), dtype=np.uint8),
+                             "pixels, the train images have"),
+                            (np.zeros((0, 28, 28), dtype=np.uint8), "no images")):
+        data.write_idx(test_images, images)
+        data.write_idx(tmp_path / "t10k-labels-idx1-ubyte.gz",
+                       np.zeros(len(images), dtype=np.uint8))
+        proc = run_cli("train", "--no-progress", "--dataset", "fashion-mnist", "--data-dir",
+                       str(tmp_path), "--epochs", "1")
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+        assert message in lines[0] and "t10k-images-idx3-ubyte" in lines[0], lines
 
 
 def test_bench_scaling_writes_json_and_plot(tmp_path):
