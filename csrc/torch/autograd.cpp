@@ -34,6 +34,36 @@ using torch::autograd::variable_list;
 // with create_graph): the graph of the gradients is torch's, to any order, Inf and NaN
 // included. First-order calls keep the fused kernels.
 
+// Inputs that only a create_graph backward reads are kept in saved_data, not
+// save_for_backward: that would make a first-order backward fail when they are modified in place
+// after the forward, which torch's own ops allow (linear does not save its bias, log_softmax
+// saves its output, not the logits). Their version is checked where they are read.
+void keep_for_double_backward(AutogradContext* ctx, const std::string& name, const Tensor& t) {
+  if (!t.defined()) return;
+  ctx->saved_data[name] = t;
+  ctx->saved_data[name + "_version"] = static_cast<int64_t>(t._version());
+}
+
+Tensor kept_for_double_backward(AutogradContext* ctx, const std::string& name, const char* op) {
+  if (!ctx->saved_data.count(name)) return Tensor();
+  const Tensor t = ctx->saved_data[name].toTensor();
+  TORCH_CHECK(t._version() == ctx->saved_data[name + "_version"].toInt(),
+              "one of the variables needed for the double backward (create_graph=True) of "
+              "dpcuda::", op, ", its ", name, ", has been modified by an inplace operation since "
+              "the forward");
+  return t;
+}
+
+// What a loss op's create_graph backward reads: its inputs and arguments.
+void keep_loss_inputs(AutogradContext* ctx, const Tensor& logits, const Tensor& labels,
+                      double scale, double label_smoothing, int64_t ignore_index) {
+  keep_for_double_backward(ctx, "logits", logits);
+  keep_for_double_backward(ctx, "labels", labels);
+  ctx->saved_data["scale"] = scale;
+  ctx->saved_data["label_smoothing"] = label_smoothing;
+  ctx->saved_data["ignore_index"] = ignore_index;
+}
+
 Tensor activation_forward(const Tensor& z, Activation act) {
   switch (act) {
     case Activation::kNone: return z;
@@ -69,14 +99,19 @@ variable_list torch_full_backward(const Tensor& grad_out, const Tensor& input,
 }
 
 // The vector-Jacobian product of `scale * cross_entropy(logits, labels, reduction)` with
-// `grad`, as torch's autograd computes it, differentiable (for the loss ops' create_graph path).
-Tensor torch_loss_vjp(const Tensor& logits, const Tensor& labels, int64_t reduction,
-                      double scale, double label_smoothing, int64_t ignore_index,
-                      const Tensor& grad, at::ScalarType loss_dtype) {
-  const Tensor loss = at::cross_entropy_loss(logits, labels, c10::nullopt, reduction,
-                                             ignore_index, label_smoothing).to(loss_dtype) *
-                      scale;
-  return torch::autograd::grad({loss}, {logits}, {grad.to(loss_dtype)}, /*retain_graph=*/true,
+// `grad`, as torch's autograd computes it, differentiable: the loss ops' create_graph path. The
+// inputs and arguments are those keep_loss_inputs kept.
+Tensor torch_loss_vjp(AutogradContext* ctx, const char* op, int64_t reduction,
+                      const Tensor& grad) {
+  const Tensor logits = kept_for_double_backward(ctx, "logits", op);
+  const Tensor labels = kept_for_double_backward(ctx, "labels", op);
+  const Tensor loss =
+      at::cross_entropy_loss(logits, labels, c10::nullopt, reduction,
+                             ctx->saved_data["ignore_index"].toInt(),
+                             ctx->saved_data["label_smoothing"].toDouble())
+          .to(grad.scalar_type()) *
+      ctx->saved_data["scale"].toDouble();
+  return torch::autograd::grad({loss}, {logits}, {grad}, /*retain_graph=*/true,
                                /*create_graph=*/true)[0];
 }
 
@@ -94,26 +129,6 @@ Tensor differentiable_loss_grad(const Tensor& logits, const Tensor& labels, doub
                         label_smoothing / static_cast<double>(classes);
   const Tensor g = (at::softmax(logits, 1, acc) - target) * valid.unsqueeze(1).to(acc);
   return (g * scale).to(dtype);
-}
-
-// Inputs that only a create_graph backward reads are kept in saved_data, not
-// save_for_backward: that would make a first-order backward fail when they are modified in place
-// after the forward, which torch's own ops allow (linear does not save its bias, log_softmax
-// saves its output, not the logits). Their version is checked where they are read.
-void keep_for_double_backward(AutogradContext* ctx, const std::string& name, const Tensor& t) {
-  if (!t.defined()) return;
-  ctx->saved_data[name] = t;
-  ctx->saved_data[name + "_version"] = static_cast<int64_t>(t._version());
-}
-
-Tensor kept_for_double_backward(AutogradContext* ctx, const std::string& name, const char* op) {
-  if (!ctx->saved_data.count(name)) return Tensor();
-  const Tensor t = ctx->saved_data[name].toTensor();
-  TORCH_CHECK(t._version() == ctx->saved_data[name + "_version"].toInt(),
-              "one of the variables needed for the double backward (create_graph=True) of "
-              "dpcuda::", op, ", its ", name, ", has been modified by an inplace operation since "
-              "the forward");
-  return t;
 }
 
 class FullForward : public torch::autograd::Function<FullForward> {
@@ -174,12 +189,8 @@ class LossGrad : public torch::autograd::Function<LossGrad> {
     }
     ctx->set_materialize_grads(false);
     ctx->save_for_backward({grad});
-    keep_for_double_backward(ctx, "logits", logits);
-    keep_for_double_backward(ctx, "labels", labels);
+    keep_loss_inputs(ctx, logits, labels, scale, label_smoothing, ignore_index);
     ctx->saved_data["compute_grad"] = compute_grad;
-    ctx->saved_data["scale"] = scale;
-    ctx->saved_data["label_smoothing"] = label_smoothing;
-    ctx->saved_data["ignore_index"] = ignore_index;
     ctx->mark_non_differentiable({grad});
     return {loss, grad};
   }
@@ -193,14 +204,8 @@ class LossGrad : public torch::autograd::Function<LossGrad> {
     if (!grads[0].defined()) return {Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
     const auto saved = ctx->get_saved_variables();
     if (at::GradMode::is_enabled()) {
-      return {torch_loss_vjp(kept_for_double_backward(ctx, "logits", "loss_grad"),
-                             kept_for_double_backward(ctx, "labels", "loss_grad"),
-                             at::Reduction::None,
-                             ctx->saved_data["scale"].toDouble(),
-                             ctx->saved_data["label_smoothing"].toDouble(),
-                             ctx->saved_data["ignore_index"].toInt(), grads[0],
-                             grads[0].scalar_type()),
-              Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
+      return {torch_loss_vjp(ctx, "loss_grad", at::Reduction::None, grads[0]), Tensor(),
+              Tensor(), Tensor(), Tensor(), Tensor()};
     }
     const Tensor& grad = saved[0];
     const Tensor grad_logits = grads[0].to(grad.scalar_type()).unsqueeze(1) * grad;
@@ -358,24 +363,17 @@ class SoftmaxCrossEntropy : public torch::autograd::Function<SoftmaxCrossEntropy
       auto [losses, grad] = call_loss_grad(logits, labels, 1.0 / static_cast<double>(*host_count),
                                            label_smoothing, ignore_index, compute_grad);
       ctx->save_for_backward({grad, Tensor()});
-      keep_for_double_backward(ctx, "logits", logits);
-      keep_for_double_backward(ctx, "labels", labels);
+      keep_loss_inputs(ctx, logits, labels, 1.0 / static_cast<double>(*host_count),
+                       label_smoothing, ignore_index);
       ctx->saved_data["reduction"] = std::string("sum");
-      ctx->saved_data["scale"] = 1.0 / static_cast<double>(*host_count);
-      ctx->saved_data["label_smoothing"] = label_smoothing;
-      ctx->saved_data["ignore_index"] = ignore_index;
       return {as_dtype(losses.sum(), logits.scalar_type())};
     }
     auto [losses, grad] = call_loss_grad(logits, labels, 1.0, label_smoothing, ignore_index,
                                          compute_grad);
     const Tensor count = reduction == "mean" ? valid_count(labels, ignore_index) : Tensor();
     ctx->save_for_backward({grad, count});
-    keep_for_double_backward(ctx, "logits", logits);
-    keep_for_double_backward(ctx, "labels", labels);
+    keep_loss_inputs(ctx, logits, labels, 1.0, label_smoothing, ignore_index);
     ctx->saved_data["reduction"] = std::string(reduction);
-    ctx->saved_data["scale"] = 1.0;
-    ctx->saved_data["label_smoothing"] = label_smoothing;
-    ctx->saved_data["ignore_index"] = ignore_index;
     return {reduce_losses(losses, count, reduction, logits.scalar_type())};
   }
 
@@ -387,13 +385,8 @@ class SoftmaxCrossEntropy : public torch::autograd::Function<SoftmaxCrossEntropy
       const int64_t r = reduction == "none"  ? at::Reduction::None
                         : reduction == "sum" ? at::Reduction::Sum
                                              : at::Reduction::Mean;
-      return {torch_loss_vjp(kept_for_double_backward(ctx, "logits", "softmax_cross_entropy"),
-                             kept_for_double_backward(ctx, "labels", "softmax_cross_entropy"), r,
-                             ctx->saved_data["scale"].toDouble(),
-                             ctx->saved_data["label_smoothing"].toDouble(),
-                             ctx->saved_data["ignore_index"].toInt(), grads[0],
-                             grads[0].scalar_type()),
-              Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
+      return {torch_loss_vjp(ctx, "softmax_cross_entropy", r, grads[0]), Tensor(), Tensor(),
+              Tensor(), Tensor(), Tensor()};
     }
     const Tensor& grad = saved[0];
     const Tensor g = as_dtype(grads[0], grad.scalar_type());
