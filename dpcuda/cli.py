@@ -58,10 +58,28 @@ def _timeout(text):
         value = float(text)
     except ValueError:
         value = -1.0
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"--timeout must be a positive number of seconds, "
-                                         f"got {text!r}")
+    if not math.isfinite(value) or value <= 0 or value > 1e7:
+        raise argparse.ArgumentTypeError(f"--timeout must be a positive number of seconds (at "
+                                         f"most 1e7), got {text!r}")
     return value
+
+
+def _seed(text):
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value < 2 ** 63:
+        raise argparse.ArgumentTypeError(f"--seed must be an integer in [0, 2**63), got {text!r}")
+    return value
+
+
+def _path(option):
+    def parse(text):
+        if not text.strip():
+            raise argparse.ArgumentTypeError(f"{option} must name a file, got an empty string")
+        return text
+    return parse
 
 
 def _positive_int(name):
@@ -98,7 +116,7 @@ def _default_devices():
 
 
 def _add_data(p):
-    p.add_argument("--seed", type=int, default=0,
+    p.add_argument("--seed", type=_seed, default=0,
                    help="initial weights, data order (and the synthetic data)")
     p.add_argument("--dataset", choices=data_mod.DATASETS, default="digits", help="data set")
     p.add_argument("--data-dir", default=None, help="folder of the Fashion-MNIST IDX files")
@@ -158,14 +176,15 @@ def _parser():
     t.add_argument("--reducer", choices=REDUCERS, default="p2p",
                    help="dist: across processes with torch.distributed, under torchrun")
     t.add_argument("--no-fused", action="store_true", help="plain torch.nn layers")
-    t.add_argument("--checkpoint", default=None,
+    t.add_argument("--checkpoint", type=_path("--checkpoint"), default=None,
                    help="save a checkpoint here every epoch (and on Ctrl-C or SIGTERM)")
-    t.add_argument("--resume", default=None,
+    t.add_argument("--resume", type=_path("--resume"), default=None,
                    help="continue from this checkpoint; 'auto': from --checkpoint if it exists "
                         "(for restarted jobs)")
     t.add_argument("--overwrite", action="store_true",
                    help="replace an existing --checkpoint file without resuming it")
-    t.add_argument("--json", default=None, help="write every figure of the run here")
+    t.add_argument("--json", type=_path("--json"), default=None,
+                   help="write every figure of the run here")
     t.add_argument("--max-bad-steps", type=_positive_int("--max-bad-steps"), default=5,
                    help="stop after this many consecutive steps with NaN or Inf gradients")
     t.add_argument("--timeout", type=_timeout, default=300.0,
@@ -173,18 +192,20 @@ def _parser():
 
     e = sub.add_parser("eval", help="test-split loss and accuracy of a checkpoint",
                        formatter_class=_Formatter)
-    e.add_argument("--checkpoint", required=True)
+    e.add_argument("--checkpoint", type=_path("--checkpoint"), required=True)
     e.add_argument("--device", default="cpu")
     e.add_argument("--data-dir", default=None, help="folder of the Fashion-MNIST IDX files")
     e.add_argument("--dataset", choices=data_mod.DATASETS, default=None,
                    help="the data set (default: the checkpoint's)")
-    e.add_argument("--json", default=None)
+    e.add_argument("--json", type=_path("--json"), default=None)
 
     pr = sub.add_parser("predict", help="class predictions of a checkpoint's model",
                         formatter_class=_Formatter)
-    pr.add_argument("--checkpoint", required=True)
-    pr.add_argument("--input", required=True, help=".npy file of raw features, (rows, features)")
-    pr.add_argument("--output", required=True, help=".npy file for the int64 classes, (rows,)")
+    pr.add_argument("--checkpoint", type=_path("--checkpoint"), required=True)
+    pr.add_argument("--input", type=_path("--input"), required=True,
+                    help=".npy file of raw features, (rows, features)")
+    pr.add_argument("--output", type=_path("--output"), required=True,
+                    help=".npy file for the int64 classes, (rows,)")
     pr.add_argument("--device", default="cpu")
 
     b = sub.add_parser("bench", help="benchmarks")
@@ -221,8 +242,10 @@ def _parser():
 
 
 def _devices(args, parser):
-    names = args.devices.split(",") if args.devices else _default_devices()
+    names = args.devices.split(",") if args.devices is not None else _default_devices()
     names = [n.strip() for n in names if n.strip()]
+    if not names:
+        parser.error("--devices names no device")
     from .parallel import _device
     try:
         devices = [_device(n, "--devices") for n in names]
@@ -235,9 +258,27 @@ def _devices(args, parser):
     return [str(d) for d in devices]
 
 
-def _replica_devices(devices, replicas):
+def _replica_devices(devices, replicas, parser=None):
+    from .parallel import MAX_REPLICAS
     k = replicas or len(devices)
+    if k > MAX_REPLICAS:
+        message = f"{k} replicas; at most {MAX_REPLICAS} are supported"
+        if parser is None:
+            raise ValueError(message)
+        parser.error(message)
     return [devices[i % len(devices)] for i in range(k)]
+
+
+def _distinct_paths(parser, *named):
+    """Refuses two options naming the same file (one output would destroy the other file)."""
+    seen = {}
+    for option, path in named:
+        if not path:
+            continue
+        key = os.path.realpath(path)
+        if key in seen:
+            parser.error(f"{option} and {seen[key]} name the same file {path}")
+        seen[key] = option
 
 
 def _split_weights(args, devices):
@@ -255,8 +296,10 @@ def _split_weights(args, devices):
     if len(weights) != len(devices):
         raise ValueError(f"--split-weights has {len(weights)} weights for {len(devices)} "
                          f"replicas")
-    if any(not math.isfinite(w) or w < 0 for w in weights) or sum(weights) <= 0:
-        raise ValueError("--split-weights must be non-negative numbers, not all zero")
+    if any(not math.isfinite(w) or w < 0 for w in weights) or sum(weights) <= 0 or \
+            not math.isfinite(sum(weights)):
+        raise ValueError("--split-weights must be non-negative finite numbers, not all zero, "
+                         "with a finite sum")
     return weights
 
 
@@ -303,15 +346,16 @@ def _write_json(path, payload):
     """Atomically (a temporary file renamed over path) and valid (null for a non-finite
     number). A failed write raises WriteError naming the path."""
     from .train import WriteError
-    folder = os.path.dirname(os.path.abspath(path))
-    tmp = os.path.join(folder, f".{os.path.basename(path)}.tmp-{os.getpid()}")
+    target = os.path.realpath(path)  # a symlink stays one: its target is written
+    folder = os.path.dirname(target)
+    tmp = os.path.join(folder, f".{os.path.basename(target)}.tmp-{os.getpid()}")
     try:
         os.makedirs(folder, exist_ok=True)
         with open(tmp, "w") as f:
             json.dump(_finite(payload), f, indent=2, allow_nan=False)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        os.replace(tmp, target)
     except OSError as err:
         raise WriteError(f"cannot write {path}: {err.strerror or err}") from None
     finally:
@@ -348,7 +392,10 @@ def _train(args, parser):
         parser.error(f"running under torchrun (WORLD_SIZE={world}) needs --reducer dist; "
                      f"without it every process would train its own copy and write the same "
                      f"files")
-    devices = _replica_devices(_devices(args, parser), args.replicas)
+    devices = _replica_devices(_devices(args, parser), args.replicas, parser)
+    _distinct_paths(parser, ("--checkpoint", args.checkpoint), ("--json", args.json))
+    if args.resume and args.resume != "auto":
+        _distinct_paths(parser, ("--resume", args.resume), ("--json", args.json))
     if args.dataset == "fashion-mnist" and not args.data_dir:
         parser.error("--dataset fashion-mnist needs --data-dir")
     if args.resume == "auto":
@@ -362,6 +409,8 @@ def _train(args, parser):
         parser.error(f"--checkpoint {args.checkpoint} exists (another run's?); --resume "
                      f"{args.checkpoint} continues it, --overwrite replaces it")
     lead_process = int(os.environ.get("RANK", "0") or 0) == 0
+    if args.checkpoint and lead_process:
+        _lock_checkpoint(args.checkpoint, parser)
     try:
         if args.json and lead_process:
             check_output_path(args.json, "--json")
@@ -421,6 +470,9 @@ def _train(args, parser):
     except WriteError as err:
         parser.exit(1, f"{parser.prog}: error: {err}\n")
     except Exception as err:
+        if _is_out_of_memory(err):
+            parser.exit(1, f"{parser.prog}: error: out of memory (a smaller --hidden, "
+                           f"--samples, --features or --batch-size?): {_first_line(err)}\n")
         if dist_info is None or not _is_dist_failure(err):
             raise
         reason = str(err).strip().splitlines()[0][:160] if str(err).strip() else \
@@ -522,6 +574,48 @@ class _Heartbeat:
         self.store = None
 
 
+_LOCKS = []  # open lock files, held until the process exits
+
+
+def _lock_checkpoint(path, parser):
+    """One run at a time per checkpoint: an exclusive lock on PATH.lock, held until exit (the
+    system drops it when the process ends, however it ends; the file stays)."""
+    import fcntl
+    from .train import check_output_path
+    try:
+        check_output_path(path, "--checkpoint")  # the room it needs is checked once sized
+    except ValueError as err:
+        parser.error(str(err))
+    lock = os.path.realpath(path) + ".lock"
+    try:
+        os.makedirs(os.path.dirname(lock), exist_ok=True)
+        f = open(lock, "a+")
+    except OSError as err:
+        parser.error(f"--checkpoint {path}: cannot create its lock file {lock}: "
+                     f"{err.strerror or err}")
+    try:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.close()
+        parser.error(f"--checkpoint {path}: another run is writing it (its lock {lock} is "
+                     f"held)")
+    _LOCKS.append(f)
+
+
+def _first_line(err):
+    text = str(err).strip()
+    return text.splitlines()[0][:200] if text else type(err).__name__
+
+
+def _is_out_of_memory(err):
+    if isinstance(err, MemoryError):
+        return True
+    text = str(err).lower()
+    return isinstance(err, RuntimeError) and ("out of memory" in text or
+                                              "not enough memory" in text or
+                                              "defaultcpuallocator" in text)
+
+
 def _is_dist_failure(err):
     """Whether err is torch.distributed reporting a lost or silent peer (gloo/NCCL)."""
     import torch.distributed as dist
@@ -545,9 +639,15 @@ def _load_model_for(args, parser):
         parser.exit(2, f"{parser.prog}: error: {err}\n")
 
 
+def _model_sizes(model):
+    inner = model.model if hasattr(model, "mean") else model
+    return inner.layers[0].weight.shape[1], inner.layers[-1].weight.shape[0]
+
+
 def _eval(args, parser):
     from .train import load_checkpoint
     import torch.nn.functional as F
+    _distinct_paths(parser, ("--checkpoint", args.checkpoint), ("--json", args.json))
     model, device = _load_model_for(args, parser)
     cfg = load_checkpoint(args.checkpoint, option="--checkpoint").get("config") or {}
     name = args.dataset or cfg.get("dataset", "digits")
@@ -559,11 +659,11 @@ def _eval(args, parser):
         parser.exit(2, f"{parser.prog}: error: {err}\n")
     # Raw features: the model applies the standardisation its checkpoint saved.
     x = dataset.x_test * dataset.std + dataset.mean if hasattr(model, "mean") else dataset.x_test
-    features = model.mean.shape[0] if hasattr(model, "mean") else \
-        model.layers[0].weight.shape[1]
-    if x.shape[1] != features:
-        parser.exit(2, f"{parser.prog}: error: {name} has {x.shape[1]} features, the "
-                       f"checkpoint's model takes {features}\n")
+    features, classes = _model_sizes(model)
+    if x.shape[1] != features or dataset.classes > classes:
+        parser.exit(2, f"{parser.prog}: error: {name} has {x.shape[1]} features and "
+                       f"{dataset.classes} classes, the checkpoint's model takes {features} "
+                       f"features and has {classes} classes\n")
     with torch.no_grad():
         logits = torch.cat([model(x[i:i + 4096].to(device)).cpu()
                             for i in range(0, x.shape[0], 4096)])
@@ -584,33 +684,46 @@ def _eval(args, parser):
 def _predict(args, parser):
     import numpy as np
     model, device = _load_model_for(args, parser)
+    _distinct_paths(parser, ("--checkpoint", args.checkpoint), ("--input", args.input),
+                    ("--output", args.output))
     try:
         x = np.load(args.input, allow_pickle=False)
     except (OSError, ValueError) as err:
         parser.exit(2, f"{parser.prog}: error: --input {args.input}: cannot read a .npy array "
-                       f"({str(err).splitlines()[0] if str(err) else type(err).__name__})\n")
-    features = model.mean.shape[0] if hasattr(model, "mean") else \
-        model.layers[0].weight.shape[1]
+                       f"({_first_line(err)})\n")
+    if not isinstance(x, np.ndarray):  # an .npz archive
+        parser.exit(2, f"{parser.prog}: error: --input {args.input}: an .npz archive, not a "
+                       f".npy array\n")
+    features, _ = _model_sizes(model)
     if x.ndim == 1 and x.shape[0] == features:
         x = x[None]
-    if x.ndim != 2 or x.shape[1] != features or not np.issubdtype(x.dtype, np.number):
-        parser.exit(2, f"{parser.prog}: error: --input {args.input}: expected numbers of shape "
-                       f"(rows, {features}), got {x.dtype} {x.shape}\n")
+    if x.ndim != 2 or x.shape[1] != features or not (np.issubdtype(x.dtype, np.integer) or
+                                                     np.issubdtype(x.dtype, np.floating)):
+        parser.exit(2, f"{parser.prog}: error: --input {args.input}: expected real numbers of "
+                       f"shape (rows, {features}), got {x.dtype} {x.shape}\n")
+    with np.errstate(over="ignore"):
+        x32 = np.asarray(x, dtype=np.float32)
+    bad = np.flatnonzero(~np.isfinite(x32).all(axis=1)) if x32.size else []
+    if len(bad):
+        parser.exit(2, f"{parser.prog}: error: --input {args.input}: row {bad[0]} holds NaN, "
+                       f"Inf or a value beyond float32 ({len(bad)} such rows); no prediction "
+                       f"for it would mean anything\n")
     from .train import WriteError, check_output_path
     try:
         check_output_path(args.output, "--output")
     except ValueError as err:
         parser.exit(2, f"{parser.prog}: error: {err}\n")
-    xt = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
+    xt = torch.from_numpy(np.ascontiguousarray(x32))
     with torch.no_grad():
         classes = torch.cat([model(xt[i:i + 4096].to(device)).argmax(1).cpu()
                              for i in range(0, xt.shape[0], 4096)]) if len(xt) else \
             torch.zeros(0, dtype=torch.int64)
-    folder = os.path.dirname(os.path.abspath(args.output))
-    tmp = os.path.join(folder, f".{os.path.basename(args.output)}.tmp-{os.getpid()}.npy")
+    target = os.path.realpath(args.output)  # a symlink stays one: its target is written
+    folder = os.path.dirname(target)
+    tmp = os.path.join(folder, f".{os.path.basename(target)}.tmp-{os.getpid()}.npy")
     try:
         np.save(tmp, classes.numpy().astype(np.int64))
-        os.replace(tmp, args.output)
+        os.replace(tmp, target)
     except OSError as err:
         parser.exit(1, f"{parser.prog}: error: cannot write {args.output}: "
                        f"{err.strerror or err}\n")
@@ -634,6 +747,7 @@ def _bench_scaling(args, parser):
         parser.error("--replicas and --batches take comma-separated integers")
     if min(replica_counts) < 1 or min(batches) < 1:
         parser.error("--replicas and --batches take positive integers")
+    _distinct_paths(parser, ("--json", args.json), ("--plot", args.plot))
     if args.plot:
         import matplotlib
         matplotlib.use("Agg")
@@ -661,6 +775,17 @@ def _bench_scaling(args, parser):
                                 args.classes, args.seed)
     except data_mod.DataError as err:
         parser.exit(2, f"{parser.prog}: error: {err}\n")
+    # Every run's configuration is checked before the first one starts.
+    n_train = dataset.x_train.shape[0]
+    for batch in batches:
+        for k in replica_counts:
+            try:
+                _config(args, _replica_devices(devices, k), batch_size=batch, lr=args.lr)
+            except ValueError as err:
+                parser.error(str(err))
+            if k > n_train or batch < k:
+                parser.error(f"--replicas {k} with --batches {batch}: every replica needs a row "
+                             f"of each batch ({n_train} training samples)")
     rows = []
     print(f"scaling: {dataset.name}, {dataset.x_train.shape[0]} train samples, "
           f"{args.epochs} epochs per run, devices {','.join(devices)}")
@@ -737,7 +862,11 @@ def _plot(rows, path, title):
 def main(argv=None):
     parser = _parser()
     args = parser.parse_args(argv)
-    return args.run(args, args.command_parser)
+    try:
+        return args.run(args, args.command_parser)
+    except KeyboardInterrupt:  # before the training loop's own handler, or a second Ctrl-C
+        print(f"{args.command_parser.prog}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -137,15 +137,16 @@ def save_checkpoint(path, payload):
     """Writes payload to path atomically: a temporary file in the same folder, flushed to disk,
     then renamed over path, so a crash or a full disk leaves the old checkpoint or the new one.
     A failed write raises WriteError naming the path and the system's reason."""
-    folder = os.path.dirname(os.path.abspath(path))
-    tmp = os.path.join(folder, f".{os.path.basename(path)}.tmp-{os.getpid()}")
+    target = os.path.realpath(path)  # a symlink (into other storage, say) stays one
+    folder = os.path.dirname(target)
+    tmp = os.path.join(folder, f".{os.path.basename(target)}.tmp-{os.getpid()}")
     try:
         os.makedirs(folder, exist_ok=True)
         with open(tmp, "wb") as f:
             torch.save(payload, f)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        os.replace(tmp, target)
     except Exception as err:
         cause = _os_error(err)
         reason = (cause.strerror or str(cause)) if cause is not None else str(err).splitlines()[0]
@@ -204,30 +205,54 @@ def load_checkpoint(path, spec=None, option="--resume"):
         raise CheckpointError(f"{option} {path}: checkpoint version {payload.get('version')} "
                               f"is not supported (this dpcuda reads versions "
                               f"{', '.join(map(str, _READABLE_VERSIONS))})")
-    if spec is not None and payload.get("model") != spec:
-        have = payload.get("model") or {}
-        raise CheckpointError(
-            f"{option} {path}: checkpoint is of a {have.get('features')}-{have.get('hidden')}-"
-            f"{have.get('classes')} {have.get('activation')} MLP, this run builds a "
-            f"{spec['features']}-{spec['hidden']}-{spec['classes']} {spec['activation']} MLP")
+    if spec is not None:
+        _check_spec(path, payload, spec, option)
+    model = payload.get("model")
+    if not isinstance(model, dict) or not {"features", "hidden", "classes", "activation"} <= \
+            set(model):
+        raise CheckpointError(f"{option} {path}: the checkpoint does not describe its model")
     if payload["version"] == 1:
-        keys = _fused_keys(payload["model"])
+        keys = _fused_keys(model)
         if len(payload["parameters"]) != len(keys):
             raise CheckpointError(f"{option} {path}: {len(payload['parameters'])} parameter "
                                   f"tensors, the model has {len(keys)}")
         payload["model_state_dict"] = dict(zip(keys, payload["parameters"]))
         payload["normalization"] = None
+    # The weights must fit the model the checkpoint describes.
+    want = FusedMLP([model["features"], model["hidden"], model["classes"]],
+                    activation=model["activation"], device="meta").state_dict()
+    have = payload.get("model_state_dict")
+    if not isinstance(have, dict) or list(have) != list(want) or any(
+            not isinstance(have[k], torch.Tensor) or have[k].shape != want[k].shape
+            for k in want):
+        raise CheckpointError(f"{option} {path}: its weights do not fit the "
+                              f"{model['features']}-{model['hidden']}-{model['classes']} MLP "
+                              f"it describes")
     return payload
+
+
+def _check_spec(path, payload, spec, option="--resume"):
+    if payload.get("model") != spec:
+        have = payload.get("model") or {}
+        raise CheckpointError(
+            f"{option} {path}: checkpoint is of a {have.get('features')}-{have.get('hidden')}-"
+            f"{have.get('classes')} {have.get('activation')} MLP, this run builds a "
+            f"{spec['features']}-{spec['hidden']}-{spec['classes']} {spec['activation']} MLP")
 
 
 def _check_resume(path, payload, cfg):
     saved = payload.get("config") or {}
     diffs = []
     for key, option in _SAME_ON_RESUME.items():
-        if key in _SYNTHETIC_ONLY and cfg.dataset != "synthetic":
+        if key in _SYNTHETIC_ONLY and (cfg.dataset != "synthetic" or
+                                       saved.get("dataset") != "synthetic"):
             continue
         if key in saved and saved[key] != getattr(cfg, key):
             diffs.append(f"{option} {getattr(cfg, key)} (checkpoint: {saved[key]})")
+    if cfg.dataset == "fashion-mnist" and saved.get("dataset") == "fashion-mnist" and \
+            saved.get("data_dir") and cfg.data_dir and \
+            os.path.realpath(saved["data_dir"]) != os.path.realpath(cfg.data_dir):
+        diffs.append(f"--data-dir {cfg.data_dir} (checkpoint: {saved['data_dir']})")
     if diffs:
         raise CheckpointError(f"--resume {path}: this run differs from the checkpoint's in what "
                               f"sets the model or the data order: {'; '.join(diffs)}")
@@ -329,9 +354,10 @@ def train(cfg, dataset=None, dist_info=None, announce=None):
         raise ValueError(f"--batch-size {cfg.batch_size} is smaller than the {replicas} "
                          f"replicas; every replica needs at least one row")
     spec = _model_spec(cfg, dataset)
-    resumed = load_checkpoint(cfg.resume, spec) if cfg.resume else None
+    resumed = load_checkpoint(cfg.resume) if cfg.resume else None
     if resumed is not None:
-        _check_resume(cfg.resume, resumed, cfg)
+        _check_resume(cfg.resume, resumed, cfg)  # every difference of the run, listed
+        _check_spec(cfg.resume, resumed, spec)  # the model, where the configuration says less
     if cfg.checkpoint and lead:
         # The checkpoint holds the weights, the momentum buffer, the data order: room for it
         # (and for the old one while the new one is written) before the first step.

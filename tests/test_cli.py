@@ -150,7 +150,13 @@ def test_signal_to_the_cli_saves_mid_epoch_and_resumes(tmp_path, sig, status):
 @pytest.mark.parametrize("args, message", [
     (["--batch-size", "-5"], "--batch-size must be a positive integer"),
     (["--lr", "fast"], "--lr must be a number"),
-    (["--replicas", "2000"], "2000 replicas but only 1438 training samples"),
+    (["--replicas", "2000"], "2000 replicas; at most 16 are supported"),
+    (["--devices", ","], "--devices names no device"),
+    (["--seed", "99999999999999999999999"], "--seed must be an integer in [0, 2**63)"),
+    (["--checkpoint", ""], "--checkpoint must name a file, got an empty string"),
+    (["--timeout", "1e15"], "--timeout must be a positive number of seconds (at most 1e7)"),
+    (["--replicas", "2", "--split", "weighted", "--split-weights", "1e308,1e308"],
+     "--split-weights must be non-negative finite numbers"),
     (["--dataset", "imagenet"], "invalid choice: 'imagenet'"),
     (["--dataset", "fashion-mnist", "--data-dir", "."], "missing train-images-idx3-ubyte.gz"),
     (["--dataset", "fashion-mnist"], "needs --data-dir"),
@@ -196,8 +202,7 @@ def test_bad_checkpoints_are_refused_and_kept(tmp_path):
     before = open(good, "rb").read()
     proc = run_cli("train", "--no-progress", "--hidden", "32", "--resume", good,
                    "--checkpoint", good)
-    assert proc.returncode == 2 and "64-256-10 relu MLP, this run builds a 64-32-10" in \
-        proc.stderr
+    assert proc.returncode == 2 and "--hidden 32 (checkpoint: 256)" in proc.stderr
     assert open(good, "rb").read() == before
 
 

@@ -68,7 +68,7 @@ def test_existing_checkpoint_is_not_overwritten(trained, tmp_path):
     (["--seed", "7"], "--seed 7 (checkpoint: 0)"),
     (["--dataset", "synthetic", "--samples", "3000", "--features", "64"],
      "--dataset synthetic (checkpoint: digits)"),
-    (["--activation", "tanh"], "relu MLP, this run builds a 64-32-10 tanh MLP"),
+    (["--activation", "tanh"], "--activation tanh (checkpoint: relu)"),
     (["--epochs", "1"], "--epochs 1 is below the checkpoint's 2 completed epochs"),
 ])
 def test_resume_refuses_what_changes_the_model_or_the_data_order(trained, tmp_path, args,
@@ -137,7 +137,8 @@ def test_full_disk_one_line_and_previous_checkpoint_intact(tmp_path):
     one_line_error(proc, 1, f"cannot write the checkpoint {ck}: No space left on device")
     saved = load_checkpoint(str(ck))  # the first epoch's, whole
     assert saved["epoch"] == 1
-    assert sorted(os.listdir(tmp_path)) == ["ck.pt"]  # no temporary file left behind
+    # no temporary file left behind (the lock file stays, empty)
+    assert sorted(os.listdir(tmp_path)) == ["ck.pt", "ck.pt.lock"]
 
 
 def test_divergence_stops_the_run_and_json_stays_valid(tmp_path):
@@ -194,7 +195,7 @@ def test_eval_predict_and_the_v2_checkpoint(trained, tmp_path):
     # bad inputs: one line, status 2
     np.save(tmp_path / "bad.npy", np.zeros((3, 5), dtype=np.float32))
     one_line_error(run("predict", "--checkpoint", str(ck), "--input", str(tmp_path / "bad.npy"),
-                       "--output", str(tmp_path / "y2.npy")), 2, "expected numbers of shape")
+                       "--output", str(tmp_path / "y2.npy")), 2, "expected real numbers of shape")
     one_line_error(run("predict", "--checkpoint", str(ck), "--input", str(tmp_path / "no.npy"),
                        "--output", str(tmp_path / "y2.npy")), 2, "cannot read a .npy array")
     one_line_error(run("eval", "--checkpoint", str(tmp_path / "none.pt")), 2, "no such file")
@@ -219,6 +220,9 @@ def test_version_1_checkpoints_still_resume(trained, tmp_path):
 
 
 @pytest.mark.parametrize("args, message", [
+    (["--replicas", "1,4", "--batches", "2", "--samples", "200", "--features", "8"],
+     "--replicas 4 with --batches 2: every replica needs a row"),
+    (["--json", "same.x", "--plot", "same.x"], "name the same file"),
     (["--batches", "0"], "--replicas and --batches take positive integers"),
     (["--replicas", "0,1"], "--replicas and --batches take positive integers"),
     (["--plot", "out.xyz"], "unknown image type 'xyz'"),
@@ -234,3 +238,81 @@ def test_help_version_and_package():
     proc = run("train", "--help")
     assert "(default: 256)" in proc.stdout and "(default: 5)" in proc.stdout
     assert dpcuda.parallel.DataParallel is not None
+
+
+def test_outputs_never_destroy_inputs_or_each_other(trained, tmp_path):
+    ck, _ = trained
+    before = ck.read_bytes()
+    for args, message in (
+            (["train", *QUICK, "--checkpoint", str(ck), "--resume", str(ck), "--json", str(ck)],
+             "--json and --checkpoint name the same file"),
+            (["train", *QUICK, "--resume", str(ck), "--checkpoint", str(tmp_path / "b.pt"),
+              "--json", str(ck)], "--json and --resume name the same file"),
+            (["eval", "--checkpoint", str(ck), "--json", str(ck)], "name the same file"),
+            (["predict", "--checkpoint", str(ck), "--input", str(tmp_path / "x.npy"),
+              "--output", str(ck)], "name the same file")):
+        one_line_error(run(*args), 2, message)
+    assert ck.read_bytes() == before
+    # a symlinked checkpoint stays a symlink; its target is written
+    target = tmp_path / "store" / "ck.pt"
+    target.parent.mkdir()
+    target.write_bytes(before)
+    link = tmp_path / "link.pt"
+    link.symlink_to(target)
+    proc = run("train", *QUICK, "--epochs", "3", "--resume", "auto", "--checkpoint", str(link))
+    assert proc.returncode == 0, proc.stderr
+    assert link.is_symlink() and load_checkpoint(str(target))["epoch"] == 3
+
+
+def test_one_run_per_checkpoint(tmp_path):
+    ck = tmp_path / "ck.pt"
+    first = subprocess.Popen(
+        [sys.executable, "-m", "dpcuda", "train", "--dataset", "synthetic", "--samples",
+         "100000", "--features", "32", "--epochs", "50", "--hidden", "16", "--no-progress",
+         "--checkpoint", str(ck)], cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = first.stdout.readline()  # the header: the lock is held from before it
+        assert line.startswith("dpcuda train:"), first.stderr.read()
+        proc = run("train", *QUICK, "--checkpoint", str(ck), "--overwrite")
+        one_line_error(proc, 2, "another run is writing it")
+    finally:
+        first.kill()
+        first.communicate()
+
+
+def test_resume_lists_every_difference_with_the_model(trained, tmp_path):
+    ck, _ = trained
+    proc = run("train", *QUICK, "--hidden", "48", "--seed", "1", "--batch-size", "128",
+               "--resume", str(ck), "--checkpoint", str(ck))
+    one_line_error(proc, 2, "--seed 1 (checkpoint: 0); --batch-size 128 (checkpoint: 256); "
+                            "--hidden 48 (checkpoint: 32)")
+
+
+def test_predict_refuses_what_has_no_prediction(trained, tmp_path):
+    ck, _ = trained
+    x = np.zeros((3, 64))
+    x[1, 5] = np.nan
+    np.save(tmp_path / "nan.npy", x)
+    np.savez(tmp_path / "x.npz", a=np.zeros((2, 64)))
+    np.save(tmp_path / "c.npy", np.zeros((2, 64), dtype=np.complex64))
+    np.save(tmp_path / "big.npy", np.full((2, 64), 1e300))
+    for name, message in (("nan.npy", "row 1 holds NaN, Inf"), ("x.npz", "an .npz archive"),
+                          ("c.npy", "expected real numbers"), ("big.npy", "row 0 holds NaN")):
+        one_line_error(run("predict", "--checkpoint", str(ck), "--input", str(tmp_path / name),
+                           "--output", str(tmp_path / "y.npy")), 2, message)
+
+
+def test_eval_refuses_a_data_set_the_model_cannot_score(tmp_path):
+    ck = tmp_path / "syn.pt"
+    proc = run("train", "--no-progress", "--epochs", "1", "--hidden", "8", "--dataset",
+               "synthetic", "--samples", "400", "--features", "64", "--classes", "3",
+               "--checkpoint", str(ck))
+    assert proc.returncode == 0, proc.stderr
+    one_line_error(run("eval", "--checkpoint", str(ck), "--dataset", "digits"), 2,
+                   "the checkpoint's model takes 64 features and has 3 classes")
+    payload = load_checkpoint(str(ck))
+    payload["model_state_dict"]["layers.0.weight"] = torch.zeros(2, 2)
+    bad = tmp_path / "bad.pt"
+    save_checkpoint(str(bad), payload)
+    one_line_error(run("eval", "--checkpoint", str(bad)), 2, "its weights do not fit")
