@@ -1,5 +1,8 @@
+import copy
+
 import pytest
 import torch
+import torch.nn.functional as F
 
 import dpcuda
 
@@ -27,3 +30,16 @@ def assert_within_torch_error(ours, plain, reference, atol):
     our_err = (ours64 - reference)[keep].abs().max().item() if keep.any() else 0.0
     plain_err = (plain64 - reference)[keep].abs().max().item() if keep.any() else 0.0
     assert our_err <= 2 * plain_err + atol, f"error {our_err} vs plain torch {plain_err}"
+
+
+def reference_train(model, data, lr, momentum, weight_decay):
+    """A copy of model trained on one device by torch.optim.SGD: the oracle of the data-parallel
+    tests."""
+    model = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum,
+                          weight_decay=weight_decay)
+    for x, y in data:
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    return model

@@ -10,6 +10,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from conftest import reference_train
 from dpcuda.batchnorm import Exchange
 from dpcuda.parallel import DataParallel
 
@@ -26,16 +27,6 @@ def batches(n=4, rows=32, dtype=torch.float64):
              torch.randint(0, 4, (rows,), generator=gen)) for _ in range(n)]
 
 
-def train_one_device(model, data, momentum=0.9, weight_decay=1e-3):
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=momentum,
-                          weight_decay=weight_decay)
-    for x, y in data:
-        opt.zero_grad()
-        F.cross_entropy(model(x), y).backward()
-        opt.step()
-    return model
-
-
 def assert_replicas_identical(dp):
     ref = dp.module.state_dict()
     for r in dp.replicas[1:]:
@@ -49,7 +40,7 @@ def assert_replicas_identical(dp):
 def test_sync_matches_one_device(replicas, split, weights, momentum_bn):
     model = make_model(momentum=momentum_bn)
     data = batches()
-    want = train_one_device(copy.deepcopy(model), data).state_dict()
+    want = reference_train(model, data, 0.1, 0.9, 1e-3).state_dict()
     w = [0] + [i + 1 for i in range(replicas - 1)] if weights else None  # replica 0: no rows
     dp = DataParallel(copy.deepcopy(model), ["cpu"] * replicas, lr=0.1, momentum=0.9,
                       weight_decay=1e-3, buffers="sync", split=split, split_weights=w)
@@ -68,7 +59,7 @@ def test_sync_2d_and_float32():
     gen = torch.Generator().manual_seed(4)
     data = [(torch.randn(12, 3, 6, 6, generator=gen), torch.randint(0, 5, (12,), generator=gen))
             for _ in range(3)]
-    want = train_one_device(copy.deepcopy(model), data).state_dict()
+    want = reference_train(model, data, 0.1, 0.9, 1e-3).state_dict()
     dp = DataParallel(copy.deepcopy(model), ["cpu"] * 3, lr=0.1, momentum=0.9,
                       weight_decay=1e-3, buffers="sync")
     for x, y in data:

@@ -17,6 +17,7 @@ import dpcuda
 from dpcuda import parallel
 from dpcuda.nn import FusedMLP, SoftmaxCrossEntropyLoss
 from dpcuda.parallel import DataParallel
+from conftest import reference_train
 
 ALGOS = ["one_shot", "two_shot", "ring", "auto"]
 CUDA = dpcuda.cuda_available()
@@ -191,17 +192,6 @@ def batches(steps=20, rows=24, seed=0):
     gen = torch.Generator().manual_seed(seed)
     return [(torch.randn(rows, 12, generator=gen), torch.randint(0, 5, (rows,), generator=gen))
             for _ in range(steps)]
-
-
-def reference_train(model, data, lr, momentum, weight_decay):
-    model = copy.deepcopy(model)
-    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum,
-                          weight_decay=weight_decay)
-    for x, y in data:
-        opt.zero_grad()
-        F.cross_entropy(model(x), y).backward()
-        opt.step()
-    return model
 
 
 @pytest.mark.parametrize("replicas", [1, 2, 3, 4])
