@@ -372,8 +372,47 @@ def _init_dist(devices, timeout):
                          "--reducer dist)")
     backend = "nccl" if torch.device(devices[0]).type == "cuda" else "gloo"
     if not dist.is_initialized():
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
+        wait = datetime.timedelta(seconds=timeout)
+        namespace = _attempt_namespace()
+        if namespace is None:
+            dist.init_process_group(backend, timeout=wait)
+        else:
+            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                  is_master=False, timeout=wait)
+            dist.init_process_group(backend, store=dist.PrefixStore(namespace, store),
+                                    rank=int(os.environ["RANK"]),
+                                    world_size=int(os.environ["WORLD_SIZE"]), timeout=wait)
     return dist.get_rank(), dist.get_world_size()
+
+
+def _attempt_namespace():
+    """The store prefix of this torchrun attempt, or None for torch's own set-up.
+
+    torchrun (torch >= 2.5, c10d rendezvous) lends its agent's TCPStore to the workers and
+    keeps that store across --max-restarts, keys and all: a restarted group's process group
+    then finds the keys its dead predecessor wrote (gloo's peer addresses, NCCL's id) and may
+    connect to a process that is gone ("connection refused", "connect timeout"; seen here
+    under load; pytorch/pytorch#135712). With one agent (one node) its restart count names
+    the attempt exactly, so each attempt's process group gets keys of its own. Across nodes
+    the agents' counts can disagree (pytorch/pytorch#108158), so there torch's set-up stays
+    and main() warns (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 gives every attempt a new store)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    if os.environ.get("GROUP_WORLD_SIZE", "1") != "1":
+        return None
+    run = os.environ.get("TORCHELASTIC_RUN_ID", "run")
+    return f"dpcuda/{run}/attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+
+
+def _shared_store_warning():
+    """One line for a multi-node torchrun with restarts and the agent's store shared."""
+    if (os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+            and os.environ.get("GROUP_WORLD_SIZE", "1") != "1"
+            and os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") not in ("", "0")):
+        return ("warning: torchrun --max-restarts across nodes keeps its store across restarts "
+                "and a restarted group can read the failed group's keys (pytorch/pytorch#135712)"
+                "; set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for torchrun")
+    return None
 
 
 def _replicas_text(devices, processes=1):
@@ -436,6 +475,8 @@ def _train(args, parser):
                 local = int(os.environ["LOCAL_RANK"])
                 cfg.devices = [f"cuda:{local}"] if not args.devices else cfg.devices
             dist_info = _init_dist(cfg.devices, args.timeout)
+            if dist_info[0] == 0 and _shared_store_warning():
+                print(_shared_store_warning(), file=sys.stderr)
             heartbeat = _Heartbeat.start(*dist_info, args.timeout)
         dataset = data_mod.load(cfg.dataset, cfg.data_dir, cfg.samples, cfg.features,
                                 cfg.classes, cfg.seed)
@@ -537,9 +578,11 @@ class _Heartbeat:
                                   timeout=datetime.timedelta(seconds=min(timeout, 30.0)))
         except Exception:  # no store reachable: the run goes on without naming lost ranks
             return None
-        run = os.environ.get("TORCHELASTIC_RUN_ID", "run")
-        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        return cls(store, rank, world, f"dpcuda/heartbeat/{run}/{restart}/")
+        # each attempt's processes count from 1 again, so a counter a dead predecessor left
+        # behind is told from a live one by its not moving; the attempt (where known) only
+        # keeps the keys apart
+        namespace = _attempt_namespace() or f"dpcuda/{os.environ.get('TORCHELASTIC_RUN_ID')}/"
+        return cls(store, rank, world, f"{namespace}heartbeat/")
 
     def _beat(self):
         count = 0
