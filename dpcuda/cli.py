@@ -374,15 +374,50 @@ def _init_dist(devices, timeout):
     if not dist.is_initialized():
         wait = datetime.timedelta(seconds=timeout)
         namespace = _attempt_namespace()
-        if namespace is None:
-            dist.init_process_group(backend, timeout=wait)
-        else:
-            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                                  is_master=False, timeout=wait)
-            dist.init_process_group(backend, store=dist.PrefixStore(namespace, store),
-                                    rank=int(os.environ["RANK"]),
-                                    world_size=int(os.environ["WORLD_SIZE"]), timeout=wait)
+        client = namespace is not None or int(os.environ["RANK"]) != 0 or \
+            os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        if client:
+            _wait_for_store(timeout)
+        try:
+            if namespace is None:
+                dist.init_process_group(backend, timeout=wait)
+            else:
+                store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                      is_master=False, timeout=wait)
+                dist.init_process_group(backend, store=dist.PrefixStore(namespace, store),
+                                        rank=int(os.environ["RANK"]),
+                                        world_size=int(os.environ["WORLD_SIZE"]), timeout=wait)
+        except RuntimeError as err:  # the store or a peer unreachable, a connection that failed
+            where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+            raise JoinError(f"cannot start the process group (store {where}, --timeout "
+                            f"{timeout:g} s): {_first_line(err)}") from None
     return dist.get_rank(), dist.get_world_size()
+
+
+class JoinError(Exception):
+    """The process group could not be started."""
+
+
+def _wait_for_store(timeout):
+    """Until the rendezvous store at MASTER_ADDR:MASTER_PORT accepts a connection, at most
+    `timeout` seconds: a store that never comes up is then one line (JoinError), where c10d's
+    own client would log its C++ stack first. Where the address is missing or bad, torch's
+    set-up says so."""
+    import socket
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT", "")
+    if not addr or not port.isdigit() or not 0 < int(port) < 65536:
+        return
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with socket.create_connection((addr, int(port)), timeout=min(timeout, 5.0)):
+                return
+        except OSError as err:
+            if time.monotonic() >= deadline:
+                raise JoinError(f"cannot start the process group: no rendezvous store at "
+                                f"{addr}:{port} within --timeout {timeout:g} s "
+                                f"({err.strerror or err})") from None
+        time.sleep(0.2)
 
 
 def _attempt_namespace():
@@ -395,11 +430,15 @@ def _attempt_namespace():
     under load; pytorch/pytorch#135712). With one agent (one node) its restart count names
     the attempt exactly, so each attempt's process group gets keys of its own. Across nodes
     the agents' counts can disagree (pytorch/pytorch#108158), so there torch's set-up stays
-    and main() warns (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 gives every attempt a new store)."""
+    and main() warns (with --rdzv-backend c10d, TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 gives
+    every attempt a new store; torchrun's static rendezvous always shares its store)."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
     if os.environ.get("GROUP_WORLD_SIZE", "1") != "1":
         return None
+    port = os.environ.get("MASTER_PORT", "")
+    if not os.environ.get("MASTER_ADDR") or not port.isdigit() or not 0 < int(port) < 65536:
+        return None  # torch's own set-up then says what is missing
     run = os.environ.get("TORCHELASTIC_RUN_ID", "run")
     return f"dpcuda/{run}/attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
 
@@ -411,7 +450,8 @@ def _shared_store_warning():
             and os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") not in ("", "0")):
         return ("warning: torchrun --max-restarts across nodes keeps its store across restarts "
                 "and a restarted group can read the failed group's keys (pytorch/pytorch#135712)"
-                "; set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for torchrun")
+                "; start torchrun with --rdzv-backend c10d and TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+                "=1 (the static rendezvous always keeps its store)")
     return None
 
 
@@ -508,7 +548,7 @@ def _train(args, parser):
         except WriteError:
             pass
         parser.exit(1, f"{parser.prog}: error: {err}\n")
-    except WriteError as err:
+    except (WriteError, JoinError) as err:
         parser.exit(1, f"{parser.prog}: error: {err}\n")
     except Exception as err:
         if _is_out_of_memory(err):
@@ -581,7 +621,8 @@ class _Heartbeat:
         # each attempt's processes count from 1 again, so a counter a dead predecessor left
         # behind is told from a live one by its not moving; the attempt (where known) only
         # keeps the keys apart
-        namespace = _attempt_namespace() or f"dpcuda/{os.environ.get('TORCHELASTIC_RUN_ID')}/"
+        namespace = _attempt_namespace() or \
+            f"dpcuda/{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}/"
         return cls(store, rank, world, f"{namespace}heartbeat/")
 
     def _beat(self):

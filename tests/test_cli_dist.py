@@ -133,8 +133,9 @@ def test_elastic_restart_resumes_to_the_uninterrupted_weights(tmp_path):
     torchrun keeps its store, with the failed group's keys, across the restart: a restarted
     rank 0 that looks for rank 1's address before the new rank 1 has written it finds the dead
     one's (pytorch/pytorch#135712). A sitecustomize makes the restarted rank 1 start 4 s late,
-    so that this happens every time (it failed the test under load before each attempt got
-    keys of its own)."""
+    which makes that likely: without keys of its own per attempt this test failed in about half
+    the runs here ("Gloo connectFullMesh failed ... Connection refused"), and twice in CI under
+    load before the delay; with them it passed every run."""
     hooks = tmp_path / "hooks"
     hooks.mkdir()
     (hooks / "sitecustomize.py").write_text(SLOW_RANK_1)
@@ -176,6 +177,8 @@ def test_attempt_namespace_only_where_the_attempt_is_known(monkeypatch):
     for var in ("TORCHELASTIC_USE_AGENT_STORE", "GROUP_WORLD_SIZE", "TORCHELASTIC_RUN_ID",
                 "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS"):
         monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29500")
     assert _attempt_namespace() is None and _shared_store_warning() is None  # no torchrun
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
@@ -189,6 +192,40 @@ def test_attempt_namespace_only_where_the_attempt_is_known(monkeypatch):
     assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in _shared_store_warning()
     monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "0")
     assert _shared_store_warning() is None
+    monkeypatch.setenv("GROUP_WORLD_SIZE", "1")
+    monkeypatch.setenv("MASTER_PORT", "70000")  # torch's own set-up names the bad port
+    assert _attempt_namespace() is None
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    monkeypatch.setenv("GROUP_WORLD_SIZE", "2")
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")  # a store per attempt
     monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "5")
     assert _attempt_namespace() is None and _shared_store_warning() is None
+
+
+def test_an_unreachable_store_is_one_line(tmp_path):
+    port = free_port()  # nothing listens there
+    for agent_store, rank in (("True", "0"), (None, "1")):  # a client of the store
+        env = dict(os.environ, PYTHONPATH=ROOT, RANK=rank, WORLD_SIZE="2", LOCAL_RANK=rank,
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        if agent_store:
+            env["TORCHELASTIC_USE_AGENT_STORE"] = agent_store
+        start = time.monotonic()
+        run = subprocess.run([sys.executable, "-m", "dpcuda", *RUN, "--epochs", "1",
+                              "--timeout", "3"], cwd=ROOT, env=env, capture_output=True,
+                             text=True, timeout=120)
+        assert run.returncode == 1, run.stderr
+        lines = run.stderr.strip().splitlines()
+        assert len(lines) == 1 and "Traceback" not in run.stderr, run.stderr
+        assert f"cannot start the process group: no rendezvous store at 127.0.0.1:{port}" in \
+            lines[0], lines[0]
+        assert time.monotonic() - start < 60
+
+
+def test_agent_store_without_an_address_is_torchs_one_line(tmp_path):
+    env = dict(os.environ, PYTHONPATH=ROOT, RANK="0", WORLD_SIZE="2",
+               TORCHELASTIC_USE_AGENT_STORE="True", MASTER_PORT="70000")
+    env.pop("MASTER_ADDR", None)
+    run = subprocess.run([sys.executable, "-m", "dpcuda", *RUN, "--epochs", "1", "--timeout",
+                          "3"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2, run.stderr
+    assert len(run.stderr.strip().splitlines()) == 1 and "MASTER_ADDR" in run.stderr, run.stderr
