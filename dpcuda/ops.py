@@ -66,10 +66,13 @@ def _full_forward_fake(input, weight, bias, activation):
     return input.new_empty(shape), pre
 
 
-def full_forward(x, weight, bias=None, activation="relu"):
+def full_forward(x, weight, bias=None, activation="relu", grads_into=None):
     """act(x @ weight.T + bias) in one op; x is (..., in), weight (out, in) as in nn.Linear.
 
-    Differentiable in x, weight and bias; the backward is full_backward.
+    Differentiable in x, weight and bias; the backward is full_backward. grads_into, a pair
+    (weight's, bias's; either None), gives the first-order backward tensors to write those
+    gradients into, which autograd then makes .grad without a copy where .grad is None
+    (dpcuda.parallel's flat gradient buffer); only in eager mode, where it is ignored otherwise.
     """
     _check_tensor(x, "x")
     _check_tensor(weight, "weight")
@@ -77,6 +80,8 @@ def full_forward(x, weight, bias=None, activation="relu"):
         _check_tensor(bias, "bias")
     check_activation(activation)
     if _eager(x, weight) if bias is None else _eager(x, weight, bias):
+        if grads_into is not None:
+            return _C.full_forward_into(x, weight, bias, activation, *grads_into)
         return _C.full_forward(x, weight, bias, activation)
     return torch.ops.dpcuda.full_forward(x, weight, bias, activation)[0]
 
@@ -90,6 +95,12 @@ def _full_backward_fake(grad_output, input, weight, saved, activation, output_ma
     return (input.new_empty(input.shape) if output_mask[0] else empty,
             weight.new_empty(weight.shape) if output_mask[1] else empty,
             weight.new_empty((weight.shape[0],)) if output_mask[2] else empty)
+
+
+@torch.library.register_fake("dpcuda::full_backward_into")
+def _full_backward_into_fake(grad_output, input, weight, saved, activation, output_mask,
+                             grad_weight, grad_bias):
+    return input.new_empty(input.shape) if output_mask[0] else grad_output.new_empty((0,))
 
 
 def full_backward(grad_output, x, weight, saved=None, activation="relu",

@@ -27,7 +27,7 @@ import torch
 from . import _C  # noqa: F401  (registers torch.ops.dpcuda.*)
 from . import ops
 from .batchnorm import Exchange, replica_context, sync_batch_norm_
-from .nn import SoftmaxCrossEntropyLoss
+from .nn import FusedLinear, SoftmaxCrossEntropyLoss
 
 __all__ = ["replicate", "scatter", "gather", "parallel_apply", "all_reduce", "split_sizes",
            "DataParallel", "REDUCERS", "SPLITS", "ALGORITHMS"]
@@ -296,6 +296,51 @@ class _Replica:
             offset += n
         self.params = params
         self.frozen = [p for p in params if not p.requires_grad]
+        self.grads = [(p, p.grad) for p in trainable]
+        self.spans = []  # each trainable parameter's (offset, numel) in the flat buffers
+        offset = 0
+        for p in trainable:
+            self.spans.append((offset, p.numel()))
+            offset += p.numel()
+        self.unused = set()  # the parameters the last backward gave no gradient (indices)
+        # The fused layers' backwards write their gradients straight into the buffer (see
+        # collect_grads); not for a parameter that two layers share, whose two gradients would
+        # be written to one place.
+        layers = [m for m in module.modules() if isinstance(m, FusedLinear)]
+        uses = {}
+        for m in layers:
+            for q in (m.weight, m.bias):
+                if q is not None:
+                    uses[id(q)] = uses.get(id(q), 0) + 1
+
+        def into(q):
+            return q.grad if q is not None and q.requires_grad and uses[id(q)] == 1 else None
+        self.fused = [(m, (into(m.weight), into(m.bias))) for m in layers]
+
+    def release_grads(self):
+        """Before a step's forward: .grad None (autograd then takes the fused layers' gradients,
+        which are views of the buffer, as they are) and each fused layer told where its
+        backward writes."""
+        for p, _ in self.grads:
+            p.grad = None
+        for m, into in self.fused:
+            m._grads_into = into if any(t is not None for t in into) else None
+
+    def collect_grads(self):
+        """After the backward (or a failure): every gradient in the buffer and .grad the
+        buffer's view again. A fused layer's gradient is there already; any other is copied in;
+        a parameter that got none (unused by this forward, or a replica without rows) is 0."""
+        for m, _ in self.fused:
+            m._grads_into = None
+        self.unused = set()
+        for i, (p, view) in enumerate(self.grads):
+            g = p.grad
+            if g is None:
+                self.unused.add(i)
+                view.zero_()
+            elif g.data_ptr() != view.data_ptr():
+                view.copy_(g)
+            p.grad = view
 
 
 class DataParallel:
@@ -535,6 +580,8 @@ class DataParallel:
                 bounds.append(bounds[-1] + n)
             dens = [int(kept[a:b].sum()) for a, b in zip(bounds, bounds[1:])]
         global_den = sum(dens)
+        # dpcuda's own loss on (batch, classes) logits takes the fused path (see step_replica).
+        fold = summed is not None and isinstance(loss_fn, SoftmaxCrossEntropyLoss)
         if self.reducer == "dist":
             # Every process scales its loss by 1 / the global denominator before the backward.
             # The first step counts it with a collective; later steps take the previous step's
@@ -554,8 +601,6 @@ class DataParallel:
         # over no rows (its gradient is 0 too; the update still applies decay and momentum).
         inv = 1.0 / global_den if global_den > 0 else 0.0
 
-        for r in self._replicas:
-            r.exchange.zero_()
         # The CUDA loss kernel's bad-label flags, read with this step's loss: cleared first, so
         # that what they say is about this step.
         for device in {r.device for r in self._replicas if r.device.type == "cuda"}:
@@ -571,6 +616,13 @@ class DataParallel:
                 return step_replica()
 
             def step_replica():
+                replica.release_grads()
+                try:
+                    return forward_backward()
+                finally:
+                    replica.collect_grads()
+
+            def forward_backward():
                 if size == 0 and exchange is None:
                     return 0.0, 0.0
                 start = time.perf_counter()
@@ -582,8 +634,17 @@ class DataParallel:
                 previous = _C._defer_label_checks(True) if defer else None
                 try:
                     out = replica.module(x)
+                    grad = None
                     if size == 0:  # it takes part in the batch-norm exchanges only
                         loss = out.sum() * 0.0
+                    elif fold and out.dim() == 2 and out.dtype.is_floating_point:
+                        # dpcuda's loss: the loss and its gradient, both already scaled by
+                        # 1 / the global denominator, from one kernel; the backward starts at
+                        # the logits (no seed, no scale and no loss node on the way back).
+                        losses, grad = torch.ops.dpcuda.loss_grad(
+                            out.detach(), y.long(), inv, float(loss_fn.label_smoothing),
+                            loss_fn.ignore_index, out.requires_grad)
+                        loss = losses.sum()
                     elif summed is None:
                         loss = loss_fn(out, y) * (size * inv)
                     else:
@@ -591,7 +652,10 @@ class DataParallel:
                 finally:
                     if defer:
                         _C._defer_label_checks(previous)
-                loss.backward()
+                if grad is None:
+                    loss.backward()
+                elif out.requires_grad:
+                    out.backward(grad)
                 if replica.device.type == "cuda" and self.split == "auto":
                     torch.cuda.synchronize(replica.device)
                 self._classes = out.shape[1] if out.dim() >= 2 else None
@@ -630,12 +694,28 @@ class DataParallel:
             self.skipped_steps += 1
             self.steps += 1
             return loss
+        # torch.optim.SGD leaves a parameter that got no gradient alone (no decay, no momentum):
+        # so does the step for one that no replica's forward used.
+        unused = set.intersection(*(r.unused for r in self._replicas))
+        kept = self._keep(unused) if unused else None
         if self.reducer == "p2p":
             self._reduce_p2p()
         else:
             self._reduce_host()
+        if kept is not None:
+            for dst, src in kept:
+                dst.copy_(src)
         self.steps += 1
         return loss
+
+    def _keep(self, indices):
+        """Copies of the weights and momenta of the given parameters, to put back after the
+        update: (destination, copy) pairs."""
+        spans = [self._replicas[0].spans[i] for i in sorted(indices)]
+        buffers = [t for r in self._replicas for t in (r.flat_param, r.momentum) if t is not None]
+        if self.reducer == "host":
+            buffers += [t for t in (self._host_param, self._host_momentum) if t is not None]
+        return [(b[o:o + n], b[o:o + n].clone()) for b in buffers for o, n in spans]
 
     @staticmethod
     def _label_flag(device):

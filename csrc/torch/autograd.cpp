@@ -131,6 +131,25 @@ Tensor differentiable_loss_grad(const Tensor& logits, const Tensor& labels, doub
   return (g * scale).to(dtype);
 }
 
+thread_local const GradientsInto* t_gradients_into = nullptr;
+
+// A destination is for a parameter: it is used only where the node's tensor is a leaf (under
+// autocast the node sees a cast copy, whose gradient goes on to the cast's node; it is then
+// computed as usual), and must have exactly its shape, dtype and device and be contiguous; any
+// other is an error in the caller, named here before any work.
+Tensor checked_into(const Tensor& into, const Tensor& like, const char* name) {
+  if (!into.defined() || !like.is_leaf()) return Tensor();
+  TORCH_CHECK_VALUE(!into.requires_grad(), name, " must not require grad");
+  TORCH_CHECK_VALUE(into.sizes() == like.sizes(), name, " must have shape ", like.sizes(),
+                    ", got ", into.sizes());
+  TORCH_CHECK_VALUE(into.scalar_type() == like.scalar_type(), name, " must have dtype ",
+                    like.scalar_type(), ", got ", into.scalar_type());
+  TORCH_CHECK_VALUE(into.device() == like.device(), name, " must be on ", like.device(),
+                    ", got ", into.device());
+  TORCH_CHECK_VALUE(into.is_contiguous(), name, " must be contiguous");
+  return into;
+}
+
 class FullForward : public torch::autograd::Function<FullForward> {
  public:
   static variable_list forward(AutogradContext* ctx, const Tensor& input, const Tensor& weight,
@@ -152,6 +171,11 @@ class FullForward : public torch::autograd::Function<FullForward> {
     keep_for_double_backward(ctx, "bias", has_bias ? *bias : Tensor());
     ctx->saved_data["activation"] = std::string(activation);
     ctx->saved_data["has_bias"] = has_bias;
+    if (const GradientsInto* into = t_gradients_into) {
+      ctx->saved_data["grad_weight_into"] = checked_into(into->weight, weight, "grad_weight");
+      ctx->saved_data["grad_bias_into"] =
+          has_bias ? checked_into(into->bias, *bias, "grad_bias") : Tensor();
+    }
     // The pre-activation is what the backward reads, not a result of the layer.
     ctx->mark_non_differentiable({pre});
     return {out, pre};
@@ -171,6 +195,31 @@ class FullForward : public torch::autograd::Function<FullForward> {
                                  check_activation(activation), mask);
     }
     const Tensor s = saved[2].defined() ? saved[2] : at::empty({0}, grad_out.options());
+    if (ctx->saved_data.count("grad_weight_into")) {
+      // The gradients go straight into the caller's destinations. Autograd gets fresh views of
+      // them, held by nothing else, which AccumulateGrad makes .grad without a copy when .grad
+      // is None (and adds, as any gradient, when it is not).
+      Tensor w = ctx->saved_data["grad_weight_into"].toTensor();
+      Tensor b = ctx->saved_data["grad_bias_into"].toTensor();
+      const Tensor none = at::empty({0}, grad_out.options());
+      Tensor w_out = mask[1] && w.defined() ? w : none;
+      Tensor b_out = mask[2] && b.defined() ? b : none;
+      const std::array<bool, 3> into_mask = {mask[0], mask[1] && w.defined(),
+                                             mask[2] && b.defined()};
+      const Tensor gi = call_full_backward_into(grad_out, saved[0], saved[1], s, activation,
+                                                into_mask, w_out, b_out);
+      // What has no destination (a gradient the caller did not place) is computed as usual.
+      Tensor gw = into_mask[1] ? w.view(w.sizes()) : Tensor();
+      Tensor gb = into_mask[2] ? b.view(b.sizes()) : Tensor();
+      if ((mask[1] && !into_mask[1]) || (mask[2] && !into_mask[2])) {
+        auto rest = call_full_backward(grad_out, saved[0], saved[1], s, activation,
+                                       {false, mask[1] && !into_mask[1],
+                                        mask[2] && !into_mask[2]});
+        if (mask[1] && !into_mask[1]) gw = std::get<1>(rest);
+        if (mask[2] && !into_mask[2]) gb = std::get<2>(rest);
+      }
+      return {mask[0] ? gi : Tensor(), gw, gb, Tensor()};
+    }
     auto [gi, gw, gb] = call_full_backward(grad_out, saved[0], saved[1], s, activation, mask);
     return {mask[0] ? gi : Tensor(), mask[1] ? gw : Tensor(), mask[2] ? gb : Tensor(), Tensor()};
   }
@@ -428,6 +477,18 @@ Tensor softmax_cross_entropy_autograd(const Tensor& logits, const Tensor& labels
 }
 
 }  // namespace
+
+GradientsInto::GradientsInto(const c10::optional<at::Tensor>& weight,
+                             const c10::optional<at::Tensor>& bias)
+    : weight(weight.has_value() ? *weight : at::Tensor()),
+      bias(bias.has_value() ? *bias : at::Tensor()),
+      previous_(t_gradients_into) {
+  t_gradients_into = this;
+}
+
+GradientsInto::~GradientsInto() { t_gradients_into = previous_; }
+
+const GradientsInto* GradientsInto::current() { return t_gradients_into; }
 
 TORCH_LIBRARY_IMPL(dpcuda, CompositeExplicitAutograd, m) {
   m.impl("softmax_cross_entropy", &softmax_cross_entropy_forward);

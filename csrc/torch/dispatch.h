@@ -35,6 +35,35 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor> call_full_backward(
   return op.call(grad_output, input, weight, saved, activation, mask);
 }
 
+inline at::Tensor call_full_backward_into(const at::Tensor& grad_output, const at::Tensor& input,
+                                         const at::Tensor& weight, const at::Tensor& saved,
+                                         c10::string_view activation, std::array<bool, 3> mask,
+                                         at::Tensor& grad_weight, at::Tensor& grad_bias) {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("dpcuda::full_backward_into", "")
+          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                            const at::Tensor&, c10::string_view, std::array<bool, 3>,
+                            at::Tensor&, at::Tensor&)>();
+  return op.call(grad_output, input, weight, saved, activation, mask, grad_weight, grad_bias);
+}
+
+// While one is alive on a thread, a full_forward that builds an autograd node there hands the
+// node these destinations for its weight and bias gradients (csrc/torch/autograd.cpp).
+class GradientsInto {
+ public:
+  GradientsInto(const c10::optional<at::Tensor>& weight, const c10::optional<at::Tensor>& bias);
+  ~GradientsInto();
+  GradientsInto(const GradientsInto&) = delete;
+  GradientsInto& operator=(const GradientsInto&) = delete;
+  // The destinations set on this thread, or nullptr.
+  static const GradientsInto* current();
+  at::Tensor weight, bias;  // undefined where not given
+
+ private:
+  const GradientsInto* previous_;
+};
+
 inline std::tuple<at::Tensor, at::Tensor> call_loss_grad(const at::Tensor& logits,
                                                          const at::Tensor& labels, double scale,
                                                          double label_smoothing,

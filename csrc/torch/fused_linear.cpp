@@ -46,7 +46,8 @@ struct BackwardPlan {
 BackwardPlan plan_backward(const Tensor& grad_output, const Tensor& input, const Tensor& weight,
                            const Tensor& saved, c10::string_view activation,
                            std::array<bool, 3> output_mask, void (*check_dtype)(const Tensor&,
-                                                                              const char*)) {
+                                                                              const char*),
+                           const Tensor& grad_bias_into = Tensor()) {
   BackwardPlan p;
   p.act = check_activation(activation);
   p.shape = check_linear(input, weight, c10::nullopt);
@@ -59,20 +60,42 @@ BackwardPlan plan_backward(const Tensor& grad_output, const Tensor& input, const
   p.fused_pass = p.act != Activation::kNone;
   p.saved = p.fused_pass ? saved.reshape({rows, out_f}).contiguous() : Tensor();
   p.g = p.fused_pass ? at::empty_like(p.grad_out) : p.grad_out;
-  p.grad_bias = output_mask[2] ? at::empty({out_f}, p.grad_out.options())
-                               : empty_like_options(p.grad_out);
+  p.grad_bias = !output_mask[2]           ? empty_like_options(p.grad_out)
+                : grad_bias_into.defined() ? grad_bias_into
+                                           : at::empty({out_f}, p.grad_out.options());
   return p;
 }
 
 // The two GEMMs that follow the activation pass.
 std::tuple<Tensor, Tensor, Tensor> finish_backward(const BackwardPlan& p, const Tensor& input,
                                                    const Tensor& weight,
-                                                   std::array<bool, 3> output_mask) {
+                                                   std::array<bool, 3> output_mask,
+                                                   const Tensor& grad_weight_into = Tensor()) {
   Tensor grad_input = output_mask[0] ? at::mm(p.g, weight).view(input.sizes())
                                      : empty_like_options(p.grad_out);
-  Tensor grad_weight = output_mask[1] ? at::mm(p.g.t(), as_matrix(input, p.shape))
-                                      : empty_like_options(p.grad_out);
+  Tensor grad_weight = empty_like_options(p.grad_out);
+  if (output_mask[1] && grad_weight_into.defined()) {
+    Tensor out = grad_weight_into;
+    at::mm_out(out, p.g.t(), as_matrix(input, p.shape));
+    grad_weight = grad_weight_into;
+  } else if (output_mask[1]) {
+    grad_weight = at::mm(p.g.t(), as_matrix(input, p.shape));
+  }
   return {grad_input, grad_weight, p.grad_bias};
+}
+
+// The destinations of full_backward_into: contiguous tensors of the gradient's shape, dtype and
+// device, or empty where the mask leaves that gradient out.
+void check_into(const Tensor& into, const char* name, bool wanted, const Tensor& like,
+                at::IntArrayRef shape) {
+  if (!wanted) return;
+  TORCH_CHECK_VALUE(into.sizes() == shape, name, " must have shape ", shape, ", got ",
+                    into.sizes());
+  TORCH_CHECK_VALUE(into.scalar_type() == like.scalar_type(), name, " must have dtype ",
+                    like.scalar_type(), ", got ", into.scalar_type());
+  TORCH_CHECK_VALUE(into.device() == like.device(), name, " must be on ", like.device(),
+                    ", got ", into.device());
+  TORCH_CHECK_VALUE(into.is_contiguous(), name, " must be contiguous");
 }
 
 std::tuple<Tensor, Tensor> full_forward_cpu(const Tensor& input, const Tensor& weight,
@@ -129,13 +152,21 @@ std::tuple<Tensor, Tensor> full_forward_cpu(const Tensor& input, const Tensor& w
   return {out.view(s.out_sizes), keep_pre ? pre.view(s.out_sizes) : pre};
 }
 
-std::tuple<Tensor, Tensor, Tensor> full_backward_cpu(const Tensor& grad_output,
-                                                     const Tensor& input, const Tensor& weight,
-                                                     const Tensor& saved,
-                                                     c10::string_view activation,
-                                                     std::array<bool, 3> output_mask) {
+std::tuple<Tensor, Tensor, Tensor> full_backward_cpu_into(
+    const Tensor& grad_output, const Tensor& input, const Tensor& weight, const Tensor& saved,
+    c10::string_view activation, std::array<bool, 3> output_mask,
+    const Tensor& grad_weight_into, const Tensor& grad_bias_into) {
+  if (is_half_type(input) && (grad_weight_into.defined() || grad_bias_into.defined())) {
+    // The half types compute in float and round each result once: rounded into the destinations.
+    auto [gi, gw, gb] = full_backward_cpu_into(grad_output, input, weight, saved, activation,
+                                               output_mask, Tensor(), Tensor());
+    if (grad_weight_into.defined() && output_mask[1]) grad_weight_into.copy_(gw);
+    if (grad_bias_into.defined() && output_mask[2]) grad_bias_into.copy_(gb);
+    return {gi, grad_weight_into.defined() ? grad_weight_into : gw,
+            grad_bias_into.defined() ? grad_bias_into : gb};
+  }
   const BackwardPlan p = plan_backward(grad_output, input, weight, saved, activation,
-                                      output_mask, &check_cpu_layer_dtype);
+                                      output_mask, &check_cpu_layer_dtype, grad_bias_into);
   if (is_half_type(input)) {
     // As torch: grad_output * act'(saved) computed in float and rounded to the half type (where
     // it may overflow as torch's does), then the GEMMs and the bias sum accumulate in float from
@@ -157,10 +188,10 @@ std::tuple<Tensor, Tensor, Tensor> full_backward_cpu(const Tensor& grad_output,
       });
       g = gf.to(dtype);
     }
-    auto [gi, gw, gb] = full_backward_cpu(g.to(at::kFloat).view(grad_output.sizes()),
-                                          input.to(at::kFloat), weight.to(at::kFloat),
-                                          at::empty({0}, input.options().dtype(at::kFloat)),
-                                          "none", output_mask);
+    auto [gi, gw, gb] = full_backward_cpu_into(
+        g.to(at::kFloat).view(grad_output.sizes()), input.to(at::kFloat),
+        weight.to(at::kFloat), at::empty({0}, input.options().dtype(at::kFloat)), "none",
+        output_mask, Tensor(), Tensor());
     return {gi.to(dtype), gw.to(dtype), gb.to(dtype)};
   }
   const int64_t rows = p.shape.rows, out_f = p.shape.out_features;
@@ -192,7 +223,36 @@ std::tuple<Tensor, Tensor, Tensor> full_backward_cpu(const Tensor& grad_output,
       }
     });
   }
-  return finish_backward(p, input, weight, output_mask);
+  return finish_backward(p, input, weight, output_mask, grad_weight_into);
+}
+
+std::tuple<Tensor, Tensor, Tensor> full_backward_cpu(const Tensor& grad_output,
+                                                     const Tensor& input, const Tensor& weight,
+                                                     const Tensor& saved,
+                                                     c10::string_view activation,
+                                                     std::array<bool, 3> output_mask) {
+  return full_backward_cpu_into(grad_output, input, weight, saved, activation, output_mask,
+                                Tensor(), Tensor());
+}
+
+// The gradients' destinations, checked, or undefined tensors where the mask leaves them out.
+std::pair<Tensor, Tensor> destinations(const Tensor& input, const Tensor& weight,
+                                       std::array<bool, 3> mask, const Tensor& grad_weight,
+                                       const Tensor& grad_bias) {
+  check_into(grad_weight, "grad_weight", mask[1], weight, weight.sizes());
+  check_into(grad_bias, "grad_bias", mask[2], weight, {weight.size(0)});
+  (void)input;
+  return {mask[1] ? grad_weight : Tensor(), mask[2] ? grad_bias : Tensor()};
+}
+
+Tensor full_backward_into_cpu(const Tensor& grad_output, const Tensor& input,
+                              const Tensor& weight, const Tensor& saved,
+                              c10::string_view activation, std::array<bool, 3> output_mask,
+                              Tensor& grad_weight, Tensor& grad_bias) {
+  TORCH_CHECK_VALUE(weight.dim() == 2, "weight must have shape (out_features, in_features)");
+  const auto [w, b] = destinations(input, weight, output_mask, grad_weight, grad_bias);
+  return std::get<0>(full_backward_cpu_into(grad_output, input, weight, saved, activation,
+                                            output_mask, w, b));
 }
 
 #ifdef DPCUDA_WITH_CUDA
@@ -228,13 +288,12 @@ std::tuple<Tensor, Tensor> full_forward_cuda(const Tensor& input, const Tensor& 
   return {out.view(s.out_sizes), keep_pre ? z.view(s.out_sizes) : empty_like_options(z)};
 }
 
-std::tuple<Tensor, Tensor, Tensor> full_backward_cuda(const Tensor& grad_output,
-                                                      const Tensor& input, const Tensor& weight,
-                                                      const Tensor& saved,
-                                                      c10::string_view activation,
-                                                      std::array<bool, 3> output_mask) {
+std::tuple<Tensor, Tensor, Tensor> full_backward_cuda_into(
+    const Tensor& grad_output, const Tensor& input, const Tensor& weight, const Tensor& saved,
+    c10::string_view activation, std::array<bool, 3> output_mask,
+    const Tensor& grad_weight_into, const Tensor& grad_bias_into) {
   const BackwardPlan p = plan_backward(grad_output, input, weight, saved, activation,
-                                      output_mask, &check_cuda_dtype);
+                                      output_mask, &check_cuda_dtype, grad_bias_into);
   const c10::cuda::CUDAGuard guard(input.device());
   check_kernel_image(input.device().index());
   if (p.fused_pass || output_mask[2]) {
@@ -258,7 +317,26 @@ std::tuple<Tensor, Tensor, Tensor> full_backward_cuda(const Tensor& grad_output,
                  "activation_backward launch");
     });
   }
-  return finish_backward(p, input, weight, output_mask);
+  return finish_backward(p, input, weight, output_mask, grad_weight_into);
+}
+
+std::tuple<Tensor, Tensor, Tensor> full_backward_cuda(const Tensor& grad_output,
+                                                      const Tensor& input, const Tensor& weight,
+                                                      const Tensor& saved,
+                                                      c10::string_view activation,
+                                                      std::array<bool, 3> output_mask) {
+  return full_backward_cuda_into(grad_output, input, weight, saved, activation, output_mask,
+                                 Tensor(), Tensor());
+}
+
+Tensor full_backward_into_cuda(const Tensor& grad_output, const Tensor& input,
+                               const Tensor& weight, const Tensor& saved,
+                               c10::string_view activation, std::array<bool, 3> output_mask,
+                               Tensor& grad_weight, Tensor& grad_bias) {
+  TORCH_CHECK_VALUE(weight.dim() == 2, "weight must have shape (out_features, in_features)");
+  const auto [w, b] = destinations(input, weight, output_mask, grad_weight, grad_bias);
+  return std::get<0>(full_backward_cuda_into(grad_output, input, weight, saved, activation,
+                                             output_mask, w, b));
 }
 
 #endif  // DPCUDA_WITH_CUDA
@@ -268,12 +346,14 @@ std::tuple<Tensor, Tensor, Tensor> full_backward_cuda(const Tensor& grad_output,
 TORCH_LIBRARY_IMPL(dpcuda, CPU, m) {
   m.impl("full_forward", &full_forward_cpu);
   m.impl("full_backward", &full_backward_cpu);
+  m.impl("full_backward_into", &full_backward_into_cpu);
 }
 
 #ifdef DPCUDA_WITH_CUDA
 TORCH_LIBRARY_IMPL(dpcuda, CUDA, m) {
   m.impl("full_forward", &full_forward_cuda);
   m.impl("full_backward", &full_backward_cuda);
+  m.impl("full_backward_into", &full_backward_into_cuda);
 }
 #endif
 

@@ -25,6 +25,13 @@ TORCH_LIBRARY(dpcuda, m) {
   // (grad_input, grad_weight, grad_bias); unselected outputs are empty.
   m.def("full_backward(Tensor grad_output, Tensor input, Tensor weight, Tensor saved,"
         " str activation, bool[3] output_mask) -> (Tensor, Tensor, Tensor)");
+  // full_backward writing grad_weight and grad_bias into the caller's tensors (a gradient
+  // buffer's views) instead of new ones; returns grad_input. An output the mask leaves out is
+  // not written (pass an empty tensor). Used by the autograd node of full_forward when the
+  // forward was given destinations (dpcuda._C.full_forward_into).
+  m.def("full_backward_into(Tensor grad_output, Tensor input, Tensor weight, Tensor saved,"
+        " str activation, bool[3] output_mask, Tensor(a!) grad_weight, Tensor(b!) grad_bias)"
+        " -> Tensor");
   // Softmax cross-entropy: per-row loss and, when compute_grad, d loss / d logits, both
   // multiplied by scale. Rows labelled ignore_index count zero.
   m.def("loss_grad(Tensor logits, Tensor labels, float scale, float label_smoothing,"
@@ -78,6 +85,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                            const c10::optional<at::Tensor>& bias, const std::string& activation) {
     return std::get<0>(dpcuda::call_full_forward(input, weight, bias, activation));
   }, py::call_guard<py::gil_scoped_release>());
+  // full_forward whose autograd node's (first-order) backward writes the weight's and the
+  // bias's gradients into grad_weight and grad_bias (None: as usual) and hands autograd views
+  // of them, which it makes .grad without a copy when .grad is None (dpcuda.parallel's flat
+  // gradient buffer, with no zeroing and no accumulation kernels).
+  m.def("full_forward_into",
+        [](const at::Tensor& input, const at::Tensor& weight,
+           const c10::optional<at::Tensor>& bias, const std::string& activation,
+           const c10::optional<at::Tensor>& grad_weight,
+           const c10::optional<at::Tensor>& grad_bias) {
+          const dpcuda::GradientsInto into(grad_weight, grad_bias);
+          return std::get<0>(dpcuda::call_full_forward(input, weight, bias, activation));
+        },
+        py::call_guard<py::gil_scoped_release>());
   m.def("softmax_cross_entropy",
         [](const at::Tensor& logits, const at::Tensor& labels, const std::string& reduction,
            double label_smoothing, int64_t ignore_index) {

@@ -1,0 +1,137 @@
+"""What one DataParallel step issues (#13 item 3), counted where it can be on the CPU: the ATen
+and dpcuda ops of a steady-state step, seen by a TorchDispatchMode. Each op that touches a
+replica's tensors is at least one kernel launch on a GPU (the README's launch table maps them to
+kernels); a new op on this path fails the budget test. And the gradient path that makes the
+budget: the fused layers' backwards write their gradients into the flat buffer, which autograd
+takes as .grad with no zeroing, copy or accumulation, with the same results as torch."""
+import collections
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from conftest import reference_train
+from dpcuda.nn import FusedLinear, FusedMLP, SoftmaxCrossEntropyLoss
+from dpcuda.parallel import DataParallel
+
+
+class OpLog(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func.overloadpacket.__name__) if func.namespace == "aten"
+                        else f"{func.namespace}.{func.overloadpacket.__name__}")
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_fused_step_issues_no_zeroing_seed_scale_or_accumulation():
+    torch.manual_seed(0)
+    dp = DataParallel(FusedMLP([784, 256, 10]), ["cpu", "cpu"], lr=0.1, momentum=0.9)
+    x, y = torch.randn(256, 784), torch.randint(0, 10, (256,))
+    loss_fn = SoftmaxCrossEntropyLoss()
+    dp.step(x, y, loss_fn)
+    with OpLog() as log:
+        dp.step(x, y, loss_fn)
+    ops = collections.Counter(log.ops)
+    # Per replica: 2 layer forwards, the loss and its gradient in one op, the loss's sum, 2 layer
+    # backwards writing into the buffer; then one fused reduction + update for all.
+    assert ops["dpcuda.full_forward"] == 4
+    assert ops["dpcuda.loss_grad"] == 2
+    assert ops["dpcuda.full_backward_into"] == 4
+    assert ops["dpcuda.full_backward"] == 0
+    assert ops["dpcuda.reduce_sgd_"] == 1
+    for gone in ("zero_", "add_", "copy_", "fill_", "ones_like", "mul_", "softmax_cross_entropy",
+                 "dpcuda.softmax_cross_entropy"):
+        assert ops[gone] == 0, (gone, ops)
+    for r in dp._replicas:  # .grad is the flat buffer's view again, holding this step's gradient
+        assert all(p.grad is view for p, view in r.grads)
+
+
+class Tied(nn.Module):
+    """Shapes the fused path must not get wrong: one weight in two fused layers, a fused layer
+    called twice, a plain nn.Linear, a frozen bias and a parameter this forward never uses."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = FusedLinear(12, 12, activation="tanh")
+        self.b = FusedLinear(12, 12, activation="relu")
+        self.b.weight = self.a.weight  # tied
+        self.c = nn.Linear(12, 12)
+        self.d = FusedLinear(12, 5, activation="none")
+        self.d.bias.requires_grad_(False)
+        self.unused = nn.Parameter(torch.randn(3))
+
+    def forward(self, x):
+        h = self.b(self.a(x))
+        h = self.a(h)  # a second call of the same layer
+        return self.d(torch.relu(self.c(h)))
+
+
+@pytest.mark.parametrize("replicas", [1, 2, 3])
+def test_the_fused_gradient_path_matches_torch_on_awkward_models(replicas):
+    torch.manual_seed(replicas)
+    model = Tied().double()
+    data = [(torch.randn(7, 12, dtype=torch.float64), torch.randint(0, 5, (7,)))
+            for _ in range(4)]
+    want = reference_train(model, data, 0.1, 0.9, 1e-3)
+    dp = DataParallel(copy_of(model), ["cpu"] * replicas, lr=0.1, momentum=0.9,
+                      weight_decay=1e-3)
+    for x, y in data:
+        dp.step(x, y, SoftmaxCrossEntropyLoss())
+    got = dict(dp.module.named_parameters())
+    for name, p in want.named_parameters():
+        torch.testing.assert_close(got[name], p, rtol=1e-10, atol=1e-12, msg=name)
+
+
+def copy_of(model):
+    import copy
+    return copy.deepcopy(model)
+
+
+def test_a_replica_without_rows_contributes_zero_gradients():
+    # Weighted split with a zero weight: replica 1 gets no rows at every step; its buffer,
+    # never zeroed by a kernel, must still hold zeros and not the last step's gradient.
+    torch.manual_seed(5)
+    model = FusedMLP([6, 8, 3]).double()
+    data = [(torch.randn(9, 6, dtype=torch.float64), torch.randint(0, 3, (9,)))
+            for _ in range(3)]
+    want = reference_train(model, data, 0.2, 0.0, 0.0)
+    dp = DataParallel(copy_of(model), ["cpu", "cpu"], lr=0.2)
+    for i, (x, y) in enumerate(data):
+        dp._speed = [1.0, 1.0] if i == 0 else None
+        dp.step(x, y, SoftmaxCrossEntropyLoss())
+    for (name, p), q in zip(want.named_parameters(), dp.module.parameters()):
+        torch.testing.assert_close(q, p, rtol=1e-10, atol=1e-12, msg=name)
+
+
+def test_a_failed_step_leaves_grad_as_the_buffers_view():
+    dp = DataParallel(FusedMLP([6, 8, 3]), ["cpu", "cpu"], lr=0.2)
+    before = [p.detach().clone() for p in dp.module.parameters()]
+    with pytest.raises(ValueError, match="labels must be class indices"):
+        dp.step(torch.randn(4, 6), torch.tensor([0, 1, 7, 2]), SoftmaxCrossEntropyLoss())
+    assert all(torch.equal(a, b) for a, b in zip(before, dp.module.parameters()))
+    for r in dp._replicas:
+        assert all(p.grad is view for p, view in r.grads)
+        assert all(m._grads_into is None for m, _ in r.fused)
+
+
+def test_grads_into_checks_its_destinations():
+    from dpcuda import ops
+    x = torch.randn(4, 6)
+    w = torch.randn(3, 6, requires_grad=True)
+    b = torch.randn(3, requires_grad=True)
+    for bad, match in ((torch.empty(6, 3), "grad_weight must have shape"),
+                       (torch.empty(3, 6, dtype=torch.float64), "grad_weight must have dtype"),
+                       (torch.empty(6, 3).t(), "grad_weight must be contiguous")):
+        with pytest.raises(ValueError, match=match):
+            ops.full_forward(x, w, b, "relu", (bad, None))
+    gw, gb = torch.full((3, 6), 7.0), torch.full((3,), 7.0)
+    ops.full_forward(x, w, b, "relu", (gw, gb)).sum().backward()
+    w2, b2 = w.detach().clone().requires_grad_(), b.detach().clone().requires_grad_()
+    torch.relu(nn.functional.linear(x, w2, b2)).sum().backward()
+    torch.testing.assert_close(gw, w2.grad)
+    torch.testing.assert_close(gb, b2.grad)
+    assert w.grad.data_ptr() == gw.data_ptr() and b.grad.data_ptr() == gb.data_ptr()
