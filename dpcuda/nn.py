@@ -75,7 +75,7 @@ class FusedLinear(nn.Module):
             # Once per step: a layer called twice in one forward gets its second call's
             # gradients the usual way, and autograd sums the two into .grad.
             self._grads_into = None
-        return ops.full_forward(x, self.weight, self.bias, self.activation, into)
+        return ops.full_forward(x, self.weight, self.bias, self.activation, _grads_into=into)
 
     def extra_repr(self):
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

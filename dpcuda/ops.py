@@ -66,19 +66,44 @@ def _full_forward_fake(input, weight, bias, activation):
     return input.new_empty(shape), pre
 
 
-def full_forward(x, weight, bias=None, activation="relu", grads_into=None):
+def _check_grads_into(grads_into):
+    """(weight's, bias's) destinations: each None or a tensor, and two that do not overlap."""
+    if not isinstance(grads_into, (tuple, list)) or len(grads_into) != 2:
+        raise TypeError("_grads_into must be a pair (grad_weight, grad_bias), each a tensor or "
+                        f"None; got {type(grads_into).__name__}"
+                        f"{f' of {len(grads_into)}' if isinstance(grads_into, (tuple, list)) else ''}")
+    for name, t in zip(("grad_weight", "grad_bias"), grads_into):
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise TypeError(f"_grads_into's {name} must be a tensor or None, got "
+                            f"{type(t).__name__}")
+    w, b = grads_into
+    if w is not None and b is not None and w.device == b.device and w.numel() and b.numel():
+        wa, ba = w.data_ptr(), b.data_ptr()
+        if wa < ba + b.numel() * b.element_size() and ba < wa + w.numel() * w.element_size():
+            raise ValueError("_grads_into's grad_weight and grad_bias overlap in memory")
+    return tuple(grads_into)
+
+
+def full_forward(x, weight, bias=None, activation="relu", *, _grads_into=None):
     """act(x @ weight.T + bias) in one op; x is (..., in), weight (out, in) as in nn.Linear.
 
-    Differentiable in x, weight and bias; the backward is full_backward. grads_into, a pair
-    (weight's, bias's; either None), gives the first-order backward tensors to write those
-    gradients into, which autograd then makes .grad without a copy where .grad is None
-    (dpcuda.parallel's flat gradient buffer); only in eager mode, where it is ignored otherwise.
+    Differentiable in x, weight and bias; the backward is full_backward.
+
+    _grads_into is dpcuda.parallel's, not an API: a pair (weight's, bias's; either None) of
+    tensors that the first-order backward writes those gradients into, which autograd then
+    makes .grad without a copy (the flat gradient buffer). It is right only where each
+    destination gets one gradient per backward (DataParallel gives a layer's destinations to
+    one call per step, never to a shared parameter, and sets .grad to None first; where a
+    parameter already has a .grad the usual path is taken). Eager mode only (ignored otherwise).
     """
+    grads_into = _grads_into
     _check_tensor(x, "x")
     _check_tensor(weight, "weight")
     if bias is not None:
         _check_tensor(bias, "bias")
     check_activation(activation)
+    if grads_into is not None:
+        grads_into = _check_grads_into(grads_into)
     if _eager(x, weight) if bias is None else _eager(x, weight, bias):
         if grads_into is not None:
             return _C.full_forward_into(x, weight, bias, activation, *grads_into)
@@ -199,6 +224,11 @@ def softmax_cross_entropy(logits, labels, reduction="mean", label_smoothing=0.0,
 @torch.library.register_fake("dpcuda::all_reduce_")
 def _all_reduce_fake(tensors, op, algorithm):
     return None
+
+
+@torch.library.register_fake("dpcuda::step_status")
+def _step_status_fake(grad, loss, label_flag, workspace, clear_flag):
+    return grad.new_empty((3,), dtype=torch.float64)
 
 
 @torch.library.register_fake("dpcuda::reduce_sgd_")

@@ -303,19 +303,25 @@ class _Replica:
             self.spans.append((offset, p.numel()))
             offset += p.numel()
         self.unused = set()  # the parameters the last backward gave no gradient (indices)
+        # step_status's workspace (CUDA: int32 zeros, left zero by every launch)
+        ints = _C._step_status_ints() if torch.device(device).type == "cuda" else 0
+        self.status_work = torch.zeros(ints, dtype=torch.int32, device=device)
         # The fused layers' backwards write their gradients straight into the buffer (see
         # collect_grads); not for a parameter that two layers share, whose two gradients would
         # be written to one place.
+        # (A parametrized weight is not a parameter of its layer: it takes the usual path.)
         layers = [m for m in module.modules() if isinstance(m, FusedLinear)]
+        own = [(m._parameters.get("weight"), m._parameters.get("bias")) for m in layers]
         uses = {}
-        for m in layers:
-            for q in (m.weight, m.bias):
+        for pair in own:
+            for q in pair:
                 if q is not None:
                     uses[id(q)] = uses.get(id(q), 0) + 1
 
         def into(q):
-            return q.grad if q is not None and q.requires_grad and uses[id(q)] == 1 else None
-        self.fused = [(m, (into(m.weight), into(m.bias))) for m in layers]
+            return q if q is not None and q.requires_grad and uses[id(q)] == 1 else None
+        self.fused = [(m, (into(w), into(b))) for m, (w, b) in zip(layers, own)]
+        self.views = {id(p): view for p, view in self.grads}
 
     def release_grads(self):
         """Before a step's forward: .grad None (autograd then takes the fused layers' gradients,
@@ -323,7 +329,11 @@ class _Replica:
         backward writes."""
         for p, _ in self.grads:
             p.grad = None
-        for m, into in self.fused:
+        for m, params in self.fused:
+            # Not for a parameter with gradient hooks: they would be handed the buffer itself,
+            # which the next step overwrites, where torch hands them a tensor of their own.
+            into = tuple(self.views.get(id(q)) if q is not None and not q._backward_hooks
+                         else None for q in params)
             m._grads_into = into if any(t is not None for t in into) else None
 
     def collect_grads(self):
@@ -513,6 +523,8 @@ class DataParallel:
         try:
             loss = self._step_any(inputs, targets, loss_fn)
         except BaseException:
+            # a flag a failed step raised (or left) must not speak for the next one
+            self._clear_label_flags()
             if saved is not None:
                 with torch.no_grad():
                     for bs, copies in zip(self._buffers, saved):
@@ -601,10 +613,12 @@ class DataParallel:
         # over no rows (its gradient is 0 too; the update still applies decay and momentum).
         inv = 1.0 / global_den if global_den > 0 else 0.0
 
-        # The CUDA loss kernel's bad-label flags, read with this step's loss: cleared first, so
-        # that what they say is about this step.
-        for device in {r.device for r in self._replicas if r.device.type == "cuda"}:
-            _C._label_error_flag(device.index).zero_()
+        # The CUDA loss kernel's bad-label flags, read with this step's loss, must say what this
+        # step saw. The status op of a device's only replica clears its flag as it reads it
+        # (so it is clear here unless a step failed, which clears them all); a flag that
+        # several replicas share, or that reducer "dist" reads, is cleared first.
+        for device in self._shared_flag_devices():
+            self._flag_tensor(device).zero_()
 
         exchange = Exchange(len(self._replicas), self.timeout) if self._sync_bn else None
 
@@ -656,6 +670,9 @@ class DataParallel:
                     loss.backward()
                 elif out.requires_grad:
                     out.backward(grad)
+                else:  # as loss.backward() in torch (no_grad, or nothing to train)
+                    raise RuntimeError("element 0 of tensors does not require grad and does "
+                                       "not have a grad_fn")
                 if replica.device.type == "cuda" and self.split == "auto":
                     torch.cuda.synchronize(replica.device)
                 self._classes = out.shape[1] if out.dim() >= 2 else None
@@ -680,15 +697,20 @@ class DataParallel:
             self._update_speed(sizes, [t for _, t in results])
         if self.reducer == "dist":
             return self._step_dist([l for l, _ in results], dens, global_den, targets, summed)
-        # One host read per replica: its loss and the sum of its gradient buffer.
-        reads = [torch.stack([torch.as_tensor(l, device=r.device).detach().double(),
-                              r.flat_grad.sum().double(), self._label_flag(r.device)]).cpu()
-                 for (l, _), r in zip(results, self._replicas)]
+        # One host read per replica of its status: the loss, whether its gradient buffer holds
+        # a NaN or an Inf, its device's bad-label flag (one op; one kernel on CUDA).
+        shared = self._shared_flag_devices()
+        reads = []
+        for (l, _), r in zip(results, self._replicas):
+            flag = self._flag_tensor(r.device)
+            reads.append(torch.ops.dpcuda.step_status(
+                r.flat_grad, torch.as_tensor(l, device=r.device).detach(), flag, r.status_work,
+                flag is not None and r.device not in shared).cpu())
         if any(float(x[2]) for x in reads):
             self._raise_label_error(targets, summed)
         loss = float(sum(float(x[0]) for x in reads)) if global_den > 0 else math.nan
 
-        if not self._grads_finite(torch.stack([x[1] for x in reads])):
+        if any(float(x[1]) for x in reads):
             warnings.warn(f"dpcuda DataParallel: step {self.steps} has NaN or Inf gradients; "
                           f"skipped (weights unchanged)", RuntimeWarning, stacklevel=2)
             self.skipped_steps += 1
@@ -718,12 +740,15 @@ class DataParallel:
         return [(b[o:o + n], b[o:o + n].clone()) for b in buffers for o, n in spans]
 
     @staticmethod
-    def _label_flag(device):
-        """The flag of dpcuda's CUDA loss kernel on device (as a float64 scalar tensor, to be
-        read with the loss), or 0 on the CPU, whose adapter raises at once."""
-        if device.type != "cuda":
-            return torch.zeros((), dtype=torch.float64)
-        return _C._label_error_flag(device.index)[0].double()
+    def _flag_tensor(device):
+        """The bad-label flag of dpcuda's CUDA loss kernel on device (one int32), or None on
+        the CPU, whose adapter raises at once."""
+        return _C._label_error_flag(device.index) if device.type == "cuda" else None
+
+    def _label_flag(self, device):
+        """The flag as a float64 scalar tensor, to be read with the loss (0 on the CPU)."""
+        flag = self._flag_tensor(device)
+        return torch.zeros((), dtype=torch.float64) if flag is None else flag[0].double()
 
     def _raise_label_error(self, targets, summed):
         """A loss kernel saw a label outside [0, classes): raise naming the first bad position
@@ -741,12 +766,17 @@ class DataParallel:
         raise ValueError("a label outside [0, classes) reached dpcuda's CUDA loss kernel since "
                          "the last step (not in this step's targets); the step was not applied")
 
-    def _grads_finite(self, sums):
-        # A buffer's sum (one fast vectorised pass, read with the loss) is finite when all its
-        # elements are; only a non-finite sum, which finite values can also give by
-        # overflowing, pays for the exact element test.
-        return bool(torch.isfinite(sums).all()) or all(
-            bool(torch.isfinite(r.flat_grad).all()) for r in self._replicas)
+    def _shared_flag_devices(self):
+        """The CUDA devices whose bad-label flag a step clears before it starts: those of more
+        than one replica, and every one with reducer "dist" (which reads the flags itself)."""
+        devices = [r.device for r in self._replicas if self._flag_tensor(r.device) is not None]
+        return {d for d in devices if self.reducer == "dist" or devices.count(d) > 1}
+
+    def _clear_label_flags(self):
+        for device in {r.device for r in self._replicas}:
+            flag = self._flag_tensor(device)
+            if flag is not None:
+                flag.zero_()
 
     def _update_speed(self, sizes, seconds):
         speed = list(self._speed) if self._speed else [None] * len(sizes)

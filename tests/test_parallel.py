@@ -468,12 +468,25 @@ def test_a_raised_label_flag_stops_the_step_before_the_update(monkeypatch):
     x, y = batches(steps=1)[0]
     dp.step(x, y, F.cross_entropy)
     before = [p.detach().clone() for p in dp.module.parameters()]
-    monkeypatch.setattr(DataParallel, "_label_flag",
-                        staticmethod(lambda device: torch.ones((), dtype=torch.float64)))
+    flags = {}  # one int32 flag per device, as the CUDA loss kernel's
+
+    def flag_of(device):
+        return flags.setdefault(device, torch.zeros(1, dtype=torch.int32))
+
+    def flagging_loss(out, y):  # a loss whose kernel saw a bad label (as on CUDA)
+        flag_of(out.device).fill_(1)
+        return F.cross_entropy(out, y)
+    monkeypatch.setattr(DataParallel, "_flag_tensor", staticmethod(flag_of))
     with pytest.raises(ValueError, match="not in this step's targets"):
-        dp.step(x, y, F.cross_entropy)
+        dp.step(x, y, flagging_loss)
     for p, b in zip(dp.module.parameters(), before):
         assert torch.equal(p, b)
+    # The failed step clears the flags: the next step is not blamed for them.
+    assert [int(f) for f in flags.values()] == [0]
+    # A flag left raised before a step (two replicas share "cpu"'s) is cleared as it starts.
+    flags[torch.device("cpu")].fill_(1)
+    dp.step(x, y, F.cross_entropy)
+    assert not any(torch.equal(p, b) for p, b in zip(dp.module.parameters(), before))
     bad = y.clone()
     bad[5] = 7
     with pytest.raises(ValueError, match=r"\[0, 5\) or ignore_index \(-100\); got 7 at position 5"):

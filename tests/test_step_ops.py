@@ -37,14 +37,15 @@ def test_a_fused_step_issues_no_zeroing_seed_scale_or_accumulation():
         dp.step(x, y, loss_fn)
     ops = collections.Counter(log.ops)
     # Per replica: 2 layer forwards, the loss and its gradient in one op, the loss's sum, 2 layer
-    # backwards writing into the buffer; then one fused reduction + update for all.
+    # backwards writing into the buffer, the status read; then one fused reduction + update.
     assert ops["dpcuda.full_forward"] == 4
     assert ops["dpcuda.loss_grad"] == 2
     assert ops["dpcuda.full_backward_into"] == 4
     assert ops["dpcuda.full_backward"] == 0
     assert ops["dpcuda.reduce_sgd_"] == 1
+    assert ops["dpcuda.step_status"] == 2  # the loss, the NaN/Inf check and the flag, read
     for gone in ("zero_", "add_", "copy_", "fill_", "ones_like", "mul_", "softmax_cross_entropy",
-                 "dpcuda.softmax_cross_entropy"):
+                 "dpcuda.softmax_cross_entropy", "stack", "isfinite", "all"):
         assert ops[gone] == 0, (gone, ops)
     for r in dp._replicas:  # .grad is the flat buffer's view again, holding this step's gradient
         assert all(p.grad is view for p, view in r.grads)
@@ -127,11 +128,113 @@ def test_grads_into_checks_its_destinations():
                        (torch.empty(3, 6, dtype=torch.float64), "grad_weight must have dtype"),
                        (torch.empty(6, 3).t(), "grad_weight must be contiguous")):
         with pytest.raises(ValueError, match=match):
-            ops.full_forward(x, w, b, "relu", (bad, None))
+            ops.full_forward(x, w, b, "relu", _grads_into=(bad, None))
     gw, gb = torch.full((3, 6), 7.0), torch.full((3,), 7.0)
-    ops.full_forward(x, w, b, "relu", (gw, gb)).sum().backward()
+    ops.full_forward(x, w, b, "relu", _grads_into=(gw, gb)).sum().backward()
     w2, b2 = w.detach().clone().requires_grad_(), b.detach().clone().requires_grad_()
     torch.relu(nn.functional.linear(x, w2, b2)).sum().backward()
     torch.testing.assert_close(gw, w2.grad)
     torch.testing.assert_close(gb, b2.grad)
     assert w.grad.data_ptr() == gw.data_ptr() and b.grad.data_ptr() == gb.data_ptr()
+
+
+def test_grads_into_onto_an_existing_grad_accumulates_as_torch():
+    # The destination is .grad itself after the first backward: micro-batch accumulation and a
+    # retained graph must add, as torch does (the node then takes the usual path). (Two nodes
+    # given one destination in one backward would not: DataParallel never does that, and
+    # _grads_into is not an API.)
+    from dpcuda import ops
+    torch.manual_seed(3)
+    w0, b0 = torch.randn(3, 6, dtype=torch.float64), torch.randn(3, dtype=torch.float64)
+    xs = [torch.randn(4, 6, dtype=torch.float64) for _ in range(2)]
+
+    def torch_grads(run):
+        w, b = w0.clone().requires_grad_(), b0.clone().requires_grad_()
+        run(lambda x: torch.tanh(nn.functional.linear(x, w, b)))
+        return w.grad, b.grad
+
+    def dpcuda_grads(run):
+        w, b = w0.clone().requires_grad_(), b0.clone().requires_grad_()
+        gw, gb = torch.zeros_like(w0), torch.zeros_like(b0)
+        run(lambda x: ops.full_forward(x, w, b, "tanh", _grads_into=(gw, gb)))
+        return w.grad, b.grad
+
+    def micro_batches(f):
+        for x in xs:
+            f(x).pow(2).sum().backward()
+
+    def retained(f):
+        y = f(xs[0])
+        y.sum().backward(retain_graph=True)
+        y.pow(2).sum().backward()
+
+    for run in (micro_batches, retained):
+        for got, want in zip(dpcuda_grads(run), torch_grads(run)):
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12, msg=run.__name__)
+
+
+def test_grads_into_refuses_what_is_not_a_pair_of_separate_tensors():
+    from dpcuda import ops
+    x, w, b = torch.randn(4, 6), torch.randn(3, 6, requires_grad=True), torch.randn(3)
+    for bad in ((torch.empty(3, 6),), [None, None, None], ("a", None), torch.empty(2, 3, 6)):
+        with pytest.raises(TypeError, match="_grads_into"):
+            ops.full_forward(x, w, b, "relu", _grads_into=bad)
+    flat = torch.empty(21)
+    with pytest.raises(ValueError, match="overlap"):
+        ops.full_forward(x, w, b, "relu", _grads_into=(flat[:18].view(3, 6), flat[15:18]))
+
+
+def test_a_gradient_hook_gets_a_tensor_of_its_own():
+    torch.manual_seed(4)
+    model = FusedMLP([6, 8, 3]).double()
+    dp = DataParallel(model, ["cpu"], lr=0.1)
+    seen = []
+    dp.module.layers[0].weight.register_hook(lambda g: seen.append(g))
+    data = [(torch.randn(5, 6, dtype=torch.float64), torch.randint(0, 3, (5,)))
+            for _ in range(3)]
+    ref = copy_of(model)
+    want = []
+    for x, y in data:
+        dp.step(x, y, SoftmaxCrossEntropyLoss())
+        ref.zero_grad()
+        F_loss = nn.functional.cross_entropy(ref(x), y)
+        F_loss.backward()
+        want.append(ref.layers[0].weight.grad.clone())
+        with torch.no_grad():
+            for p in ref.parameters():
+                p -= 0.1 * p.grad
+    assert len(seen) == 3
+    for g, w in zip(seen, want):
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12)
+
+
+def test_a_step_without_grad_raises_as_torch():
+    dp = DataParallel(FusedMLP([6, 8, 3]), ["cpu", "cpu"], lr=0.1)
+    before = [p.detach().clone() for p in dp.module.parameters()]
+    with torch.no_grad(), pytest.raises(RuntimeError, match="does not require grad"):
+        dp.step(torch.randn(4, 6), torch.tensor([0, 1, 2, 0]), SoftmaxCrossEntropyLoss())
+    assert all(torch.equal(a, b) for a, b in zip(before, dp.module.parameters()))
+
+
+def test_step_status_reads_the_loss_the_flag_and_any_nan_or_inf():
+    work = torch.zeros(0, dtype=torch.int32)
+    for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
+        g = torch.randn(1000).to(dtype)
+        for bad in (None, float("nan"), float("inf"), -float("inf")):
+            if bad is not None:
+                g[int(torch.randint(0, 1000, ()))] = bad
+            for clear in (False, True):
+                flag = torch.ones(1, dtype=torch.int32)
+                out = torch.ops.dpcuda.step_status(g, torch.tensor(2.5), flag, work, clear)
+                assert out.dtype == torch.float64
+                assert out.tolist() == [2.5, 0.0 if bad is None else 1.0, 1.0]
+                assert int(flag) == (0 if clear else 1)
+    out = torch.ops.dpcuda.step_status(torch.zeros(0), torch.tensor(1.0), None, work, True)
+    assert out.tolist() == [1.0, 0.0, 0.0]
+    with pytest.raises(ValueError, match="grad must be a contiguous 1-D"):
+        torch.ops.dpcuda.step_status(torch.zeros(2, 2), torch.tensor(1.0), None, work, True)
+    with pytest.raises(ValueError, match="loss must have one element"):
+        torch.ops.dpcuda.step_status(torch.zeros(2), torch.zeros(2), None, work, True)
+    with pytest.raises(ValueError, match="label_flag must be one int32"):
+        torch.ops.dpcuda.step_status(torch.zeros(2), torch.tensor(1.0), torch.zeros(1), work,
+                                     True)

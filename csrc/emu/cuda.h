@@ -96,6 +96,15 @@ inline int atomicOr(int* address, int value) {
   return __atomic_fetch_or(address, value, __ATOMIC_RELAXED);
 }
 
+inline unsigned int atomicAdd(unsigned int* address, unsigned int value) {
+  return __atomic_fetch_add(address, value, __ATOMIC_RELAXED);
+}
+
+// A fence for the device's memory: the blocks of a launch run one after another on their
+// stream's worker thread, so what one block wrote is visible to the next; the fence only keeps
+// the compiler from moving memory accesses across it (a signal fence: one thread).
+inline void __threadfence() { __atomic_signal_fence(__ATOMIC_SEQ_CST); }
+
 template <typename T>
 T __shfl_sync(unsigned mask, T var, int src_lane, int width = 32) {
   width = ::dpcuda::emu::checked_width(width, "__shfl_sync");

@@ -318,17 +318,99 @@ void reduce_sgd_cuda(at::TensorList params, at::TensorList grads,
 
 #endif  // DPCUDA_WITH_CUDA
 
+// step_status: what a step checks before its update, as float64 [loss, 1 if grad holds a NaN or
+// an Inf else 0, the bad-label flag] on grad's device; the flag set back to 0 if clear_flag.
+void check_status_args(const Tensor& grad, const Tensor& loss,
+                       const c10::optional<Tensor>& label_flag) {
+  TORCH_CHECK_VALUE(grad.dim() == 1 && grad.is_contiguous(),
+                    "grad must be a contiguous 1-D tensor, got shape ", grad.sizes());
+  TORCH_CHECK_VALUE(at::isFloatingType(grad.scalar_type()),
+                    "grad must be floating point, got ", grad.scalar_type());
+  TORCH_CHECK_VALUE(loss.numel() == 1, "loss must have one element, got ", loss.numel());
+  TORCH_CHECK_VALUE(at::isFloatingType(loss.scalar_type()),
+                    "loss must be floating point, got ", loss.scalar_type());
+  check_same_device(loss, "loss", grad, "grad");
+  if (label_flag.has_value() && label_flag->defined()) {
+    TORCH_CHECK_VALUE(label_flag->scalar_type() == at::kInt && label_flag->numel() == 1,
+                      "label_flag must be one int32, got ", label_flag->scalar_type(), " of ",
+                      label_flag->numel(), " elements");
+    check_same_device(*label_flag, "label_flag", grad, "grad");
+  }
+}
+
+Tensor step_status_cpu(const Tensor& grad, const Tensor& loss,
+                       const c10::optional<Tensor>& label_flag, Tensor& workspace,
+                       bool clear_flag) {
+  (void)workspace;  // the CPU needs none
+  check_status_args(grad, loss, label_flag);
+  Tensor out = at::empty({3}, grad.options().dtype(at::kDouble));
+  double* o = out.data_ptr<double>();
+  o[0] = loss.to(at::kDouble).reshape({}).item<double>();
+  o[1] = grad.numel() > 0 && !at::isfinite(grad).all().item<bool>() ? 1.0 : 0.0;
+  const bool has_flag = label_flag.has_value() && label_flag->defined();
+  o[2] = has_flag ? static_cast<double>(label_flag->item<int>()) : 0.0;
+  if (has_flag && clear_flag) label_flag->zero_();
+  return out;
+}
+
+#ifdef DPCUDA_WITH_CUDA
+Tensor step_status_cuda(const Tensor& grad, const Tensor& loss,
+                        const c10::optional<Tensor>& label_flag, Tensor& workspace,
+                        bool clear_flag) {
+  check_status_args(grad, loss, label_flag);
+  check_cuda_dtype(grad, "grad");
+  TORCH_CHECK_VALUE(workspace.scalar_type() == at::kInt && workspace.is_contiguous() &&
+                        workspace.numel() >= cuda::step_status_workspace(),
+                    "workspace must be a contiguous int32 tensor of at least ",
+                    cuda::step_status_workspace(), " elements (zeros when first used)");
+  check_same_device(workspace, "workspace", grad, "grad");
+  const c10::cuda::CUDAGuard guard(grad.device());
+  check_kernel_image(grad.device().index());
+  // float and double losses are read as they are; a half one is widened first (one launch).
+  const Tensor l = loss.scalar_type() == at::kDouble ? loss : loss.to(at::kFloat);
+  Tensor out = at::empty({3}, grad.options().dtype(at::kDouble));
+  int* flag = label_flag.has_value() && label_flag->defined() ? label_flag->data_ptr<int>()
+                                                              : nullptr;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad.scalar_type(),
+                                  "step_status_cuda", [&] {
+    const auto* g = reinterpret_cast<const CT<scalar_t>*>(grad.data_ptr<scalar_t>());
+    const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+    const cudaError_t err =
+        l.scalar_type() == at::kDouble
+            ? cuda::step_status<CT<scalar_t>, double>(g, grad.numel(), l.data_ptr<double>(),
+                                                      flag, clear_flag,
+                                                      workspace.data_ptr<int>(),
+                                                      out.data_ptr<double>(), stream)
+            : cuda::step_status<CT<scalar_t>, float>(g, grad.numel(), l.data_ptr<float>(), flag,
+                                                     clear_flag, workspace.data_ptr<int>(),
+                                                     out.data_ptr<double>(), stream);
+    check_cuda(err, "step_status launch");
+  });
+  return out;
+}
+#endif  // DPCUDA_WITH_CUDA
+
 }  // namespace
+
+int64_t step_status_workspace_ints() {
+#ifdef DPCUDA_WITH_CUDA
+  return cuda::step_status_workspace();
+#else
+  return 0;
+#endif
+}
 
 TORCH_LIBRARY_IMPL(dpcuda, CPU, m) {
   m.impl("all_reduce_", &all_reduce_cpu);
   m.impl("reduce_sgd_", &reduce_sgd_cpu);
+  m.impl("step_status", &step_status_cpu);
 }
 
 #ifdef DPCUDA_WITH_CUDA
 TORCH_LIBRARY_IMPL(dpcuda, CUDA, m) {
   m.impl("all_reduce_", &all_reduce_cuda);
   m.impl("reduce_sgd_", &reduce_sgd_cuda);
+  m.impl("step_status", &step_status_cuda);
 }
 #endif
 

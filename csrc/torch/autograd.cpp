@@ -199,8 +199,17 @@ class FullForward : public torch::autograd::Function<FullForward> {
       // The gradients go straight into the caller's destinations. Autograd gets fresh views of
       // them, held by nothing else, which AccumulateGrad makes .grad without a copy when .grad
       // is None (and adds, as any gradient, when it is not).
+      // Only onto a .grad that is not there yet: where the parameter holds one (accumulation
+      // over micro-batches, a retained graph, a second node of the same forward), the
+      // destination may be that very .grad, which AccumulateGrad then adds to; so this
+      // gradient takes the usual path and is added to it.
       Tensor w = ctx->saved_data["grad_weight_into"].toTensor();
       Tensor b = ctx->saved_data["grad_bias_into"].toTensor();
+      if (w.defined() && saved[1].grad().defined()) w = Tensor();
+      if (b.defined()) {  // the bias as the forward got it (its version is not checked here)
+        const Tensor bias = ctx->saved_data["bias"].toTensor();
+        if (!bias.defined() || bias.grad().defined()) b = Tensor();
+      }
       const Tensor none = at::empty({0}, grad_out.options());
       Tensor w_out = mask[1] && w.defined() ? w : none;
       Tensor b_out = mask[2] && b.defined() ? b : none;

@@ -48,6 +48,9 @@ inline at::Tensor call_full_backward_into(const at::Tensor& grad_output, const a
   return op.call(grad_output, input, weight, saved, activation, mask, grad_weight, grad_bias);
 }
 
+// The int32 elements of step_status's workspace on a CUDA device (csrc/torch/all_reduce.cpp).
+int64_t step_status_workspace_ints();
+
 // While one is alive on a thread, a full_forward that builds an autograd node there hands the
 // node these destinations for its weight and bias gradients (csrc/torch/autograd.cpp).
 class GradientsInto {

@@ -48,6 +48,12 @@ TORCH_LIBRARY(dpcuda, m) {
   // reduced (sum or mean) and every replica's params and momentum buffers updated identically.
   // With two_shot each replica updates only its shard and the gather moves updated weights.
   // grads may be overwritten with the reduced gradient.
+  // What a data-parallel step checks before its update, in one op (one kernel on CUDA):
+  // float64 [loss, 1 if grad holds a NaN or an Inf else 0, label_flag's value], on grad's
+  // device; label_flag (the CUDA loss kernel's bad-label flag) set back to 0 if clear_flag.
+  // workspace: int32 zeros of dpcuda._C._step_status_ints() elements on grad's device, reused.
+  m.def("step_status(Tensor grad, Tensor loss, Tensor(a!)? label_flag, Tensor(b!) workspace,"
+        " bool clear_flag) -> Tensor");
   m.def("reduce_sgd_(Tensor(a!)[] params, Tensor(b!)[] grads, Tensor(c!)[] momentum_buffers,"
         " float lr, float momentum, float weight_decay, bool mean, str algorithm) -> ()");
 }
@@ -61,6 +67,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return false;
 #endif
   });
+  m.def("_step_status_ints", &dpcuda::step_status_workspace_ints,
+        "The int32 elements of step_status's workspace on a CUDA device (0: none needed)");
   m.def("_defer_label_checks", &dpcuda::defer_label_checks,
         "Turns the CUDA loss adapter's own label check off on this thread (the kernel still "
         "flags bad labels); returns the previous setting");

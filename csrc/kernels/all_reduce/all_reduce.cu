@@ -278,7 +278,53 @@ bool pack_aligned(const U* p, int lanes = kLanes<T>) {
   return p == nullptr || reinterpret_cast<uintptr_t>(p) % (sizeof(U) * lanes) == 0;
 }
 
+// The most blocks step_status launches: enough to keep every SM of a large GPU streaming.
+constexpr int kStatusBlocks = 264;
+
+template <typename T, typename L>
+__global__ void step_status_kernel(const T* __restrict__ grad, int64_t n, const L* loss,
+                                   int* label_flag, bool clear_flag, int* work,
+                                   double* record) {
+  __shared__ int block_bad;
+  if (threadIdx.x == 0) block_bad = 0;
+  __syncthreads();
+  int bad = 0;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += stride) {
+    bad |= is_finite(to_acc(grad[i])) ? 0 : 1;
+  }
+  if (bad) atomicOr(&block_bad, 1);
+  __syncthreads();
+  if (threadIdx.x != 0) return;  // the rest is one thread's per block
+  // work[0]: the ticket counter; work[1 + b]: block b's verdict.
+  unsigned int* ticket = reinterpret_cast<unsigned int*>(work);
+  work[1 + blockIdx.x] = block_bad;
+  __threadfence();  // the verdict is visible before the ticket says this block is done
+  if (atomicAdd(ticket, 1u) != gridDim.x - 1) return;
+  __threadfence();  // the last block: every other block's verdict is visible
+  int any = 0;
+  for (unsigned int b = 0; b < gridDim.x; ++b) {
+    any |= *static_cast<volatile int*>(work + 1 + b);
+  }
+  record[0] = loss != nullptr ? static_cast<double>(*loss) : static_cast<double>(NAN);
+  record[1] = any ? 1.0 : 0.0;
+  record[2] = label_flag != nullptr ? static_cast<double>(*label_flag) : 0.0;
+  if (clear_flag && label_flag != nullptr) *label_flag = 0;
+  *ticket = 0u;  // ready for the next launch
+}
+
 }  // namespace
+
+int64_t step_status_workspace() { return 1 + kStatusBlocks; }
+
+template <typename T, typename L>
+cudaError_t step_status(const T* grad, int64_t n, const L* loss, int* label_flag,
+                        bool clear_flag, int* work, double* record, cudaStream_t stream) {
+  const int64_t blocks = std::min<int64_t>(kStatusBlocks, blocks_for(n));
+  return launch(step_status_kernel<T, L>, dim3(static_cast<unsigned int>(blocks)),
+                dim3(kThreads), 0, stream, grad, n, loss, label_flag, clear_flag, work, record);
+}
 
 template <typename T>
 cudaError_t reduce_range(Replicas<const T> in, int nin, Replicas<T> out, int nout,
@@ -341,7 +387,11 @@ cudaError_t sgd_range(const T* grad, T* param, T* momentum, int64_t n, SgdArgs s
   template cudaError_t chain_accumulate<T, acc_t<T>>(const T*, const acc_t<T>*, const T*,      \
                                                      acc_t<T>*, T*, int64_t, int64_t, int,     \
                                                      cudaStream_t);                            \
-  template cudaError_t sgd_range<T>(const T*, T*, T*, int64_t, SgdArgs, cudaStream_t);
+  template cudaError_t sgd_range<T>(const T*, T*, T*, int64_t, SgdArgs, cudaStream_t);       \
+  template cudaError_t step_status<T, float>(const T*, int64_t, const float*, int*, bool,     \
+                                             int*, double*, cudaStream_t);                    \
+  template cudaError_t step_status<T, double>(const T*, int64_t, const double*, int*, bool,   \
+                                              int*, double*, cudaStream_t);
 
 DPCUDA_FOR_EACH_TYPE(DPCUDA_INSTANTIATE)
 #undef DPCUDA_INSTANTIATE

@@ -612,6 +612,69 @@ void test_all_reduce_kernels(std::mt19937& rng) {
   }
 }
 
+// step_status: the record says whether the buffer holds a NaN or an Inf (wherever it is,
+// whatever the grid), carries the loss and the bad-label flag, clears the flag when asked, and
+// leaves its workspace ready: the second of two launches in a row is as right as the first.
+template <typename T, typename L>
+void test_step_status(std::mt19937& rng) {
+  std::normal_distribution<double> dist(0.0, 1e3);
+  const double kSpecial[] = {kNaN, std::numeric_limits<double>::infinity(),
+                             -std::numeric_limits<double>::infinity()};
+  DeviceBuffer<int> work(dpcuda::cuda::step_status_workspace());
+  work.upload(std::vector<int>(work.n, 0));
+  DeviceBuffer<double> record(3);
+  DeviceBuffer<int> flag(1);
+  DeviceBuffer<L> loss(1);
+  for (int64_t n : {0, 1, 17, 256, 1000, 70001}) {
+    for (int bad_at : {-1, 0, 1, 2}) {  // none, the first, a random and the last element
+      if (bad_at >= 0 && n == 0) continue;
+      std::vector<T> g(static_cast<size_t>(n));
+      for (auto& v : g) v = from_double<T>(dist(rng));
+      int64_t where = -1;
+      if (bad_at >= 0) {
+        where = bad_at == 0 ? 0 : bad_at == 2 ? n - 1 : static_cast<int64_t>(rng() % n);
+        g[where] = from_double<T>(kSpecial[rng() % 3]);
+      }
+      DeviceBuffer<T> dg(std::max<int64_t>(n, 1));
+      if (n) dg.upload(g);
+      for (int label : {0, 1}) {
+        for (bool clear : {false, true}) {
+          for (bool with_loss : {false, true}) {
+            const L l = static_cast<L>(dist(rng));
+            loss.upload({l});
+            for (int repeat = 0; repeat < 2; ++repeat) {
+              flag.upload({label});
+              record.upload({kNaN, kNaN, kNaN});
+              CHECK((dpcuda::cuda::step_status<T, L>(dg.ptr, n, with_loss ? loss.ptr : nullptr,
+                                                     flag.ptr, clear, work.ptr, record.ptr,
+                                                     nullptr) == cudaSuccess));
+              const std::vector<double> r = record.download();
+              const bool ok = (with_loss ? r[0] == static_cast<double>(l) : std::isnan(r[0])) &&
+                              r[1] == (where >= 0 ? 1.0 : 0.0) && r[2] == label &&
+                              flag.download()[0] == (clear ? 0 : label) &&
+                              work.download()[0] == 0;
+              if (!ok) {
+                ++dpcuda_test::failures();
+                if (++g_reported <= 20)
+                  std::printf("step_status (%s) n=%lld bad at %lld label %d clear %d: record "
+                              "%g %g %g\n", name<T>(), (long long)n, (long long)where, label,
+                              clear, r[0], r[1], r[2]);
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+  // Without a flag: 0 in the record, nothing written.
+  DeviceBuffer<T> one(1);
+  one.upload({from_double<T>(1.0)});
+  CHECK((dpcuda::cuda::step_status<T, L>(one.ptr, 1, nullptr, nullptr, true, work.ptr,
+                                         record.ptr, nullptr) == cudaSuccess));
+  const std::vector<double> r = record.download();
+  CHECK(std::isnan(r[0]) && r[1] == 0.0 && r[2] == 0.0);
+}
+
 template <typename T>
 void test_dtype(uint64_t seed) {
   std::mt19937 rng(static_cast<unsigned>(seed));
@@ -631,6 +694,9 @@ void test_dtype(uint64_t seed) {
   lap("cross_entropy");
   test_all_reduce_kernels<T>(rng);
   lap("all-reduce kernels");
+  test_step_status<T, float>(rng);
+  test_step_status<T, double>(rng);
+  lap("step_status");
 }
 
 // A device older than every architecture compiled in (sm_75 before this build had its PTX):
