@@ -523,8 +523,12 @@ class DataParallel:
         try:
             loss = self._step_any(inputs, targets, loss_fn)
         except BaseException:
-            # a flag a failed step raised (or left) must not speak for the next one
-            self._clear_label_flags()
+            # a flag a failed step raised (or left) must not speak for the next one (after a
+            # sticky CUDA error this cannot run: the original error is the one to see)
+            try:
+                self._clear_label_flags()
+            except Exception:
+                pass
             if saved is not None:
                 with torch.no_grad():
                     for bs, copies in zip(self._buffers, saved):

@@ -168,7 +168,11 @@ def test_grads_into_onto_an_existing_grad_accumulates_as_torch():
         y.sum().backward(retain_graph=True)
         y.pow(2).sum().backward()
 
-    for run in (micro_batches, retained):
+    def saved_on_cpu(f):  # saved-tensor hooks hand the backward copies of what it saved
+        with torch.autograd.graph.save_on_cpu():
+            micro_batches(f)
+
+    for run in (micro_batches, retained, saved_on_cpu):
         for got, want in zip(dpcuda_grads(run), torch_grads(run)):
             torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12, msg=run.__name__)
 
@@ -229,12 +233,24 @@ def test_step_status_reads_the_loss_the_flag_and_any_nan_or_inf():
                 assert out.dtype == torch.float64
                 assert out.tolist() == [2.5, 0.0 if bad is None else 1.0, 1.0]
                 assert int(flag) == (0 if clear else 1)
+    # finite elements whose sum overflows: not a NaN or an Inf (the exact test decides)
+    for dtype, big in ((torch.float32, 3e38), (torch.float64, 1.7e308), (torch.float16, 6e4),
+                       (torch.bfloat16, 3e38)):
+        out = torch.ops.dpcuda.step_status(torch.full((10,), big, dtype=dtype),
+                                           torch.tensor(1.0), None, work, True)
+        assert out.tolist() == [1.0, 0.0, 0.0], dtype
     out = torch.ops.dpcuda.step_status(torch.zeros(0), torch.tensor(1.0), None, work, True)
     assert out.tolist() == [1.0, 0.0, 0.0]
     with pytest.raises(ValueError, match="grad must be a contiguous 1-D"):
         torch.ops.dpcuda.step_status(torch.zeros(2, 2), torch.tensor(1.0), None, work, True)
     with pytest.raises(ValueError, match="loss must have one element"):
         torch.ops.dpcuda.step_status(torch.zeros(2), torch.zeros(2), None, work, True)
+    with pytest.raises(ValueError, match="grad must be float32, float64, float16 or bfloat16"):
+        torch.ops.dpcuda.step_status(torch.zeros(2, dtype=torch.float8_e4m3fn),
+                                     torch.tensor(1.0), None, work, True)
+    with pytest.raises(ValueError, match="workspace must be int32"):
+        torch.ops.dpcuda.step_status(torch.zeros(2), torch.tensor(1.0), None, torch.zeros(1),
+                                     True)
     with pytest.raises(ValueError, match="label_flag must be one int32"):
         torch.ops.dpcuda.step_status(torch.zeros(2), torch.tensor(1.0), torch.zeros(1), work,
                                      True)

@@ -172,6 +172,9 @@ class FullForward : public torch::autograd::Function<FullForward> {
     ctx->saved_data["activation"] = std::string(activation);
     ctx->saved_data["has_bias"] = has_bias;
     if (const GradientsInto* into = t_gradients_into) {
+      // The weight itself, whose .grad the backward looks at (save_for_backward may hand back a
+      // copy under saved-tensor hooks, with no .grad).
+      ctx->saved_data["weight_itself"] = weight;
       ctx->saved_data["grad_weight_into"] = checked_into(into->weight, weight, "grad_weight");
       ctx->saved_data["grad_bias_into"] =
           has_bias ? checked_into(into->bias, *bias, "grad_bias") : Tensor();
@@ -205,7 +208,9 @@ class FullForward : public torch::autograd::Function<FullForward> {
       // gradient takes the usual path and is added to it.
       Tensor w = ctx->saved_data["grad_weight_into"].toTensor();
       Tensor b = ctx->saved_data["grad_bias_into"].toTensor();
-      if (w.defined() && saved[1].grad().defined()) w = Tensor();
+      if (w.defined() && ctx->saved_data["weight_itself"].toTensor().grad().defined()) {
+        w = Tensor();
+      }
       if (b.defined()) {  // the bias as the forward got it (its version is not checked here)
         const Tensor bias = ctx->saved_data["bias"].toTensor();
         if (!bias.defined() || bias.grad().defined()) b = Tensor();
