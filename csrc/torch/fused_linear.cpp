@@ -226,33 +226,32 @@ std::tuple<Tensor, Tensor, Tensor> full_backward_cpu_into(
   return finish_backward(p, input, weight, output_mask, grad_weight_into);
 }
 
-std::tuple<Tensor, Tensor, Tensor> full_backward_cpu(const Tensor& grad_output,
-                                                     const Tensor& input, const Tensor& weight,
-                                                     const Tensor& saved,
-                                                     c10::string_view activation,
-                                                     std::array<bool, 3> output_mask) {
-  return full_backward_cpu_into(grad_output, input, weight, saved, activation, output_mask,
-                                Tensor(), Tensor());
+using BackwardInto = std::tuple<Tensor, Tensor, Tensor> (*)(
+    const Tensor&, const Tensor&, const Tensor&, const Tensor&, c10::string_view,
+    std::array<bool, 3>, const Tensor&, const Tensor&);
+
+// full_backward of a backend: its implementation with new tensors for the gradients.
+template <BackwardInto Impl>
+std::tuple<Tensor, Tensor, Tensor> full_backward(const Tensor& grad_output, const Tensor& input,
+                                                 const Tensor& weight, const Tensor& saved,
+                                                 c10::string_view activation,
+                                                 std::array<bool, 3> output_mask) {
+  return Impl(grad_output, input, weight, saved, activation, output_mask, Tensor(), Tensor());
 }
 
-// The gradients' destinations, checked, or undefined tensors where the mask leaves them out.
-std::pair<Tensor, Tensor> destinations(const Tensor& input, const Tensor& weight,
-                                       std::array<bool, 3> mask, const Tensor& grad_weight,
-                                       const Tensor& grad_bias) {
-  check_into(grad_weight, "grad_weight", mask[1], weight, weight.sizes());
-  check_into(grad_bias, "grad_bias", mask[2], weight, {weight.size(0)});
-  (void)input;
-  return {mask[1] ? grad_weight : Tensor(), mask[2] ? grad_bias : Tensor()};
-}
-
-Tensor full_backward_into_cpu(const Tensor& grad_output, const Tensor& input,
-                              const Tensor& weight, const Tensor& saved,
-                              c10::string_view activation, std::array<bool, 3> output_mask,
-                              Tensor& grad_weight, Tensor& grad_bias) {
+// full_backward_into of a backend: the destinations checked (or left out where the mask leaves
+// their gradient out), then its implementation writing into them.
+template <BackwardInto Impl>
+Tensor full_backward_into(const Tensor& grad_output, const Tensor& input, const Tensor& weight,
+                          const Tensor& saved, c10::string_view activation,
+                          std::array<bool, 3> output_mask, Tensor& grad_weight,
+                          Tensor& grad_bias) {
   TORCH_CHECK_VALUE(weight.dim() == 2, "weight must have shape (out_features, in_features)");
-  const auto [w, b] = destinations(input, weight, output_mask, grad_weight, grad_bias);
-  return std::get<0>(full_backward_cpu_into(grad_output, input, weight, saved, activation,
-                                            output_mask, w, b));
+  check_into(grad_weight, "grad_weight", output_mask[1], weight, weight.sizes());
+  check_into(grad_bias, "grad_bias", output_mask[2], weight, {weight.size(0)});
+  return std::get<0>(Impl(grad_output, input, weight, saved, activation, output_mask,
+                          output_mask[1] ? grad_weight : Tensor(),
+                          output_mask[2] ? grad_bias : Tensor()));
 }
 
 #ifdef DPCUDA_WITH_CUDA
@@ -320,40 +319,21 @@ std::tuple<Tensor, Tensor, Tensor> full_backward_cuda_into(
   return finish_backward(p, input, weight, output_mask, grad_weight_into);
 }
 
-std::tuple<Tensor, Tensor, Tensor> full_backward_cuda(const Tensor& grad_output,
-                                                      const Tensor& input, const Tensor& weight,
-                                                      const Tensor& saved,
-                                                      c10::string_view activation,
-                                                      std::array<bool, 3> output_mask) {
-  return full_backward_cuda_into(grad_output, input, weight, saved, activation, output_mask,
-                                 Tensor(), Tensor());
-}
-
-Tensor full_backward_into_cuda(const Tensor& grad_output, const Tensor& input,
-                               const Tensor& weight, const Tensor& saved,
-                               c10::string_view activation, std::array<bool, 3> output_mask,
-                               Tensor& grad_weight, Tensor& grad_bias) {
-  TORCH_CHECK_VALUE(weight.dim() == 2, "weight must have shape (out_features, in_features)");
-  const auto [w, b] = destinations(input, weight, output_mask, grad_weight, grad_bias);
-  return std::get<0>(full_backward_cuda_into(grad_output, input, weight, saved, activation,
-                                             output_mask, w, b));
-}
-
 #endif  // DPCUDA_WITH_CUDA
 
 }  // namespace
 
 TORCH_LIBRARY_IMPL(dpcuda, CPU, m) {
   m.impl("full_forward", &full_forward_cpu);
-  m.impl("full_backward", &full_backward_cpu);
-  m.impl("full_backward_into", &full_backward_into_cpu);
+  m.impl("full_backward", &full_backward<&full_backward_cpu_into>);
+  m.impl("full_backward_into", &full_backward_into<&full_backward_cpu_into>);
 }
 
 #ifdef DPCUDA_WITH_CUDA
 TORCH_LIBRARY_IMPL(dpcuda, CUDA, m) {
   m.impl("full_forward", &full_forward_cuda);
-  m.impl("full_backward", &full_backward_cuda);
-  m.impl("full_backward_into", &full_backward_into_cuda);
+  m.impl("full_backward", &full_backward<&full_backward_cuda_into>);
+  m.impl("full_backward_into", &full_backward_into<&full_backward_cuda_into>);
 }
 #endif
 
