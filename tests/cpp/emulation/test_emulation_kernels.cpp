@@ -625,9 +625,11 @@ void test_step_status(std::mt19937& rng) {
   DeviceBuffer<double> record(3);
   DeviceBuffer<int> flag(1);
   DeviceBuffer<L> loss(1);
-  for (int64_t n : {0, 1, 17, 256, 1000, 70001}) {
+  // 70001 elements fill the grid's cap of blocks (one case of it: it is slow under TSan)
+  for (int64_t n : {0, 1, 17, 256, 1000, 4099, 70001}) {
     for (int bad_at : {-1, 0, 1, 2}) {  // none, the first, a random and the last element
       if (bad_at >= 0 && n == 0) continue;
+      if (n == 70001 && bad_at != 2) continue;
       std::vector<T> g(static_cast<size_t>(n));
       for (auto& v : g) v = from_double<T>(dist(rng));
       int64_t where = -1;
@@ -640,6 +642,7 @@ void test_step_status(std::mt19937& rng) {
       for (int label : {0, 1}) {
         for (bool clear : {false, true}) {
           for (bool with_loss : {false, true}) {
+            if (n == 70001 && !(label == 1 && clear && with_loss)) continue;
             const L l = static_cast<L>(dist(rng));
             loss.upload({l});
             for (int repeat = 0; repeat < 2; ++repeat) {
