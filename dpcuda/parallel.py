@@ -287,21 +287,18 @@ class _Replica:
         self.exchange = torch.zeros(total + record, dtype=dtype, device=device)
         self.flat_grad = self.exchange[:total]
         self.momentum = torch.zeros(total, dtype=dtype, device=device) if momentum else None
+        self.spans = []  # each trainable parameter's (offset, numel) in the flat buffers
         offset = 0
         for p in trainable:
             n = p.numel()
             self.flat_param[offset:offset + n].copy_(p.detach().reshape(-1))
             p.data = self.flat_param[offset:offset + n].view_as(p)
             p.grad = self.flat_grad[offset:offset + n].view_as(p)
+            self.spans.append((offset, n))
             offset += n
         self.params = params
         self.frozen = [p for p in params if not p.requires_grad]
         self.grads = [(p, p.grad) for p in trainable]
-        self.spans = []  # each trainable parameter's (offset, numel) in the flat buffers
-        offset = 0
-        for p in trainable:
-            self.spans.append((offset, p.numel()))
-            offset += p.numel()
         self.unused = set()  # the parameters the last backward gave no gradient (indices)
         # step_status's workspace (CUDA: int32 zeros, left zero by every launch)
         ints = _C._step_status_ints() if torch.device(device).type == "cuda" else 0
@@ -621,7 +618,8 @@ class DataParallel:
         # step saw. The status op of a device's only replica clears its flag as it reads it
         # (so it is clear here unless a step failed, which clears them all); a flag that
         # several replicas share, or that reducer "dist" reads, is cleared first.
-        for device in self._shared_flag_devices():
+        shared = self._shared_flag_devices()
+        for device in shared:
             self._flag_tensor(device).zero_()
 
         exchange = Exchange(len(self._replicas), self.timeout) if self._sync_bn else None
@@ -703,7 +701,6 @@ class DataParallel:
             return self._step_dist([l for l, _ in results], dens, global_den, targets, summed)
         # One host read per replica of its status: the loss, whether its gradient buffer holds
         # a NaN or an Inf, its device's bad-label flag (one op; one kernel on CUDA).
-        shared = self._shared_flag_devices()
         reads = []
         for (l, _), r in zip(results, self._replicas):
             flag = self._flag_tensor(r.device)
