@@ -10,7 +10,33 @@ import warnings
 import torch
 
 from . import _C
-from . import ops, nn, reference, parallel
+
+
+def _own_cxx_runtime(path):
+    """Whether the shared library at path carries its own copy of the C++ runtime (libstdc++
+    linked statically, as some compiler wrappers do): its __cxa_throw is then not the one of the
+    process's libstdc++. False where that cannot be told (no libstdc++.so.6, no such symbol)."""
+    import ctypes
+    try:
+        theirs = ctypes.CDLL("libstdc++.so.6").__cxa_throw
+        ours = ctypes.CDLL(path).__cxa_throw
+    except (OSError, AttributeError):
+        return False
+    return ctypes.cast(ours, ctypes.c_void_p).value != ctypes.cast(theirs, ctypes.c_void_p).value
+
+
+# Such a build loads and mostly works, but an exception that crosses the two runtimes (torch's
+# c10::Error raised by an argument check and caught by the binding, say) can crash the process
+# later: seen on a GPU machine whose compiler wrapper added -static-libstdc++ (segmentation
+# faults in the test suite, all at an argument check's error). Refuse it here, with the fix.
+if _own_cxx_runtime(_C.__file__):
+    raise ImportError(
+        f"dpcuda's extension {_C.__file__} carries its own copy of the C++ runtime (its compiler "
+        "linked libstdc++ statically, as a wrapper adding -static-libstdc++ does), so errors "
+        "raised in C++ can crash the process; rebuild it with the system compiler, e.g. "
+        "CXX=/usr/bin/g++ CC=/usr/bin/gcc pip install --no-build-isolation -e .")
+
+from . import ops, nn, reference, parallel  # noqa: E402
 
 __all__ = ["built_with_cuda", "cuda_available", "load_checkpoint_model", "ops", "nn",
            "parallel", "reference"]

@@ -1,0 +1,103 @@
+"""On a CUDA machine: the kernels, memory copies and memsets and the host synchronisations of one
+steady-state training step (784-256-10 relu MLP, batch 256, inputs and labels on the GPU),
+counted by torch.profiler and torch.cuda's sync debug mode over 5 steps, for torch eager
+(nn.Sequential, F.cross_entropy, torch.optim.SGD) and for dpcuda's DataParallel (FusedMLP,
+SoftmaxCrossEntropyLoss). The correctness of the CUDA step is tests/test_cuda_step.py's.
+
+    python benchmarks/count_launches.py [--json FILE]
+"""
+
+import argparse
+import collections
+import json
+import sys
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+import dpcuda
+from dpcuda.nn import FusedMLP, SoftmaxCrossEntropyLoss
+from dpcuda.parallel import DataParallel
+
+
+def count_step(fn, steps=5):
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    kinds = collections.Counter()
+    names = collections.Counter()
+    for e in prof.events():
+        # (the GPU-side range of a user annotation, "Optimizer.step#SGD.step", is no launch)
+        if e.device_type == torch.autograd.DeviceType.CUDA and not (
+                getattr(e, "is_user_annotation", False) or e.name.startswith("Optimizer.")):
+            k = "memcpy" if "Memcpy" in e.name else "memset" if "Memset" in e.name else "kernel"
+            kinds[k] += 1
+            if k == "kernel":
+                names[e.name[:70]] += 1
+    syncs = 0
+    torch.cuda.set_sync_debug_mode("warn")
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+        syncs = sum("synchroniz" in str(x.message) for x in w)
+    torch.cuda.set_sync_debug_mode(0)
+    return ({k: v / steps for k, v in kinds.items()}, syncs / steps,
+            {k: v / steps for k, v in names.most_common()})
+
+
+def launches():
+    torch.manual_seed(0)
+    x = torch.randn(256, 784, device="cuda")
+    y = torch.randint(0, 10, (256,), device="cuda")
+    base = torch.nn.Sequential(torch.nn.Linear(784, 256), torch.nn.ReLU(),
+                               torch.nn.Linear(256, 10)).cuda()
+    opt = torch.optim.SGD(base.parameters(), lr=0.1)
+    opt_m = torch.optim.SGD(base.parameters(), lr=0.1, momentum=0.9)
+
+    def torch_step(o):
+        o.zero_grad()
+        F.cross_entropy(base(x), y).backward()
+        o.step()
+    rows = {"torch eager (foreach SGD)": lambda: torch_step(opt),
+            "torch eager, momentum 0.9": lambda: torch_step(opt_m)}
+    for R in (1, 2):
+        for mom in (0.0, 0.9):
+            dp = DataParallel(FusedMLP([784, 256, 10]), ["cuda:0"] * R, lr=0.1, momentum=mom)
+            rows[f"dpcuda {R} replica(s), momentum {mom}"] = (
+                lambda dp=dp: dp.step(x, y, SoftmaxCrossEntropyLoss()))
+    dp = DataParallel(FusedMLP([784, 256, 10]), ["cuda:0"], lr=0.1, momentum=0.9)
+    y_host = y.cpu()
+    rows["dpcuda 1 replica, labels in host memory"] = (
+        lambda: dp.step(x, y_host, SoftmaxCrossEntropyLoss()))
+    out = {}
+    for name, fn in rows.items():
+        kinds, syncs, names = count_step(fn)
+        out[name] = {"per_step": kinds, "host_syncs": syncs, "kernels": names}
+        print(f"{name:42s} kernels {kinds.get('kernel', 0):5.1f}  "
+              f"memcpy {kinds.get('memcpy', 0):4.1f}  memset {kinds.get('memset', 0):4.1f}  "
+              f"syncs {syncs:4.1f}", flush=True)
+    return out
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    if not dpcuda.cuda_available():
+        sys.exit("count_launches: needs a CUDA device that dpcuda's kernels can run on")
+    result = launches()
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(result, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
