@@ -2,7 +2,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dpcuda import ops, reference as ref
+from dpcuda import _C, ops, reference as ref
 from conftest import DEVICES, assert_within_torch_error, dtypes_for
 
 ATOL = {torch.float64: 1e-12, torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
@@ -139,8 +139,18 @@ def test_gradcheck():
         lambda z: torch.ops.dpcuda.loss_grad(z, y, 0.3, 0.05, -100, True)[0], (z,))
 
 
+@pytest.fixture(params=["as is", "read as GPU labels"])
+def gpu_label_path(request):
+    """On the CPU, "read as GPU labels" sends CPU labels down the path of labels on a GPU in the
+    loss's autograd node (copied to host memory, checked there, the mean's count as the
+    kernel's scale), so that a machine without a GPU tests that path too."""
+    previous = _C._read_cpu_labels_for_tests(request.param != "as is")
+    yield request.param
+    _C._read_cpu_labels_for_tests(previous)
+
+
 @pytest.mark.parametrize("device", DEVICES)
-def test_opcheck(device):
+def test_opcheck(device, gpu_label_path):
     z = torch.randn(6, 5, device=device, requires_grad=True)
     y = torch.tensor([0, 1, 4, -100, 2, 3], device=device)
     torch.library.opcheck(torch.ops.dpcuda.loss_grad.default, (z, y, 1.0, 0.0, -100, True))
@@ -175,3 +185,33 @@ def test_bad_inputs_raise_named_errors(device):
     if device != "cpu":
         with pytest.raises(ValueError, match="labels must be on the same device"):
             ops.softmax_cross_entropy(z, y.cpu())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("rows", [300, 70000])  # on CUDA: labels read to the host, or the flag
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_training_call_checks_labels_and_matches_torch(device, rows, reduction, gpu_label_path):
+    # A loss that needs a gradient takes the autograd node's path: on CUDA, up to 65536 labels
+    # are read into host memory once (the check, and the mean's count as the kernel's scale);
+    # more keep the device count and the kernel's flag. Both must give torch's loss and
+    # gradient, ignored rows included, and name a bad label's position.
+    gen = torch.Generator().manual_seed(rows)
+    z = (torch.randn(rows, 7, generator=gen, dtype=torch.float64) * 3).to(device)
+    y = torch.randint(0, 7, (rows,), generator=gen).to(device)
+    y[::5] = -100
+    got_z, want_z = z.clone().requires_grad_(), z.clone().requires_grad_()
+    got = ops.softmax_cross_entropy(got_z, y, reduction, 0.1)
+    want = F.cross_entropy(want_z, y, reduction=reduction, label_smoothing=0.1)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    seed = torch.randn(got.shape, generator=gen, dtype=torch.float64).to(device)
+    got.backward(seed)
+    want.backward(seed)
+    torch.testing.assert_close(got_z.grad, want_z.grad, rtol=1e-12, atol=1e-12)
+    for bad in (7, -3):
+        y_bad = y.clone()
+        y_bad[rows - 2] = bad
+        with pytest.raises(ValueError, match=rf"got {bad} at position {rows - 2}\b"):
+            ops.softmax_cross_entropy(z.clone().requires_grad_(), y_bad, reduction)
+    # The error left nothing behind: the next call on good labels is torch's again.
+    again = ops.softmax_cross_entropy(z.clone().requires_grad_(), y, reduction, 0.1)
+    torch.testing.assert_close(again, want.detach(), rtol=1e-12, atol=1e-12)

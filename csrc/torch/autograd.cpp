@@ -16,6 +16,7 @@
 
 #include "checks.h"
 #include "dispatch.h"
+#include "label_errors.h"
 
 namespace dpcuda {
 namespace {
@@ -407,6 +408,24 @@ Tensor softmax_cross_entropy_forward(const Tensor& logits, const Tensor& labels,
   return reduce_losses(losses, count, reduction, logits.scalar_type());
 }
 
+// Turns the loss adapter's own label check off for its scope when the labels were checked
+// already (defer_label_checks; restored on exit, exceptions included).
+class LabelsChecked {
+ public:
+  explicit LabelsChecked(bool checked) : active_(checked), previous_(false) {
+    if (active_) previous_ = defer_label_checks(true);
+  }
+  ~LabelsChecked() {
+    if (active_) defer_label_checks(previous_);
+  }
+  LabelsChecked(const LabelsChecked&) = delete;
+  LabelsChecked& operator=(const LabelsChecked&) = delete;
+
+ private:
+  bool active_;
+  bool previous_;
+};
+
 // One autograd node for the loss and its reduction: the forward keeps loss_grad's gradient and
 // the backward scales it once. Written in C++ because each Python-side tensor op costs several
 // microseconds of host time, more than the whole kernel on a small batch.
@@ -418,9 +437,18 @@ class SoftmaxCrossEntropy : public torch::autograd::Function<SoftmaxCrossEntropy
     check_reduction(reduction);
     ctx->set_materialize_grads(false);
     at::AutoDispatchBelowADInplaceOrView below;
-    const auto host_count = reduction == "mean" && labels.scalar_type() == at::kLong
-                                ? host_valid_count(labels, ignore_index)
-                                : c10::nullopt;
+    // Labels on a GPU (up to 65536, in an eager call): read into host memory once. The adapter
+    // would synchronise to check them anyway (a bad label raises from this call); this one
+    // synchronisation also gives the count of rows, so the mean becomes the kernel's scale
+    // below, with no count, division or masked backward on the device. Checked here, so the
+    // adapter's own check is off for the call.
+    const Tensor host_labels = labels_read_for_check(logits, labels);
+    if (host_labels.defined()) check_labels(host_labels, logits.size(1), ignore_index);
+    const LabelsChecked checked(host_labels.defined());
+    const auto host_count =
+        reduction == "mean" && labels.scalar_type() == at::kLong
+            ? host_valid_count(host_labels.defined() ? host_labels : labels, ignore_index)
+            : c10::nullopt;
     if (host_count && *host_count > 0) {
       // Mean as a scaled sum: the kernel's loss and gradient already carry 1 / count.
       auto [losses, grad] = call_loss_grad(logits, labels, 1.0 / static_cast<double>(*host_count),

@@ -2,6 +2,8 @@
 // logits from one kernel. Registration for the CPU and CUDA keys.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <atomic>
+#include <ATen/TensorSubclassLikeUtils.h>
 #include <torch/library.h>
 
 #include "../cpu/cross_entropy.h"
@@ -57,11 +59,7 @@ std::tuple<Tensor, Tensor> loss_grad_cpu(const Tensor& logits, const Tensor& lab
   const Tensor z = logits.contiguous();
   const Tensor y = labels.contiguous();
   const int64_t* yp = y.data_ptr<int64_t>();
-  for (int64_t r = 0; r < s.rows; ++r) {
-    if (yp[r] != ignore_index && (yp[r] < 0 || yp[r] >= s.classes)) {
-      raise_bad_label(r, yp[r], s.classes, ignore_index);
-    }
-  }
+  check_labels(y, s.classes, ignore_index);
   Tensor loss = at::empty({s.rows}, z.options());
   Tensor grad = compute_grad ? at::empty_like(z) : at::empty({0}, z.options());
   const int64_t grain = std::max<int64_t>(1, 16384 / s.classes);
@@ -110,21 +108,19 @@ std::tuple<Tensor, Tensor> loss_grad_cuda(const Tensor& logits, const Tensor& la
   const Tensor z = logits.contiguous();
   const Tensor y = labels.contiguous();
   // A label out of range must raise, not crash the context with a device-side assert as
-  // F.cross_entropy does. The kernel flags one on the device (and makes its row NaN). Eager
-  // calls also check here, at the cost of a reduction and a synchronisation, so that the error
-  // comes from the call that made it; not while a CUDA graph is captured (no synchronisation is
-  // allowed), and not for a caller that reads the flag itself (DataParallel.step).
+  // F.cross_entropy does. The kernel flags one on the device (and makes its row NaN). An eager
+  // call gives the kernel a flag of its own and reads it after the launch (a 4-byte copy and a
+  // synchronisation), so that the error comes from the call that made it; the position is then
+  // looked up. Not while a CUDA graph is captured (no synchronisation is allowed), and not for a
+  // caller that reads the device's shared flag itself (DataParallel.step).
   const bool capturing =
       at::cuda::currentStreamCaptureStatusMayInitCtx() != at::cuda::CaptureStatus::None;
-  const bool check_now = !t_defer_label_checks && !capturing;
-  if (check_now && s.rows > 0) {
-    const Tensor bad = (y != ignore_index) & ((y < 0) | (y >= s.classes));
-    if (bad.any().item<bool>()) {
-      const int64_t position = bad.nonzero()[0][0].item<int64_t>();
-      raise_bad_label(position, y[position].item<int64_t>(), s.classes, ignore_index);
-    }
-  }
-  Tensor* flag = label_flag(logits.device().index(), capturing);
+  const bool check_now = !t_defer_label_checks && !capturing && s.rows > 0;
+  const Tensor call_flag =
+      check_now ? at::zeros({1}, y.options().dtype(at::kInt)) : Tensor();
+  Tensor* shared_flag = check_now ? nullptr : label_flag(logits.device().index(), capturing);
+  int* flag = check_now ? call_flag.data_ptr<int>()
+              : shared_flag != nullptr ? shared_flag->data_ptr<int>() : nullptr;
   Tensor loss = at::empty({s.rows}, z.options().dtype(loss_dtype(z)));
   Tensor grad = compute_grad ? at::empty_like(z) : at::empty({0}, z.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, z.scalar_type(), "loss_grad_cuda",
@@ -136,9 +132,14 @@ std::tuple<Tensor, Tensor> loss_grad_cuda(const Tensor& logits, const Tensor& la
         loss.data_ptr<acc>(),
         compute_grad ? reinterpret_cast<cuda_t*>(grad.data_ptr<scalar_t>()) : nullptr, s.rows,
         s.classes, scale, label_smoothing, ignore_index,
-        flag != nullptr ? flag->data_ptr<int>() : nullptr, at::cuda::getCurrentCUDAStream());
+        flag, at::cuda::getCurrentCUDAStream());
     check_cuda(err, "cross_entropy launch");
   });
+  if (check_now && call_flag.item<int>() != 0) {
+    const Tensor bad = (y != ignore_index) & ((y < 0) | (y >= s.classes));
+    const int64_t position = bad.nonzero()[0][0].item<int64_t>();
+    raise_bad_label(position, y[position].item<int64_t>(), s.classes, ignore_index);
+  }
   return {loss, grad};
 }
 
@@ -150,6 +151,42 @@ bool defer_label_checks(bool defer) {
   const bool previous = t_defer_label_checks;
   t_defer_label_checks = defer;
   return previous;
+}
+
+void check_labels(const Tensor& labels, int64_t classes, int64_t ignore_index) {
+  const int64_t* y = labels.const_data_ptr<int64_t>();
+  for (int64_t r = 0, n = labels.numel(); r < n; ++r) {
+    if (y[r] != ignore_index && (y[r] < 0 || y[r] >= classes)) {
+      raise_bad_label(r, y[r], classes, ignore_index);
+    }
+  }
+}
+
+// For the tests, on machines without a GPU: CPU labels take the GPU labels' path (copied).
+std::atomic<bool> g_read_cpu_labels{false};
+
+bool read_cpu_labels_for_tests(bool on) { return g_read_cpu_labels.exchange(on); }
+
+Tensor labels_read_for_check(const Tensor& logits, const Tensor& labels) {
+  // Tensor subclasses (fake and functional tensors under torch.compile, with symbolic sizes
+  // that numel() must not be asked for) are ruled out before any size is read.
+  if (t_defer_label_checks || at::isTensorSubclassLike(labels) ||
+      at::isTensorSubclassLike(logits) ||
+      !(labels.is_cuda() || (labels.is_cpu() && g_read_cpu_labels.load())) ||
+      labels.scalar_type() != at::kLong || logits.dim() != 2 || labels.dim() != 1 ||
+      labels.size(0) != logits.size(0) || labels.size(0) == 0) {
+    return Tensor();
+  }
+  constexpr int64_t kMaxRows = 65536;  // a copy of at most 512 KiB; more keep the flag read
+  if (labels.size(0) > kMaxRows) return Tensor();
+  if (labels.is_cpu()) return labels.clone().contiguous();  // (the tests' switch)
+#ifdef DPCUDA_WITH_CUDA
+  const c10::cuda::CUDAGuard guard(labels.device());
+  if (at::cuda::currentStreamCaptureStatusMayInitCtx() == at::cuda::CaptureStatus::None) {
+    return labels.to(at::kCPU).contiguous();
+  }
+#endif
+  return Tensor();
 }
 
 #ifdef DPCUDA_WITH_CUDA

@@ -7,9 +7,23 @@
 
 namespace dpcuda {
 
-// Turns the adapter's own check (a reduction and a synchronisation per call) off on this thread
+// Turns the adapter's own check (a flag read and a synchronisation per call) off on this thread
 // while `defer` is true; returns the previous setting. The CPU adapter always checks (free).
 bool defer_label_checks(bool defer);
+
+// Raises the ValueError of the first label of `labels` (int64, contiguous, in host memory)
+// outside [0, classes) that is not ignore_index, naming its position.
+void check_labels(const at::Tensor& labels, int64_t classes, int64_t ignore_index);
+
+// Labels on a GPU that an eager loss call may read into host memory once, in place of the
+// adapter's check: int64, 1 to 65536 of them, one per row of (batch, classes) logits, not under
+// a CUDA graph capture or deferred checks, neither tensor a subclass (fake, functional). Their
+// copy there, or an undefined tensor where any of that does not hold.
+at::Tensor labels_read_for_check(const at::Tensor& logits, const at::Tensor& labels);
+
+// For the tests on machines without a GPU: while on, labels in host memory take that path too
+// (as a copy). Returns the previous setting.
+bool read_cpu_labels_for_tests(bool on);
 
 #ifdef DPCUDA_WITH_CUDA
 // The flag of CUDA device `device`: an int32 tensor of one element, 0 until a loss kernel there

@@ -74,6 +74,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("_defer_label_checks", &dpcuda::defer_label_checks,
         "Turns the CUDA loss adapter's own label check off on this thread (the kernel still "
         "flags bad labels); returns the previous setting");
+  m.def("_read_cpu_labels_for_tests", &dpcuda::read_cpu_labels_for_tests,
+        "Tests only: the loss's autograd node reads CPU labels as it reads labels on a GPU "
+        "(a copy in host memory, checked there); returns the previous setting");
 #ifdef DPCUDA_WITH_CUDA
   // The TORCH_CUDA_ARCH_LIST the CUDA kernels were built for.
   m.def("_cuda_archs", []() { return std::string(dpcuda::cuda_archs()); });
