@@ -207,11 +207,36 @@ def test_training_call_checks_labels_and_matches_torch(device, rows, reduction, 
     got.backward(seed)
     want.backward(seed)
     torch.testing.assert_close(got_z.grad, want_z.grad, rtol=1e-12, atol=1e-12)
+    assert_checks_not_deferred()
     for bad in (7, -3):
         y_bad = y.clone()
         y_bad[rows - 2] = bad
         with pytest.raises(ValueError, match=rf"got {bad} at position {rows - 2}\b"):
             ops.softmax_cross_entropy(z.clone().requires_grad_(), y_bad, reduction)
+        assert_checks_not_deferred()
     # The error left nothing behind: the next call on good labels is torch's again.
     again = ops.softmax_cross_entropy(z.clone().requires_grad_(), y, reduction, 0.1)
     torch.testing.assert_close(again, want.detach(), rtol=1e-12, atol=1e-12)
+
+
+def assert_checks_not_deferred():
+    """The loss turns the adapter's own label check off only for its call: it must be on again
+    afterwards, also after an error (a leak would let later bad labels through on CUDA)."""
+    assert _C._defer_label_checks(False) is False
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_training_call_raises_the_adapters_errors_before_a_labels(device, gpu_label_path):
+    # Arguments the adapter refuses keep its error even when a label is bad too: the labels are
+    # read and checked first only for arguments it accepts.
+    z = torch.randn(3, 4, device=device, requires_grad=True)
+    y = torch.tensor([0, 1, 9], device=device)
+    with pytest.raises(ValueError, match="at least one class"):
+        ops.softmax_cross_entropy(torch.randn(3, 0, device=device, requires_grad=True),
+                                  torch.zeros(3, dtype=torch.long, device=device))
+    with pytest.raises(ValueError, match="label_smoothing must be"):
+        torch.ops.dpcuda.softmax_cross_entropy(z, y, "mean", 2.0, -100)
+    with pytest.raises(TypeError, match="dtype|float"):
+        ops.softmax_cross_entropy(torch.randn(3, 4, dtype=torch.complex64, device=device,
+                                              requires_grad=True), y)
+    assert_checks_not_deferred()

@@ -442,7 +442,7 @@ class SoftmaxCrossEntropy : public torch::autograd::Function<SoftmaxCrossEntropy
     // synchronisation also gives the count of rows, so the mean becomes the kernel's scale
     // below, with no count, division or masked backward on the device. Checked here, so the
     // adapter's own check is off for the call.
-    const Tensor host_labels = labels_read_for_check(logits, labels);
+    const Tensor host_labels = labels_read_for_check(logits, labels, label_smoothing);
     if (host_labels.defined()) check_labels(host_labels, logits.size(1), ignore_index);
     const LabelsChecked checked(host_labels.defined());
     const auto host_count =

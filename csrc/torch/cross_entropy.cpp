@@ -167,14 +167,18 @@ std::atomic<bool> g_read_cpu_labels{false};
 
 bool read_cpu_labels_for_tests(bool on) { return g_read_cpu_labels.exchange(on); }
 
-Tensor labels_read_for_check(const Tensor& logits, const Tensor& labels) {
+Tensor labels_read_for_check(const Tensor& logits, const Tensor& labels,
+                             double label_smoothing) {
   // Tensor subclasses (fake and functional tensors under torch.compile, with symbolic sizes
-  // that numel() must not be asked for) are ruled out before any size is read.
+  // that numel() must not be asked for) are ruled out before any size is read. Arguments the
+  // adapter would refuse are left to it, so that its error, not a label's, is the one raised.
   if (t_defer_label_checks || at::isTensorSubclassLike(labels) ||
       at::isTensorSubclassLike(logits) ||
       !(labels.is_cuda() || (labels.is_cpu() && g_read_cpu_labels.load())) ||
-      labels.scalar_type() != at::kLong || logits.dim() != 2 || labels.dim() != 1 ||
-      labels.size(0) != logits.size(0) || labels.size(0) == 0) {
+      labels.device() != logits.device() || labels.scalar_type() != at::kLong ||
+      !at::isFloatingType(logits.scalar_type()) || !(label_smoothing >= 0.0) ||
+      !(label_smoothing <= 1.0) || logits.dim() != 2 || labels.dim() != 1 ||
+      labels.size(0) != logits.size(0) || labels.size(0) == 0 || logits.size(1) < 1) {
     return Tensor();
   }
   constexpr int64_t kMaxRows = 65536;  // a copy of at most 512 KiB; more keep the flag read

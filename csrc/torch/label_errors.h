@@ -16,10 +16,12 @@ bool defer_label_checks(bool defer);
 void check_labels(const at::Tensor& labels, int64_t classes, int64_t ignore_index);
 
 // Labels on a GPU that an eager loss call may read into host memory once, in place of the
-// adapter's check: int64, 1 to 65536 of them, one per row of (batch, classes) logits, not under
-// a CUDA graph capture or deferred checks, neither tensor a subclass (fake, functional). Their
-// copy there, or an undefined tensor where any of that does not hold.
-at::Tensor labels_read_for_check(const at::Tensor& logits, const at::Tensor& labels);
+// adapter's check: int64, 1 to 65536 of them, one per row of floating (batch, classes >= 1)
+// logits on the same device, label_smoothing in [0, 1], not under a CUDA graph capture or
+// deferred checks, neither tensor a subclass (fake, functional). Their copy there, or an
+// undefined tensor where any of that does not hold (the adapter then checks, and raises).
+at::Tensor labels_read_for_check(const at::Tensor& logits, const at::Tensor& labels,
+                                 double label_smoothing);
 
 // For the tests on machines without a GPU: while on, labels in host memory take that path too
 // (as a copy). Returns the previous setting.
