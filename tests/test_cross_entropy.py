@@ -240,3 +240,36 @@ def test_training_call_raises_the_adapters_errors_before_a_labels(device, gpu_la
         ops.softmax_cross_entropy(torch.randn(3, 4, dtype=torch.complex64, device=device,
                                               requires_grad=True), y)
     assert_checks_not_deferred()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("incoming", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite_incoming_gradient_keeps_ignored_rows_at_torchs(device, reduction, incoming,
+                                                                   gpu_label_path):
+    # torch's ignored rows never see the gradient that comes into the loss: with a NaN or Inf
+    # coming in they stay 0 (NaN where their logits are NaN), and the other rows take it.
+    gen = torch.Generator().manual_seed(5)
+    z = torch.randn(9, 4, generator=gen, dtype=torch.float64)
+    z[4, 1] = float("nan")  # an ignored row whose log_softmax is NaN
+    z = z.to(device)
+    for y in (torch.tensor([0, -100, 3, 1, -100, 2, -100, 0, 1]),
+              torch.full((9,), -100), torch.tensor([0, 1, 2, 3, 0, 1, 2, 3, 0])):
+        y = y.to(device)
+        got_z, want_z = z.clone().requires_grad_(), z.clone().requires_grad_()
+        got = ops.softmax_cross_entropy(got_z, y, reduction, 0.1)
+        want = F.cross_entropy(want_z, y, reduction=reduction, label_smoothing=0.1)
+        seed = torch.full(got.shape, incoming, dtype=torch.float64, device=device)
+        if reduction == "none":
+            seed[::2] = 1.5  # finite on some rows, non-finite on the others
+        got.backward(seed)
+        want.backward(seed)
+        if incoming != incoming:  # NaN: torch's values exactly, NaN where torch's are
+            torch.testing.assert_close(got_z.grad, want_z.grad, rtol=1e-12, atol=1e-12,
+                                       equal_nan=True)
+        else:  # +-Inf: non-finite where torch's are (torch's arithmetic makes some of them NaN
+            # where dpcuda's product gives +-Inf), torch's finite values elsewhere
+            finite = torch.isfinite(want_z.grad)
+            assert torch.equal(torch.isfinite(got_z.grad), finite)
+            torch.testing.assert_close(got_z.grad[finite], want_z.grad[finite], rtol=1e-12,
+                                       atol=1e-12)

@@ -445,15 +445,22 @@ class SoftmaxCrossEntropy : public torch::autograd::Function<SoftmaxCrossEntropy
     const Tensor host_labels = labels_read_for_check(logits, labels, label_smoothing);
     if (host_labels.defined()) check_labels(host_labels, logits.size(1), ignore_index);
     const LabelsChecked checked(host_labels.defined());
-    const auto host_count =
-        reduction == "mean" && labels.scalar_type() == at::kLong
-            ? host_valid_count(host_labels.defined() ? host_labels : labels, ignore_index)
-            : c10::nullopt;
-    if (host_count && *host_count > 0) {
+    // The rows that count (labels not ignore_index), counted in host memory where the labels
+    // are there; on the device otherwise.
+    const Tensor& readable = host_labels.defined() ? host_labels : labels;
+    const auto host_count = labels.scalar_type() == at::kLong
+                                ? host_valid_count(readable, ignore_index)
+                                : c10::nullopt;
+    // Where some rows are ignored, the backward keeps the incoming gradient off them (torch's
+    // ignored rows never see it: a NaN or Inf coming in must not reach them through 0 * g).
+    const Tensor kept = host_count && *host_count == readable.numel()
+                            ? Tensor()
+                            : labels.ne(ignore_index);
+    if (reduction == "mean" && host_count && *host_count > 0) {
       // Mean as a scaled sum: the kernel's loss and gradient already carry 1 / count.
       auto [losses, grad] = call_loss_grad(logits, labels, 1.0 / static_cast<double>(*host_count),
                                            label_smoothing, ignore_index, compute_grad);
-      ctx->save_for_backward({grad, Tensor()});
+      ctx->save_for_backward({grad, Tensor(), kept});
       keep_loss_inputs(ctx, logits, labels, 1.0 / static_cast<double>(*host_count),
                        label_smoothing, ignore_index);
       ctx->saved_data["reduction"] = std::string("sum");
@@ -461,8 +468,10 @@ class SoftmaxCrossEntropy : public torch::autograd::Function<SoftmaxCrossEntropy
     }
     auto [losses, grad] = call_loss_grad(logits, labels, 1.0, label_smoothing, ignore_index,
                                          compute_grad);
-    const Tensor count = reduction == "mean" ? valid_count(labels, ignore_index) : Tensor();
-    ctx->save_for_backward({grad, count});
+    const Tensor count = reduction != "mean" ? Tensor()
+                         : kept.defined()    ? kept.sum()
+                                             : valid_count(labels, ignore_index);
+    ctx->save_for_backward({grad, count, kept});
     keep_loss_inputs(ctx, logits, labels, 1.0, label_smoothing, ignore_index);
     ctx->saved_data["reduction"] = std::string(reduction);
     return {reduce_losses(losses, count, reduction, logits.scalar_type())};
@@ -481,16 +490,15 @@ class SoftmaxCrossEntropy : public torch::autograd::Function<SoftmaxCrossEntropy
     }
     const Tensor& grad = saved[0];
     const Tensor g = as_dtype(grads[0], grad.scalar_type());
-    Tensor grad_logits;
-    if (reduction == "none") {
-      grad_logits = g.unsqueeze(1) * grad;
-    } else if (reduction == "sum") {
-      grad_logits = grad * g;
-    } else {
-      // A mean over no rows (every label ignored): torch's gradient is 0 whatever comes in
-      // (g / 0 would make it NaN), except on rows whose logits make log_softmax NaN, where the
+    const Tensor& kept = saved[2];
+    Tensor grad_logits = reduction == "none" ? g.unsqueeze(1) * grad
+                         : reduction == "sum" ? grad * g
+                                              : grad * (g / saved[1]);
+    if (kept.defined()) {
+      // Ignored rows: torch's gradient there is 0 whatever comes in (also for a mean over no
+      // rows, where g / 0 is NaN), except where the logits make log_softmax NaN and the
       // kernel's gradient is NaN already: grad * 0 keeps exactly those.
-      grad_logits = at::where(saved[1] > 0, grad * (g / saved[1]), grad * 0);
+      grad_logits = at::where(kept.unsqueeze(1), grad_logits, grad * 0);
     }
     return {grad_logits, Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
   }
