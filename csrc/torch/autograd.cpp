@@ -440,7 +440,7 @@ class SoftmaxCrossEntropy : public torch::autograd::Function<SoftmaxCrossEntropy
     // Labels on a GPU (up to 65536, in an eager call): read into host memory once. The adapter
     // would synchronise to check them anyway (a bad label raises from this call); this one
     // synchronisation also gives the count of rows, so the mean becomes the kernel's scale
-    // below, with no count, division or masked backward on the device. Checked here, so the
+    // below, with no count or division on the device. Checked here, so the
     // adapter's own check is off for the call.
     const Tensor host_labels = labels_read_for_check(logits, labels, label_smoothing);
     if (host_labels.defined()) check_labels(host_labels, logits.size(1), ignore_index);
