@@ -2,8 +2,8 @@
 # On a lent GPU machine (the device tool), from the repository root: build dpcuda against that
 # machine's own torch and run what only a GPU can, leaving logs, results and the built extension
 # under $OUT.   bash scripts/gpu_session.sh STEP...   (default: build test bench so)
-#   build     setup.py build_ext --inplace (CXX=/usr/bin/g++ there: its default compiler wrapper
-#             links libstdc++ statically, which dpcuda refuses at import)
+#   build     setup.py build_ext --inplace with CXX=/usr/bin/g++ (the image's CXX, a wrapper,
+#             links libstdc++ statically, which dpcuda refuses at import; DPCUDA_KEEP_CXX=1 keeps it)
 #   carried   use an extension a previous call built, carried in .gpu/dpcuda/
 #   test      the whole test suite with pytest-xdist (every device-parametrised test adds cuda:0)
 #   check     tests/test_cuda_step.py, and benchmarks/count_launches.py (kernels, syncs per step)
@@ -28,7 +28,8 @@ try: parallel.all_reduce([])
 except ValueError as e: print('raised ValueError:', e)"; echo "exc rc=$?"
   if [ "${GDB:-0}" = 1 ]; then cuda-gdb -batch -ex run -ex bt --args $PY -c "from dpcuda import parallel; parallel.all_reduce([])" 2>&1 | grep -v "^\[New Thread\|^\[Thread" | tail -40; fi ;;
 build)
-  if [ -z "${CXX:-}" ] && [ -x /usr/bin/g++ ]; then export CXX=/usr/bin/g++ CC=/usr/bin/gcc; fi
+  # The image sets CXX to a wrapper (/opt/gcc/bin/g++) that links libstdc++ statically.
+  if [ -x /usr/bin/g++ ] && [ -z "${DPCUDA_KEEP_CXX:-}" ]; then export CXX=/usr/bin/g++ CC=/usr/bin/gcc; fi
   log "env"; nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv
   $PY -c "import torch,sys;print(sys.version.split()[0], torch.__version__, torch.cuda.get_device_name(0))"
   nvcc --version | tail -2
