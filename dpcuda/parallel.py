@@ -644,7 +644,7 @@ class DataParallel:
                 start = time.perf_counter()
                 x, y = part
                 # On CUDA dpcuda's loss kernel flags a bad label on the device and this step
-                # reads the flag with the loss (_label_flag), instead of the adapter
+                # reads the flag with the loss (step_status), instead of the adapter
                 # synchronising on every call to look.
                 defer = replica.device.type == "cuda"
                 previous = _C._defer_label_checks(True) if defer else None

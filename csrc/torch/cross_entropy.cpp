@@ -2,9 +2,10 @@
 // logits from one kernel. Registration for the CPU and CUDA keys.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <atomic>
 #include <ATen/TensorSubclassLikeUtils.h>
 #include <torch/library.h>
+
+#include <atomic>
 
 #include "../cpu/cross_entropy.h"
 #include "checks.h"
@@ -136,9 +137,7 @@ std::tuple<Tensor, Tensor> loss_grad_cuda(const Tensor& logits, const Tensor& la
     check_cuda(err, "cross_entropy launch");
   });
   if (check_now && call_flag.item<int>() != 0) {
-    const Tensor bad = (y != ignore_index) & ((y < 0) | (y >= s.classes));
-    const int64_t position = bad.nonzero()[0][0].item<int64_t>();
-    raise_bad_label(position, y[position].item<int64_t>(), s.classes, ignore_index);
+    check_labels(y.to(at::kCPU).contiguous(), s.classes, ignore_index);  // raises, naming it
   }
   return {loss, grad};
 }
