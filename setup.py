@@ -43,6 +43,17 @@ def find_cuda_home():
     return None
 
 
+def find_cublaslt(cuda_home):
+    """Link arguments for cuBLASLt (the weight and bias gradients' GEMM): the pip wheel's
+    library, which torch itself loads (so the same one is used at run time), else the toolkit's."""
+    spec = importlib.util.find_spec("nvidia")
+    for base in (spec.submodule_search_locations or []) if spec else []:
+        hits = sorted(glob.glob(os.path.join(base, "**", "lib", "libcublasLt.so.*"), recursive=True))
+        if hits:
+            return {"extra_link_args": [hits[0]]}
+    return {"libraries": ["cublasLt"], "library_dirs": [os.path.join(cuda_home, "lib64")]}
+
+
 def find_pip_cuda_includes():
     """Header folders of the pip CUDA wheels (cuBLAS, cuSPARSE...), which torch's CUDA headers
     include but which are not under the toolkit on machines that only have the pip libraries."""
@@ -111,6 +122,7 @@ def extension():
         define_macros=[("DPCUDA_WITH_CUDA", None),
                        ("DPCUDA_CUDA_ARCHS", '"' + os.environ["TORCH_CUDA_ARCH_LIST"] + '"')],
         extra_compile_args={"cxx": cxx_flags, "nvcc": nvcc_flags},
+        **find_cublaslt(cuda_home),
     ), cpp_extension
 
 

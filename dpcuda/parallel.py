@@ -585,9 +585,10 @@ class DataParallel:
         if summed is None:
             dens = list(sizes)
         else:
-            # Counted where the caller's targets are: no device synchronisation for targets in
-            # host memory (as a DataLoader gives them); one for targets already on a GPU.
-            kept = (targets != summed[1]).cpu()
+            # Counted in host memory: no device synchronisation for targets there (as a
+            # DataLoader gives them); for targets on a GPU one copy (a synchronisation) and no
+            # kernel.
+            kept = targets.cpu() != summed[1]
             bounds = [0]
             for n in sizes:
                 bounds.append(bounds[-1] + n)
@@ -660,7 +661,7 @@ class DataParallel:
                         losses, grad = torch.ops.dpcuda.loss_grad(
                             out.detach(), y.long(), inv, float(loss_fn.label_smoothing),
                             loss_fn.ignore_index, out.requires_grad)
-                        loss = losses.sum()
+                        loss = losses  # per row: step_status sums them (no sum kernel)
                     elif summed is None:
                         loss = loss_fn(out, y) * (size * inv)
                     else:
@@ -698,9 +699,11 @@ class DataParallel:
         if self.split == "auto":
             self._update_speed(sizes, [t for _, t in results])
         if self.reducer == "dist":
-            return self._step_dist([l for l, _ in results], dens, global_den, targets, summed)
-        # One host read per replica of its status: the loss, whether its gradient buffer holds
-        # a NaN or an Inf, its device's bad-label flag (one op; one kernel on CUDA).
+            return self._step_dist([l.sum() if torch.is_tensor(l) and l.dim() else l
+                                    for l, _ in results], dens, global_den, targets, summed)
+        # One host read per replica of its status: the loss (its per-row losses summed there),
+        # whether its gradient buffer holds a NaN or an Inf, its device's bad-label flag (one
+        # op; one kernel on CUDA).
         reads = []
         for (l, _), r in zip(results, self._replicas):
             flag = self._flag_tensor(r.device)

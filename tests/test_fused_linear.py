@@ -120,6 +120,80 @@ def test_backward_skips_unrequested_gradients(device):
     torch.testing.assert_close(gw, w.grad)
 
 
+def torch_linear_grads(go, x, w, b, activation):
+    """(out, grad_input, grad_weight, grad_bias) of act(F.linear(x, w, b)) by torch's autograd."""
+    x, w, b = (t.detach().clone().requires_grad_() for t in (x, w, b))
+    out = ref.full_forward(x, w, b, activation)
+    out.backward(go)
+    return out.detach(), x.grad, w.grad, b.grad
+
+
+@pytest.mark.skipif("cuda" not in DEVICES, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("activation", ["relu", "none", "gelu"])
+@pytest.mark.parametrize("rows,inf,outf", [(256, 784, 256), (256, 256, 10), (1024, 1024, 1024),
+                                           (7, 5, 3), (33, 64, 130)])
+def test_cuda_small_gemms_through_cublaslt(dtype, activation, rows, inf, outf):
+    # For small GEMMs the CUDA layer uses cuBLASLt with one-pass algorithms: the forward with
+    # its bias epilogue, the weight gradient with the bias gradient (BGRADB), into new tensors
+    # and into a flat buffer's views. With the path off (_set_cublaslt), a bias gradient view 4
+    # bytes off 16-byte alignment, float64 or 1024^3 multiply-adds: cuBLAS and dpcuda's own bias
+    # pass. Every way within torch's error of float64 autograd; NaN and Inf where torch's are.
+    from dpcuda import _C
+    torch.manual_seed(rows + inf + outf)
+    dev = "cuda"
+    x, w = make((rows, inf), dev, dtype), make((outf, inf), dev, dtype, 0.3)
+    b = make((outf,), dev, dtype)
+    go = make((rows, outf), dev, dtype)
+    go[0, 0], go[-1, -1] = float("nan"), float("inf")
+    if rows > 2:
+        go[1, outf // 2] = float("-inf")
+    want = torch_linear_grads(go.double(), x.double(), w.double(), b.double(), activation)
+    plain = torch_linear_grads(go, x, w, b, activation)
+    kind = ops.saved_for_backward(activation)
+    mask = [True, True, True]
+    n = outf * inf + outf
+    flat = torch.full((n + 128,), 7.0, dtype=dtype, device=dev)
+    small = rows * inf * outf <= 2 ** 28
+    results = {}
+    previous = _C._set_cublaslt(True)
+    try:
+        for on in (True, False):
+            _C._set_cublaslt(on)
+            calls = _C._cublaslt_calls()
+            out, pre = torch.ops.dpcuda.full_forward(x, w, b, activation)
+            saved = out if kind == "output" else pre if kind == "pre" else torch.empty(0, device=dev)
+            gi, gw, gb = torch.ops.dpcuda.full_backward(go, x, w, saved, activation, mask)
+            results[on, "new"] = (out, gi, gw, gb)
+            took = _C._cublaslt_calls() - calls
+            # Pointers as aligned as the allocator's: for float32 at the MLP's shapes cuBLASLt
+            # must have made all three GEMMs (a test of the path, not only of the results).
+            if on and dtype == torch.float32 and (rows, inf, outf) in ((256, 784, 256),
+                                                                      (256, 256, 10)):
+                assert took == 3
+            if not on or dtype == torch.float64 or not small:
+                assert took == 0
+            for offset, name in ((64, "aligned"), (1, "off")):
+                flat.fill_(7.0)
+                gw = flat[offset:offset + outf * inf].view(outf, inf)
+                gb = flat[offset + outf * inf:offset + n]
+                calls = _C._cublaslt_calls()
+                gi = torch.ops.dpcuda.full_backward_into(go, x, w, saved, activation, mask, gw, gb)
+                if name == "off" and gb.data_ptr() % 16:
+                    assert _C._cublaslt_calls() == calls
+                results[on, name] = (out, gi, gw.clone(), gb.clone())
+                assert bool((flat[:offset] == 7).all()) and bool((flat[offset + n:] == 7).all())
+    finally:
+        _C._set_cublaslt(previous)
+    for key, got in results.items():
+        for g, pl, wt in zip(got, plain, want):
+            assert g.dtype == dtype and g.shape == wt.shape, key
+            assert torch.equal(g.isnan(), pl.isnan()), key
+            assert torch.equal(g.isinf(), pl.isinf()), key
+            fin = pl.isfinite()
+            assert_within_torch_error(g[fin], pl[fin], wt[fin], ATOL[dtype] * max(rows, inf))
+
+
 @pytest.mark.parametrize("activation", ref.ACTIVATIONS)
 def test_gradcheck(activation):
     x = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)

@@ -36,8 +36,9 @@ def test_a_fused_step_issues_no_zeroing_seed_scale_or_accumulation():
     with OpLog() as log:
         dp.step(x, y, loss_fn)
     ops = collections.Counter(log.ops)
-    # Per replica: 2 layer forwards, the loss and its gradient in one op, the loss's sum, 2 layer
-    # backwards writing into the buffer, the status read; then one fused reduction + update.
+    # Per replica: 2 layer forwards, the loss and its gradient in one op, 2 layer backwards
+    # writing into the buffer, the status read (which sums the per-row losses); then one fused
+    # reduction + update.
     assert ops["dpcuda.full_forward"] == 4
     assert ops["dpcuda.loss_grad"] == 2
     assert ops["dpcuda.full_backward_into"] == 4
@@ -243,8 +244,15 @@ def test_step_status_reads_the_loss_the_flag_and_any_nan_or_inf():
     assert out.tolist() == [1.0, 0.0, 0.0]
     with pytest.raises(ValueError, match="grad must be a contiguous 1-D"):
         torch.ops.dpcuda.step_status(torch.zeros(2, 2), torch.tensor(1.0), None, work, True)
-    with pytest.raises(ValueError, match="loss must have one element"):
-        torch.ops.dpcuda.step_status(torch.zeros(2), torch.zeros(2), None, work, True)
+    # per-row losses: their sum, in float64
+    rows = torch.randn(300, dtype=torch.float32)
+    out = torch.ops.dpcuda.step_status(torch.zeros(2), rows, None, work, True)
+    assert out[0].item() == pytest.approx(rows.double().sum().item(), rel=1e-12, abs=1e-12)
+    out = torch.ops.dpcuda.step_status(torch.zeros(2), torch.zeros(0), None, work, True)
+    assert out.tolist() == [0.0, 0.0, 0.0]
+    with pytest.raises(ValueError, match="loss must be floating point"):
+        torch.ops.dpcuda.step_status(torch.zeros(2), torch.zeros(2, dtype=torch.int64), None,
+                                     work, True)
     with pytest.raises(ValueError, match="grad must be float32, float64, float16 or bfloat16"):
         torch.ops.dpcuda.step_status(torch.zeros(2, dtype=torch.float8_e4m3fn),
                                      torch.tensor(1.0), None, work, True)

@@ -319,7 +319,8 @@ void reduce_sgd_cuda(at::TensorList params, at::TensorList grads,
 
 #endif  // DPCUDA_WITH_CUDA
 
-// step_status: what a step checks before its update, as float64 [loss, 1 if grad holds a NaN or
+// step_status: what a step checks before its update, as float64 [loss (the sum of its
+// elements: a replica's per-row losses, or their sum), 1 if grad holds a NaN or
 // an Inf else 0, the bad-label flag] on grad's device; the flag set back to 0 if clear_flag.
 void check_status_args(const Tensor& grad, const Tensor& loss,
                        const c10::optional<Tensor>& label_flag) {
@@ -329,7 +330,6 @@ void check_status_args(const Tensor& grad, const Tensor& loss,
   TORCH_CHECK_VALUE(dt == at::kFloat || dt == at::kDouble || dt == at::kHalf ||
                         dt == at::kBFloat16,
                     "grad must be float32, float64, float16 or bfloat16, got ", dt);
-  TORCH_CHECK_VALUE(loss.numel() == 1, "loss must have one element, got ", loss.numel());
   TORCH_CHECK_VALUE(at::isFloatingType(loss.scalar_type()),
                     "loss must be floating point, got ", loss.scalar_type());
   check_same_device(loss, "loss", grad, "grad");
@@ -350,7 +350,7 @@ Tensor step_status_cpu(const Tensor& grad, const Tensor& loss,
                     workspace.scalar_type());
   Tensor out = at::empty({3}, grad.options().dtype(at::kDouble));
   double* o = out.data_ptr<double>();
-  o[0] = loss.to(at::kDouble).reshape({}).item<double>();
+  o[0] = loss.to(at::kDouble).sum().item<double>();
   // A sum is finite when every element is (a NaN or an Inf carries through every addition);
   // only a sum that is not, which finite elements can also give by overflowing, pays for the
   // exact test (one pass, not two and a mask: 14 us against 290 for 203,530 floats here).
@@ -377,7 +377,8 @@ Tensor step_status_cuda(const Tensor& grad, const Tensor& loss,
   const c10::cuda::CUDAGuard guard(grad.device());
   check_kernel_image(grad.device().index());
   // float and double losses are read as they are; a half one is widened first (one launch).
-  const Tensor l = loss.scalar_type() == at::kDouble ? loss : loss.to(at::kFloat);
+  const Tensor l =
+      (loss.scalar_type() == at::kDouble ? loss : loss.to(at::kFloat)).contiguous();
   Tensor out = at::empty({3}, grad.options().dtype(at::kDouble));
   int* flag = label_flag.has_value() && label_flag->defined() ? label_flag->data_ptr<int>()
                                                               : nullptr;
@@ -388,11 +389,12 @@ Tensor step_status_cuda(const Tensor& grad, const Tensor& loss,
     const cudaError_t err =
         l.scalar_type() == at::kDouble
             ? cuda::step_status<CT<scalar_t>, double>(g, grad.numel(), l.data_ptr<double>(),
-                                                      flag, clear_flag,
+                                                      l.numel(), flag, clear_flag,
                                                       workspace.data_ptr<int>(),
                                                       out.data_ptr<double>(), stream)
-            : cuda::step_status<CT<scalar_t>, float>(g, grad.numel(), l.data_ptr<float>(), flag,
-                                                     clear_flag, workspace.data_ptr<int>(),
+            : cuda::step_status<CT<scalar_t>, float>(g, grad.numel(), l.data_ptr<float>(),
+                                                     l.numel(), flag, clear_flag,
+                                                     workspace.data_ptr<int>(),
                                                      out.data_ptr<double>(), stream);
     check_cuda(err, "step_status launch");
   });

@@ -15,6 +15,7 @@
 #include <c10/cuda/CUDAGuard.h>
 
 #include "../kernels/fused_linear/epilogue.h"
+#include "cublaslt.h"
 #include "cuda_types.h"
 #include "kernel_image.h"
 #endif
@@ -66,12 +67,15 @@ BackwardPlan plan_backward(const Tensor& grad_output, const Tensor& input, const
   return p;
 }
 
+// grad_input = g @ weight, in the input's shape.
+Tensor input_grad(const Tensor& g, const Tensor& weight, const Tensor& input);
+
 // The two GEMMs that follow the activation pass.
 std::tuple<Tensor, Tensor, Tensor> finish_backward(const BackwardPlan& p, const Tensor& input,
                                                    const Tensor& weight,
                                                    std::array<bool, 3> output_mask,
                                                    const Tensor& grad_weight_into = Tensor()) {
-  Tensor grad_input = output_mask[0] ? at::mm(p.g, weight).view(input.sizes())
+  Tensor grad_input = output_mask[0] ? input_grad(p.g, weight, input)
                                      : empty_like_options(p.grad_out);
   Tensor grad_weight = empty_like_options(p.grad_out);
   if (output_mask[1] && grad_weight_into.defined()) {
@@ -82,6 +86,17 @@ std::tuple<Tensor, Tensor, Tensor> finish_backward(const BackwardPlan& p, const 
     grad_weight = at::mm(p.g.t(), as_matrix(input, p.shape));
   }
   return {grad_input, grad_weight, p.grad_bias};
+}
+
+Tensor input_grad(const Tensor& g, const Tensor& weight, const Tensor& input) {
+#ifdef DPCUDA_WITH_CUDA
+  if (g.is_cuda()) {
+    // A small GEMM by cuBLASLt with one kernel (cublaslt.cpp), where cuBLAS may split K.
+    Tensor out = at::empty({g.size(0), weight.size(1)}, g.options());
+    if (input_grad_lt(g, weight, out)) return out.view(input.sizes());
+  }
+#endif
+  return at::mm(g, weight).view(input.sizes());
 }
 
 // The destinations of full_backward_into: contiguous tensors of the gradient's shape, dtype and
@@ -272,7 +287,12 @@ std::tuple<Tensor, Tensor> full_forward_cuda(const Tensor& input, const Tensor& 
   // Not cuBLASLt's RELU_BIAS epilogue (at::_addmm_activation), which would save relu's launch:
   // its relu is a max(z, 0), which maps NaN to 0 where torch.relu keeps NaN, and with
   // in_features == 0 ATen returns the bias without the relu.
-  const Tensor z = has_bias ? at::addmm(*bias, x, weight.t()) : at::mm(x, weight.t());
+  // For a small GEMM, cuBLASLt with an algorithm of one kernel (cublaslt.cpp), where cuBLAS
+  // may split K and launch two or more.
+  Tensor z = at::empty({s.rows, s.out_features}, x.options());
+  if (!linear_lt(x, weight, has_bias ? *bias : Tensor(), z)) {
+    z = has_bias ? at::addmm(*bias, x, weight.t()) : at::mm(x, weight.t());
+  }
   if (act == Activation::kNone) return {z.view(s.out_sizes), empty_like_options(z)};
   const Tensor out = keep_pre ? at::empty_like(z) : z;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, z.scalar_type(), "full_forward_cuda",
@@ -287,6 +307,28 @@ std::tuple<Tensor, Tensor> full_forward_cuda(const Tensor& input, const Tensor& 
   return {out.view(s.out_sizes), keep_pre ? z.view(s.out_sizes) : empty_like_options(z)};
 }
 
+// dpcuda's backward pass over (rows, out) grad_out: g = grad_out * act'(saved) (where g is
+// given) and grad_bias = g's column sums (where grad_bias is given).
+void activation_pass_cuda(const Tensor& grad_out, const Tensor& saved, const Tensor& g,
+                          const Tensor& grad_bias, Activation act) {
+  const int64_t rows = grad_out.size(0), cols = grad_out.size(1);
+  const auto acc_dtype = grad_out.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  const Tensor workspace = at::empty(
+      {grad_bias.defined() ? cuda::activation_backward_workspace(rows, cols) : 0},
+      grad_out.options().dtype(acc_dtype));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad_out.scalar_type(),
+                                  "full_backward_cuda", [&] {
+    using cuda_t = typename CudaType<scalar_t>::type;
+    auto ptr = [](const Tensor& t) {
+      return t.defined() ? reinterpret_cast<cuda_t*>(t.data_ptr<scalar_t>()) : nullptr;
+    };
+    check_cuda(cuda::activation_backward<cuda_t>(ptr(grad_out), ptr(saved), ptr(g),
+                                                 ptr(grad_bias), workspace.data_ptr(), rows,
+                                                 cols, act, at::cuda::getCurrentCUDAStream()),
+               "activation_backward launch");
+  });
+}
+
 std::tuple<Tensor, Tensor, Tensor> full_backward_cuda_into(
     const Tensor& grad_output, const Tensor& input, const Tensor& weight, const Tensor& saved,
     c10::string_view activation, std::array<bool, 3> output_mask,
@@ -295,28 +337,32 @@ std::tuple<Tensor, Tensor, Tensor> full_backward_cuda_into(
                                       output_mask, &check_cuda_dtype, grad_bias_into);
   const c10::cuda::CUDAGuard guard(input.device());
   check_kernel_image(input.device().index());
-  if (p.fused_pass || output_mask[2]) {
-    const auto acc_dtype = p.grad_out.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-    Tensor workspace = at::empty(
-        {cuda::activation_backward_workspace(p.shape.rows, p.shape.out_features)},
-        p.grad_out.options().dtype(acc_dtype));
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, p.grad_out.scalar_type(),
-                                    "full_backward_cuda", [&] {
-      using cuda_t = typename CudaType<scalar_t>::type;
-      check_cuda(cuda::activation_backward<cuda_t>(
-                     reinterpret_cast<const cuda_t*>(p.grad_out.data_ptr<scalar_t>()),
-                     p.fused_pass ? reinterpret_cast<const cuda_t*>(p.saved.data_ptr<scalar_t>())
-                                  : nullptr,
-                     p.fused_pass ? reinterpret_cast<cuda_t*>(p.g.data_ptr<scalar_t>()) : nullptr,
-                     output_mask[2]
-                         ? reinterpret_cast<cuda_t*>(p.grad_bias.data_ptr<scalar_t>())
-                         : nullptr,
-                     workspace.data_ptr(), p.shape.rows, p.shape.out_features, p.act,
-                     at::cuda::getCurrentCUDAStream()),
-                 "activation_backward launch");
-    });
+  // Both weight and bias gradients: one cuBLASLt GEMM makes both where it can (cublaslt.cpp),
+  // after our pass has applied the activation's derivative; else our pass sums the bias too.
+  const Tensor x = output_mask[1] && output_mask[2] ? as_matrix(input, p.shape) : Tensor();
+  Tensor grad_weight = output_mask[1] && output_mask[2]
+                           ? (grad_weight_into.defined()
+                                  ? grad_weight_into
+                                  : at::empty({p.shape.out_features, p.shape.in_features},
+                                              p.grad_out.options()))
+                           : Tensor();
+  const bool lt = output_mask[1] && output_mask[2] &&
+                  weight_bias_grad_lt_available(p.g, x, grad_weight, p.grad_bias);
+  const bool bias_pass = output_mask[2] && !lt;
+  if (p.fused_pass || bias_pass) {
+    activation_pass_cuda(p.grad_out, p.fused_pass ? p.saved : Tensor(),
+                         p.fused_pass ? p.g : Tensor(), bias_pass ? p.grad_bias : Tensor(),
+                         p.act);
   }
-  return finish_backward(p, input, weight, output_mask, grad_weight_into);
+  if (!lt) return finish_backward(p, input, weight, output_mask, grad_weight_into);
+  if (!weight_bias_grad_lt(p.g, x, grad_weight, p.grad_bias)) {
+    // cuBLASLt refused the call its heuristic offered: our bias pass over g, cuBLAS's GEMM.
+    activation_pass_cuda(p.g, Tensor(), Tensor(), p.grad_bias, Activation::kNone);
+    return finish_backward(p, input, weight, output_mask, grad_weight);
+  }
+  Tensor grad_input = output_mask[0] ? input_grad(p.g, weight, input)
+                                     : empty_like_options(p.grad_out);
+  return {grad_input, grad_weight, p.grad_bias};
 }
 
 #endif  // DPCUDA_WITH_CUDA

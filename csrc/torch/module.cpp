@@ -12,6 +12,7 @@
 #include "dispatch.h"
 #include "label_errors.h"
 #ifdef DPCUDA_WITH_CUDA
+#include "cublaslt.h"
 #include "kernel_image.h"
 #endif
 
@@ -49,7 +50,8 @@ TORCH_LIBRARY(dpcuda, m) {
   // With two_shot each replica updates only its shard and the gather moves updated weights.
   // grads may be overwritten with the reduced gradient.
   // What a data-parallel step checks before its update, in one op (one kernel on CUDA):
-  // float64 [loss, 1 if grad holds a NaN or an Inf else 0, label_flag's value], on grad's
+  // float64 [loss (the sum of its elements, in float64), 1 if grad holds a NaN or an Inf else
+  // 0, label_flag's value], on grad's
   // device; label_flag (the CUDA loss kernel's bad-label flag) set back to 0 if clear_flag.
   // DataParallel's op: workspace holds int32 zeros of dpcuda._C._step_status_ints() elements
   // on grad's device when first used, and is left zero by each call; one stream at a time may
@@ -80,6 +82,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #ifdef DPCUDA_WITH_CUDA
   // The TORCH_CUDA_ARCH_LIST the CUDA kernels were built for.
   m.def("_cuda_archs", []() { return std::string(dpcuda::cuda_archs()); });
+  m.def("_set_cublaslt", &dpcuda::set_weight_bias_grad_lt,
+        "Whether the CUDA full_forward and full_backward use cuBLASLt with one-kernel "
+        "algorithms for small GEMMs (the backward's with the bias gradient) where cuBLASLt has "
+        "them (default on; DPCUDA_CUBLASLT=0 turns it off); returns the previous setting");
+  m.def("_cublaslt_calls", &dpcuda::weight_bias_grad_lt_calls,
+        "How many of those GEMMs have run in this process");
   m.def("_label_error_flag", [](int64_t device) {
     return dpcuda::label_error_flag(static_cast<c10::DeviceIndex>(device));
   });

@@ -283,9 +283,12 @@ constexpr int kStatusBlocks = 264;
 
 template <typename T, typename L>
 __global__ void step_status_kernel(const T* __restrict__ grad, int64_t n, const L* loss,
-                                   int* label_flag, bool clear_flag, int* work,
+                                   int64_t loss_n, int* label_flag, bool clear_flag, int* work,
                                    double* record) {
+  static_assert((kThreads & (kThreads - 1)) == 0, "the loss sum halves the block");
   __shared__ int block_bad;
+  __shared__ int is_last;
+  __shared__ double sums[kThreads];
   if (threadIdx.x == 0) block_bad = 0;
   __syncthreads();
   int bad = 0;
@@ -296,18 +299,33 @@ __global__ void step_status_kernel(const T* __restrict__ grad, int64_t n, const 
   }
   if (bad) atomicOr(&block_bad, 1);
   __syncthreads();
-  if (threadIdx.x != 0) return;  // the rest is one thread's per block
   // work[0]: the ticket counter; work[1 + b]: block b's verdict.
   unsigned int* ticket = reinterpret_cast<unsigned int*>(work);
-  work[1 + blockIdx.x] = block_bad;
-  __threadfence();  // the verdict is visible before the ticket says this block is done
-  if (atomicAdd(ticket, 1u) != gridDim.x - 1) return;
-  __threadfence();  // the last block: every other block's verdict is visible
+  if (threadIdx.x == 0) {
+    work[1 + blockIdx.x] = block_bad;
+    __threadfence();  // the verdict is visible before the ticket says this block is done
+    is_last = atomicAdd(ticket, 1u) == gridDim.x - 1 ? 1 : 0;
+  }
+  __syncthreads();
+  if (!is_last) return;  // the rest is the last block's
+  __threadfence();  // every other block's verdict is visible
+  // The loss: the sum of its elements in float64, in an order fixed by loss_n alone (each
+  // thread's stride, then halving), so it never depends on the grid.
+  double s = 0.0;
+  if (loss != nullptr) {
+    for (int64_t i = threadIdx.x; i < loss_n; i += blockDim.x) s += static_cast<double>(loss[i]);
+  }
+  sums[threadIdx.x] = s;
+  for (unsigned int half = kThreads / 2; half > 0; half /= 2) {
+    __syncthreads();
+    if (threadIdx.x < half) sums[threadIdx.x] += sums[threadIdx.x + half];
+  }
+  if (threadIdx.x != 0) return;
   int any = 0;
   for (unsigned int b = 0; b < gridDim.x; ++b) {
     any |= *static_cast<volatile int*>(work + 1 + b);
   }
-  record[0] = loss != nullptr ? static_cast<double>(*loss) : static_cast<double>(NAN);
+  record[0] = loss != nullptr ? sums[0] : static_cast<double>(NAN);
   record[1] = any ? 1.0 : 0.0;
   record[2] = label_flag != nullptr ? static_cast<double>(*label_flag) : 0.0;
   if (clear_flag && label_flag != nullptr) *label_flag = 0;
@@ -319,11 +337,13 @@ __global__ void step_status_kernel(const T* __restrict__ grad, int64_t n, const 
 int64_t step_status_workspace() { return 1 + kStatusBlocks; }
 
 template <typename T, typename L>
-cudaError_t step_status(const T* grad, int64_t n, const L* loss, int* label_flag,
-                        bool clear_flag, int* work, double* record, cudaStream_t stream) {
+cudaError_t step_status(const T* grad, int64_t n, const L* loss, int64_t loss_n,
+                        int* label_flag, bool clear_flag, int* work, double* record,
+                        cudaStream_t stream) {
   const int64_t blocks = std::min<int64_t>(kStatusBlocks, blocks_for(n));
   return launch(step_status_kernel<T, L>, dim3(static_cast<unsigned int>(blocks)),
-                dim3(kThreads), 0, stream, grad, n, loss, label_flag, clear_flag, work, record);
+                dim3(kThreads), 0, stream, grad, n, loss, loss_n, label_flag, clear_flag, work,
+                record);
 }
 
 template <typename T>
@@ -388,10 +408,10 @@ cudaError_t sgd_range(const T* grad, T* param, T* momentum, int64_t n, SgdArgs s
                                                      acc_t<T>*, T*, int64_t, int64_t, int,     \
                                                      cudaStream_t);                            \
   template cudaError_t sgd_range<T>(const T*, T*, T*, int64_t, SgdArgs, cudaStream_t);       \
-  template cudaError_t step_status<T, float>(const T*, int64_t, const float*, int*, bool,     \
-                                             int*, double*, cudaStream_t);                    \
-  template cudaError_t step_status<T, double>(const T*, int64_t, const double*, int*, bool,   \
-                                              int*, double*, cudaStream_t);
+  template cudaError_t step_status<T, float>(const T*, int64_t, const float*, int64_t, int*,  \
+                                             bool, int*, double*, cudaStream_t);              \
+  template cudaError_t step_status<T, double>(const T*, int64_t, const double*, int64_t, int*, \
+                                              bool, int*, double*, cudaStream_t);
 
 DPCUDA_FOR_EACH_TYPE(DPCUDA_INSTANTIATE)
 #undef DPCUDA_INSTANTIATE

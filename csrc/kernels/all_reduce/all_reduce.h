@@ -57,15 +57,17 @@ cudaError_t chain_accumulate(const T* prev_x, const A* prev_acc, const T* own, A
                              cudaStream_t stream);
 
 // The check a step makes before its update, in one launch: record[0] = the replica's loss
-// (*loss, or NaN where loss is null), record[1] = 1 if an element of grad[0, n) is NaN or
+// (the sum of loss[0, loss_n) in float64, in an order that depends on loss_n alone; NaN where
+// loss is null), record[1] = 1 if an element of grad[0, n) is NaN or
 // +-Inf else 0, record[2] = *label_flag (the loss kernel's bad-label flag; 0 where null), and
 // *label_flag set back to 0 when clear_flag. Each block judges its elements, and the last block
 // to finish (an atomic ticket) combines the verdicts and writes the record. work holds
 // step_status_workspace() ints: zero when first used, it is left zero again by every launch.
 // L is float or double.
 template <typename T, typename L>
-cudaError_t step_status(const T* grad, int64_t n, const L* loss, int* label_flag,
-                        bool clear_flag, int* work, double* record, cudaStream_t stream);
+cudaError_t step_status(const T* grad, int64_t n, const L* loss, int64_t loss_n,
+                        int* label_flag, bool clear_flag, int* work, double* record,
+                        cudaStream_t stream);
 
 // The ints step_status needs in `work`.
 int64_t step_status_workspace();

@@ -624,7 +624,10 @@ void test_step_status(std::mt19937& rng) {
   work.upload(std::vector<int>(work.n, 0));
   DeviceBuffer<double> record(3);
   DeviceBuffer<int> flag(1);
-  DeviceBuffer<L> loss(1);
+  // The loss: 1 element (a summed loss), or a replica's per-row losses, summed in float64.
+  const int64_t kLossCounts[] = {1, 3, 300};
+  DeviceBuffer<L> loss(300);
+  int loss_case = 0;
   // 70001 elements fill the grid's cap of blocks (one case of it: it is slow under TSan)
   for (int64_t n : {0, 1, 17, 256, 1000, 4099, 70001}) {
     for (int bad_at : {-1, 0, 1, 2}) {  // none, the first, a random and the last element
@@ -643,16 +646,26 @@ void test_step_status(std::mt19937& rng) {
         for (bool clear : {false, true}) {
           for (bool with_loss : {false, true}) {
             if (n == 70001 && !(label == 1 && clear && with_loss)) continue;
-            const L l = static_cast<L>(dist(rng));
-            loss.upload({l});
+            const int64_t loss_n = kLossCounts[loss_case++ % 3];
+            std::vector<L> losses(static_cast<size_t>(loss_n));
+            long double exact = 0, size = 0;
+            for (auto& l : losses) {
+              l = static_cast<L>(dist(rng));
+              exact += l;
+              size += std::fabs(static_cast<long double>(l));
+            }
+            loss.upload(losses);
+            const double tol = loss_n == 1 ? 0.0 : static_cast<double>(size) * 1e-13;
             for (int repeat = 0; repeat < 2; ++repeat) {
               flag.upload({label});
               record.upload({kNaN, kNaN, kNaN});
               CHECK((dpcuda::cuda::step_status<T, L>(dg.ptr, n, with_loss ? loss.ptr : nullptr,
-                                                     flag.ptr, clear, work.ptr, record.ptr,
-                                                     nullptr) == cudaSuccess));
+                                                     loss_n, flag.ptr, clear, work.ptr,
+                                                     record.ptr, nullptr) == cudaSuccess));
               const std::vector<double> r = record.download();
-              const bool ok = (with_loss ? r[0] == static_cast<double>(l) : std::isnan(r[0])) &&
+              const bool loss_ok = with_loss ? std::fabs(r[0] - static_cast<double>(exact)) <= tol
+                                             : std::isnan(r[0]);
+              const bool ok = loss_ok &&
                               r[1] == (where >= 0 ? 1.0 : 0.0) && r[2] == label &&
                               flag.download()[0] == (clear ? 0 : label) &&
                               work.download()[0] == 0;
@@ -672,7 +685,7 @@ void test_step_status(std::mt19937& rng) {
   // Without a flag: 0 in the record, nothing written.
   DeviceBuffer<T> one(1);
   one.upload({from_double<T>(1.0)});
-  CHECK((dpcuda::cuda::step_status<T, L>(one.ptr, 1, nullptr, nullptr, true, work.ptr,
+  CHECK((dpcuda::cuda::step_status<T, L>(one.ptr, 1, nullptr, 0, nullptr, true, work.ptr,
                                          record.ptr, nullptr) == cudaSuccess));
   const std::vector<double> r = record.download();
   CHECK(std::isnan(r[0]) && r[1] == 0.0 && r[2] == 0.0);
