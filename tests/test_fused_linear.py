@@ -166,6 +166,11 @@ def test_cuda_small_gemms_through_cublaslt(dtype, activation, rows, inf, outf):
             gi, gw, gb = torch.ops.dpcuda.full_backward(go, x, w, saved, activation, mask)
             results[on, "new"] = (out, gi, gw, gb)
             took = _C._cublaslt_calls() - calls
+            if on and small and dtype != torch.float64:
+                # one pass over K, no atomics: the same bits again
+                again = torch.ops.dpcuda.full_backward(go, x, w, saved, activation, mask)
+                assert all(torch.equal(a.nan_to_num(), c.nan_to_num())
+                           for a, c in zip(again, (gi, gw, gb)))
             # Pointers as aligned as the allocator's: for float32 at the MLP's shapes cuBLASLt
             # must have made all three GEMMs (a test of the path, not only of the results).
             if on and dtype == torch.float32 and (rows, inf, outf) in ((256, 784, 256),
@@ -196,6 +201,29 @@ def test_cuda_small_gemms_through_cublaslt(dtype, activation, rows, inf, outf):
             assert torch.equal(g.isinf(), pl.isinf()), key
             fin = pl.isfinite()
             assert_within_torch_error(g[fin], pl[fin], wt[fin], ATOL[dtype] * max(rows, inf))
+
+
+@pytest.mark.skipif("cuda" not in DEVICES, reason="needs a CUDA GPU")
+def test_cuda_backward_in_a_fresh_process_warns_nothing():
+    # The backward's first CUDA call on autograd's device thread is a cuBLASLt query (activation
+    # "none": no kernel of ours before it): it must find a current context, not make torch warn
+    # "no current CUDA context" (a warning once per process: hence a process of its own).
+    import subprocess
+    import sys
+    code = ("import warnings, torch, dpcuda\n"
+            "from dpcuda import ops\n"
+            "warnings.simplefilter('error')\n"
+            "x = torch.randn(256, 784, device='cuda')\n"
+            "w = torch.randn(10, 784, device='cuda', requires_grad=True)\n"
+            "b = torch.randn(10, device='cuda', requires_grad=True)\n"
+            "ops.full_forward(x, w, b, 'none').sum().backward()\n"
+            "torch.cuda.synchronize()\n"
+            "print('ok', float(b.grad.sum()))\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "no current CUDA context" not in run.stderr, run.stderr[-2000:]
+    assert run.stdout.startswith("ok ")
 
 
 @pytest.mark.parametrize("activation", ref.ACTIVATIONS)

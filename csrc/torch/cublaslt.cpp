@@ -7,6 +7,8 @@
 #include "cublaslt.h"
 
 #include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAFunctions.h>
 #include <cublasLt.h>
 
 #include <atomic>
@@ -21,6 +23,20 @@ namespace dpcuda {
 namespace {
 
 std::atomic<int> lt_mode{-1};  // -1: not read yet; 0: off; 1: on
+
+// cuBLASLt's handle wants a current CUDA context. A thread that has made no CUDA runtime call
+// yet has none (autograd's device thread, whose device already matched the guard's, which then
+// set nothing): torch's handle pool then warns ("no current CUDA context") and sets it. Setting
+// the device once per thread and device (not a synchronisation) makes its primary context
+// current first.
+cublasLtHandle_t handle(int device) {
+  thread_local uint64_t bound = 0;  // a bit per device index below 64
+  if (device >= 0 && device < 64 && !(bound & (uint64_t(1) << device))) {
+    C10_CUDA_CHECK(c10::cuda::SetDevice(static_cast<c10::DeviceIndex>(device), true));
+    bound |= uint64_t(1) << device;
+  }
+  return at::cuda::getCurrentCUDABlasLtHandle();
+}
 std::atomic<int64_t> lt_calls{0};
 
 bool lt_on() {
@@ -152,7 +168,7 @@ Choice choose(const Types& t, const Gemm& g, const Key& k, void* bias) {
   constexpr int kAsked = 16;
   cublasLtMatmulHeuristicResult_t results[kAsked];
   int returned = 0;
-  if (prefs && cublasLtMatmulAlgoGetHeuristic(at::cuda::getCurrentCUDABlasLtHandle(), call.desc,
+  if (prefs && cublasLtMatmulAlgoGetHeuristic(handle(k.device), call.desc,
                                               call.a, call.b, call.d, call.d, pref, kAsked,
                                               results, &returned) == CUBLAS_STATUS_SUCCESS) {
     for (int i = 0; i < returned && !choice.found; ++i) {
@@ -233,7 +249,7 @@ bool run(const Plan& p, const at::Tensor& a, const at::Tensor& b, const at::Tens
   if (!call.ok) return false;
   const float alpha = 1.0f, beta = 0.0f;
   const cublasStatus_t status = cublasLtMatmul(
-      at::cuda::getCurrentCUDABlasLtHandle(), call.desc, &alpha, a.data_ptr(), call.a,
+      handle(p.key.device), call.desc, &alpha, a.data_ptr(), call.a,
       b.data_ptr(), call.b, &beta, d.data_ptr(), call.d, d.data_ptr(), call.d, &choice.algo,
       nullptr, 0, at::cuda::getCurrentCUDAStream());
   if (status != CUBLAS_STATUS_SUCCESS) return false;
