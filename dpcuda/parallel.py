@@ -586,9 +586,11 @@ class DataParallel:
             dens = list(sizes)
         else:
             # Counted in host memory: no device synchronisation for targets there (as a
-            # DataLoader gives them); for targets on a GPU one copy (a synchronisation) and no
-            # kernel.
-            kept = targets.cpu() != summed[1]
+            # DataLoader gives them); for targets on a GPU one copy (a synchronisation) and, up
+            # to 65536 labels, no kernel (more are compared there and copied as a mask, an
+            # eighth of the bytes).
+            small = targets.device.type == "cpu" or targets.numel() <= 65536
+            kept = targets.cpu() != summed[1] if small else (targets != summed[1]).cpu()
             bounds = [0]
             for n in sizes:
                 bounds.append(bounds[-1] + n)
@@ -699,7 +701,8 @@ class DataParallel:
         if self.split == "auto":
             self._update_speed(sizes, [t for _, t in results])
         if self.reducer == "dist":
-            return self._step_dist([l.sum() if torch.is_tensor(l) and l.dim() else l
+            # (per-row losses summed in float64, as step_status sums them for the others)
+            return self._step_dist([l.double().sum() if torch.is_tensor(l) and l.dim() else l
                                     for l, _ in results], dens, global_den, targets, summed)
         # One host read per replica of its status: the loss (its per-row losses summed there),
         # whether its gradient buffer holds a NaN or an Inf, its device's bad-label flag (one

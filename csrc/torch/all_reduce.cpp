@@ -377,8 +377,12 @@ Tensor step_status_cuda(const Tensor& grad, const Tensor& loss,
   const c10::cuda::CUDAGuard guard(grad.device());
   check_kernel_image(grad.device().index());
   // float and double losses are read as they are; a half one is widened first (one launch).
+  // An empty loss sums to 0, as on the CPU: one zero (a null pointer would say "no loss").
   const Tensor l =
-      (loss.scalar_type() == at::kDouble ? loss : loss.to(at::kFloat)).contiguous();
+      loss.numel() == 0
+          ? at::zeros({1}, loss.options().dtype(loss.scalar_type() == at::kDouble ? at::kDouble
+                                                                                  : at::kFloat))
+          : (loss.scalar_type() == at::kDouble ? loss : loss.to(at::kFloat)).contiguous();
   Tensor out = at::empty({3}, grad.options().dtype(at::kDouble));
   int* flag = label_flag.has_value() && label_flag->defined() ? label_flag->data_ptr<int>()
                                                               : nullptr;

@@ -1,7 +1,8 @@
-// The weight and bias gradients of a linear layer in one cuBLASLt GEMM (the BGRADB epilogue):
-// what the CUDA full_backward uses instead of cuBLAS's GEMM for grad_weight plus dpcuda's own
-// bias reduction. On an H100 cuBLAS runs that GEMM, for the shapes of a small MLP, as 4 kernels
-// (a beta scaling, a split-K GEMM, the split-K reduction, an epilogue): this is one.
+// A linear layer's small GEMMs through cuBLASLt with algorithms of one pass over K: the forward
+// with its bias (BIAS epilogue), the input gradient, and the weight gradient, with the bias
+// gradient in the same call where it is wanted (BGRADB epilogue: the GEMM and one cuBLASLt
+// kernel for the bias). On an H100 cuBLAS ran the weight-gradient GEMM of a small MLP as 4
+// kernels (a beta scaling, a split-K GEMM, the split-K reduction, an epilogue): this is one.
 #ifdef DPCUDA_WITH_CUDA
 
 #include "cublaslt.h"
@@ -156,6 +157,10 @@ Choice choose(const Types& t, const Gemm& g, const Key& k, void* bias) {
   if (!call.ok) return choice;
   cublasLtMatmulPreference_t pref = nullptr;
   if (cublasLtMatmulPreferenceCreate(&pref) != CUBLAS_STATUS_SUCCESS) return choice;
+  struct Destroy {
+    cublasLtMatmulPreference_t p;
+    ~Destroy() { cublasLtMatmulPreferenceDestroy(p); }
+  } destroy{pref};
   auto set = [&](cublasLtMatmulPreferenceAttributes_t attr, auto value) {
     return cublasLtMatmulPreferenceSetAttribute(pref, attr, &value, sizeof(value)) ==
            CUBLAS_STATUS_SUCCESS;
@@ -190,7 +195,6 @@ Choice choose(const Types& t, const Gemm& g, const Key& k, void* bias) {
       choice.algo = results[i].algo;
     }
   }
-  cublasLtMatmulPreferenceDestroy(pref);
   return choice;
 }
 
@@ -260,8 +264,9 @@ bool run(const Plan& p, const at::Tensor& a, const at::Tensor& b, const at::Tens
 // grad_weight (out x in) row-major is D (in x out): A = x (rows x in row-major: in x rows, not
 // transposed), op(B) = g (rows x out row-major: out x rows, transposed); BGRADB sums op(B) over
 // k = rows into grad_bias (out).
-Gemm weight_grad_gemm(const at::Tensor& g, const at::Tensor& x) {
-  return Gemm{false, true, x.size(1), g.size(1), x.size(0), CUBLASLT_EPILOGUE_BGRADB};
+Gemm weight_grad_gemm(const at::Tensor& g, const at::Tensor& x, bool bias) {
+  return Gemm{false, true, x.size(1), g.size(1), x.size(0),
+              bias ? CUBLASLT_EPILOGUE_BGRADB : CUBLASLT_EPILOGUE_DEFAULT};
 }
 
 // out (rows x out_features) row-major is D (out_features x rows) = op(A) = W (stored in x out,
@@ -273,15 +278,15 @@ Gemm forward_gemm(const at::Tensor& x, const at::Tensor& weight, bool bias) {
 
 }  // namespace
 
-bool weight_bias_grad_lt_available(const at::Tensor& g, const at::Tensor& x,
-                                   const at::Tensor& grad_weight, const at::Tensor& grad_bias) {
-  const auto p = plan(x, g, grad_weight, grad_bias, weight_grad_gemm(g, x));
-  return p && lookup(*p, grad_bias.data_ptr()).found;
+bool weight_grad_lt_available(const at::Tensor& g, const at::Tensor& x,
+                              const at::Tensor& grad_weight, const at::Tensor& grad_bias) {
+  const auto p = plan(x, g, grad_weight, grad_bias, weight_grad_gemm(g, x, grad_bias.defined()));
+  return p && lookup(*p, grad_bias.defined() ? grad_bias.data_ptr() : nullptr).found;
 }
 
-bool weight_bias_grad_lt(const at::Tensor& g, const at::Tensor& x, const at::Tensor& grad_weight,
-                         const at::Tensor& grad_bias) {
-  const auto p = plan(x, g, grad_weight, grad_bias, weight_grad_gemm(g, x));
+bool weight_grad_lt(const at::Tensor& g, const at::Tensor& x, const at::Tensor& grad_weight,
+                    const at::Tensor& grad_bias) {
+  const auto p = plan(x, g, grad_weight, grad_bias, weight_grad_gemm(g, x, grad_bias.defined()));
   return p && run(*p, x, g, grad_weight, grad_bias);
 }
 
@@ -301,13 +306,13 @@ bool linear_lt(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& 
   return p && run(*p, weight, x, out, bias);
 }
 
-bool set_weight_bias_grad_lt(bool on) {
+bool set_cublaslt(bool on) {
   const bool previous = lt_on();
   lt_mode.store(on ? 1 : 0);
   return previous;
 }
 
-int64_t weight_bias_grad_lt_calls() { return lt_calls.load(); }
+int64_t cublaslt_calls() { return lt_calls.load(); }
 
 }  // namespace dpcuda
 

@@ -1,6 +1,6 @@
-// A linear layer's GEMMs through cuBLASLt with algorithms that launch one kernel (CUDA builds
-// only): the forward with its bias, the input gradient, and the weight gradient with the bias
-// gradient (one more kernel, cuBLASLt's own, for the bias).
+// A linear layer's small GEMMs through cuBLASLt with algorithms that launch one kernel (CUDA
+// builds only): the forward with its bias, the input gradient, and the weight gradient, with the
+// bias gradient where it is wanted (one more kernel, cuBLASLt's own, for the bias).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -9,22 +9,22 @@
 
 namespace dpcuda {
 
-// Whether cuBLASLt has an algorithm for grad_weight = g^T x with grad_bias = g's column sums in
-// the same GEMM (its BGRADB epilogue) that does not split the batch dimension (no reduction
-// kernel, no atomics, no workspace: the same bits every run). A heuristic query, cached per
-// device, dtype, shape and pointer alignment. False where cuBLASLt offers none (double), a bias
-// gradient is not 16-byte aligned, a dimension is empty, the GEMM is large (over 2^28
-// multiply-adds, where split-K pays for its kernels), or the path is switched off: the caller then
-// uses its own kernels.
-// g: (rows, out), x: (rows, in), grad_weight: (out, in), grad_bias: (out,); contiguous, one
-// dtype, on the current device.
-bool weight_bias_grad_lt_available(const at::Tensor& g, const at::Tensor& x,
-                                   const at::Tensor& grad_weight, const at::Tensor& grad_bias);
+// Whether cuBLASLt has an algorithm for grad_weight = g^T x (with grad_bias = g's column sums
+// in the same call, its BGRADB epilogue, where grad_bias is defined) that does not split the
+// batch dimension (no reduction kernel, no atomics, no workspace: the same bits every run). A
+// heuristic query, cached per device, dtype, shape and pointer alignment. False where cuBLASLt
+// offers none (double), a bias gradient is not 16-byte aligned, a dimension is empty, the GEMM
+// is large (over 2^28 multiply-adds, where split-K pays for its kernels), or the path is
+// switched off: the caller then uses its own kernels.
+// g: (rows, out), x: (rows, in), grad_weight: (out, in), grad_bias: (out,) or undefined;
+// contiguous, one dtype, on the current device.
+bool weight_grad_lt_available(const at::Tensor& g, const at::Tensor& x,
+                              const at::Tensor& grad_weight, const at::Tensor& grad_bias);
 
-// Runs it on the current stream (after weight_bias_grad_lt_available said true); false (nothing
+// Runs it on the current stream (after weight_grad_lt_available said true); false (nothing
 // launched) if cuBLASLt refuses the call.
-bool weight_bias_grad_lt(const at::Tensor& g, const at::Tensor& x, const at::Tensor& grad_weight,
-                         const at::Tensor& grad_bias);
+bool weight_grad_lt(const at::Tensor& g, const at::Tensor& x, const at::Tensor& grad_weight,
+                    const at::Tensor& grad_bias);
 
 // out = x @ weight^T (+ bias) by a one-pass cuBLASLt algorithm (its BIAS epilogue adds the
 // bias), where cuBLASLt has one and the GEMM is small enough that its launches dominate (at
@@ -39,9 +39,9 @@ bool input_grad_lt(const at::Tensor& g, const at::Tensor& weight, const at::Tens
 
 // The switch of all three (on unless DPCUDA_CUBLASLT=0 was set when first asked): returns the
 // previous setting. Tests compare the paths with it.
-bool set_weight_bias_grad_lt(bool on);
+bool set_cublaslt(bool on);
 
-// Calls of weight_bias_grad_lt, linear_lt and input_grad_lt that ran, since the process started (tests: the path was taken).
-int64_t weight_bias_grad_lt_calls();
+// Calls of weight_grad_lt, linear_lt and input_grad_lt that ran, since the process started (tests: the path was taken).
+int64_t cublaslt_calls();
 
 }  // namespace dpcuda

@@ -337,28 +337,31 @@ std::tuple<Tensor, Tensor, Tensor> full_backward_cuda_into(
                                       output_mask, &check_cuda_dtype, grad_bias_into);
   const c10::cuda::CUDAGuard guard(input.device());
   check_kernel_image(input.device().index());
-  // Both weight and bias gradients: one cuBLASLt GEMM makes both where it can (cublaslt.cpp),
-  // after our pass has applied the activation's derivative; else our pass sums the bias too.
-  const Tensor x = output_mask[1] && output_mask[2] ? as_matrix(input, p.shape) : Tensor();
-  Tensor grad_weight = output_mask[1] && output_mask[2]
-                           ? (grad_weight_into.defined()
-                                  ? grad_weight_into
-                                  : at::empty({p.shape.out_features, p.shape.in_features},
-                                              p.grad_out.options()))
-                           : Tensor();
-  const bool lt = output_mask[1] && output_mask[2] &&
-                  weight_bias_grad_lt_available(p.g, x, grad_weight, p.grad_bias);
-  const bool bias_pass = output_mask[2] && !lt;
+  // The weight gradient: one cuBLASLt GEMM where it can (cublaslt.cpp), with the bias gradient
+  // in the same call where that is wanted and cuBLASLt can; else our pass sums the bias as it
+  // applies the activation's derivative.
+  const Tensor x = output_mask[1] ? as_matrix(input, p.shape) : Tensor();
+  Tensor grad_weight =
+      !output_mask[1]               ? empty_like_options(p.grad_out)
+      : grad_weight_into.defined() ? grad_weight_into
+                                   : at::empty({p.shape.out_features, p.shape.in_features},
+                                               p.grad_out.options());
+  const bool lt_bias = output_mask[1] && output_mask[2] &&
+                       weight_grad_lt_available(p.g, x, grad_weight, p.grad_bias);
+  const bool bias_pass = output_mask[2] && !lt_bias;
   if (p.fused_pass || bias_pass) {
     activation_pass_cuda(p.grad_out, p.fused_pass ? p.saved : Tensor(),
                          p.fused_pass ? p.g : Tensor(), bias_pass ? p.grad_bias : Tensor(),
                          p.act);
   }
-  if (!lt) return finish_backward(p, input, weight, output_mask, grad_weight_into);
-  if (!weight_bias_grad_lt(p.g, x, grad_weight, p.grad_bias)) {
-    // cuBLASLt refused the call its heuristic offered: our bias pass over g, cuBLAS's GEMM.
-    activation_pass_cuda(p.g, Tensor(), Tensor(), p.grad_bias, Activation::kNone);
-    return finish_backward(p, input, weight, output_mask, grad_weight);
+  if (output_mask[1]) {
+    bool done = lt_bias && weight_grad_lt(p.g, x, grad_weight, p.grad_bias);
+    if (lt_bias && !done) {
+      // cuBLASLt refused the call its heuristic offered: our pass sums the bias over g.
+      activation_pass_cuda(p.g, Tensor(), Tensor(), p.grad_bias, Activation::kNone);
+    }
+    if (!done) done = weight_grad_lt(p.g, x, grad_weight, Tensor());
+    if (!done) at::mm_out(grad_weight, p.g.t(), x);
   }
   Tensor grad_input = output_mask[0] ? input_grad(p.g, weight, input)
                                      : empty_like_options(p.grad_out);

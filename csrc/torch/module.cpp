@@ -82,11 +82,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #ifdef DPCUDA_WITH_CUDA
   // The TORCH_CUDA_ARCH_LIST the CUDA kernels were built for.
   m.def("_cuda_archs", []() { return std::string(dpcuda::cuda_archs()); });
-  m.def("_set_cublaslt", &dpcuda::set_weight_bias_grad_lt,
+  m.def("_set_cublaslt", &dpcuda::set_cublaslt,
         "Whether the CUDA full_forward and full_backward use cuBLASLt with one-kernel "
         "algorithms for small GEMMs (the backward's with the bias gradient) where cuBLASLt has "
         "them (default on; DPCUDA_CUBLASLT=0 turns it off); returns the previous setting");
-  m.def("_cublaslt_calls", &dpcuda::weight_bias_grad_lt_calls,
+  m.def("_cublaslt_calls", &dpcuda::cublaslt_calls,
         "How many of those GEMMs have run in this process");
   m.def("_label_error_flag", [](int64_t device) {
     return dpcuda::label_error_flag(static_cast<c10::DeviceIndex>(device));
