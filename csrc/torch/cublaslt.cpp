@@ -25,17 +25,9 @@ namespace {
 
 std::atomic<int> lt_mode{-1};  // -1: not read yet; 0: off; 1: on
 
-// cuBLASLt's handle wants a current CUDA context. A thread that has made no CUDA runtime call
-// yet has none (autograd's device thread, whose device already matched the guard's, which then
-// set nothing): torch's handle pool then warns ("no current CUDA context") and sets it. Setting
-// the device once per thread and device (not a synchronisation) makes its primary context
-// current first.
+// cuBLASLt's handle wants a current CUDA context (bind_cuda_context).
 cublasLtHandle_t handle(int device) {
-  thread_local uint64_t bound = 0;  // a bit per device index below 64
-  if (device >= 0 && device < 64 && !(bound & (uint64_t(1) << device))) {
-    C10_CUDA_CHECK(c10::cuda::SetDevice(static_cast<c10::DeviceIndex>(device), true));
-    bound |= uint64_t(1) << device;
-  }
+  bind_cuda_context(device);
   return at::cuda::getCurrentCUDABlasLtHandle();
 }
 std::atomic<int64_t> lt_calls{0};
@@ -277,6 +269,14 @@ Gemm forward_gemm(const at::Tensor& x, const at::Tensor& weight, bool bias) {
 }
 
 }  // namespace
+
+void bind_cuda_context(int device) {
+  thread_local uint64_t bound = 0;  // a bit per device index below 64
+  if (device >= 0 && device < 64 && !(bound & (uint64_t(1) << device))) {
+    C10_CUDA_CHECK(c10::cuda::SetDevice(static_cast<c10::DeviceIndex>(device), true));
+    bound |= uint64_t(1) << device;
+  }
+}
 
 bool weight_grad_lt_available(const at::Tensor& g, const at::Tensor& x,
                               const at::Tensor& grad_weight, const at::Tensor& grad_bias) {

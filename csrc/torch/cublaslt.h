@@ -37,6 +37,13 @@ bool linear_lt(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& 
 // in).
 bool input_grad_lt(const at::Tensor& g, const at::Tensor& weight, const at::Tensor& grad_input);
 
+// cuBLAS and cuBLASLt want a current CUDA context. A thread that has made no CUDA runtime call
+// yet has none (autograd's device thread, whose device already matched the guard's, which then
+// set nothing): torch's handle pools then warn ("no current CUDA context") and set it. Setting
+// the device once per thread and device (not a synchronisation) makes its primary context
+// current first.
+void bind_cuda_context(int device);
+
 // The switch of all three (on unless DPCUDA_CUBLASLT=0 was set when first asked): returns the
 // previous setting. Tests compare the paths with it.
 bool set_cublaslt(bool on);

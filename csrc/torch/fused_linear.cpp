@@ -278,6 +278,7 @@ std::tuple<Tensor, Tensor> full_forward_cuda(const Tensor& input, const Tensor& 
   const LinearShape s = check_linear(input, weight, bias);
   check_cuda_dtype(input, "input");
   const c10::cuda::CUDAGuard guard(input.device());
+  bind_cuda_context(input.device().index());
   check_kernel_image(input.device().index());
   const Tensor x = as_matrix(input, s);
   const bool has_bias = bias.has_value() && bias->defined();
@@ -336,6 +337,7 @@ std::tuple<Tensor, Tensor, Tensor> full_backward_cuda_into(
   const BackwardPlan p = plan_backward(grad_output, input, weight, saved, activation,
                                       output_mask, &check_cuda_dtype, grad_bias_into);
   const c10::cuda::CUDAGuard guard(input.device());
+  bind_cuda_context(input.device().index());
   check_kernel_image(input.device().index());
   // The weight gradient: one cuBLASLt GEMM where it can (cublaslt.cpp), with the bias gradient
   // in the same call where that is wanted and cuBLASLt can; else our pass sums the bias as it
