@@ -43,11 +43,16 @@ def find_cuda_home():
     return None
 
 
-def find_cublaslt(cuda_home):
-    """Link arguments for cuBLASLt (the weight and bias gradients' GEMM): the pip wheel's
-    library, which torch itself loads (so the same one is used at run time), else the toolkit's."""
+def pip_cuda_dirs():
+    """The folders of the pip CUDA wheels' `nvidia` package (none where it is not installed)."""
     spec = importlib.util.find_spec("nvidia")
-    for base in (spec.submodule_search_locations or []) if spec else []:
+    return list(spec.submodule_search_locations or []) if spec else []
+
+
+def find_cublaslt(cuda_home):
+    """Link arguments for cuBLASLt (dpcuda's own small GEMMs): the pip wheel's library, which
+    torch itself loads (so the same one is used at run time), else the toolkit's."""
+    for base in pip_cuda_dirs():
         hits = sorted(glob.glob(os.path.join(base, "**", "lib", "libcublasLt.so.*"), recursive=True))
         if hits:
             return {"extra_link_args": [hits[0]]}
@@ -57,11 +62,8 @@ def find_cublaslt(cuda_home):
 def find_pip_cuda_includes():
     """Header folders of the pip CUDA wheels (cuBLAS, cuSPARSE...), which torch's CUDA headers
     include but which are not under the toolkit on machines that only have the pip libraries."""
-    spec = importlib.util.find_spec("nvidia")
-    if spec is None or not spec.submodule_search_locations:
-        return []
     found = []
-    for base in spec.submodule_search_locations:
+    for base in pip_cuda_dirs():
         for header in ("cublas_v2.h", "cusparse.h"):
             for hit in glob.glob(os.path.join(base, "**", "include", header), recursive=True):
                 folder = os.path.dirname(hit)

@@ -320,8 +320,8 @@ void reduce_sgd_cuda(at::TensorList params, at::TensorList grads,
 #endif  // DPCUDA_WITH_CUDA
 
 // step_status: what a step checks before its update, as float64 [loss (the sum of its
-// elements: a replica's per-row losses, or their sum), 1 if grad holds a NaN or
-// an Inf else 0, the bad-label flag] on grad's device; the flag set back to 0 if clear_flag.
+// elements: a replica's per-row losses, or their sum), 1 if grad holds a NaN or an Inf else 0,
+// the bad-label flag] on grad's device; the flag set back to 0 if clear_flag.
 void check_status_args(const Tensor& grad, const Tensor& loss,
                        const c10::optional<Tensor>& label_flag) {
   TORCH_CHECK_VALUE(grad.dim() == 1 && grad.is_contiguous(),

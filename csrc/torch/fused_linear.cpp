@@ -67,15 +67,12 @@ BackwardPlan plan_backward(const Tensor& grad_output, const Tensor& input, const
   return p;
 }
 
-// grad_input = g @ weight, in the input's shape.
-Tensor input_grad(const Tensor& g, const Tensor& weight, const Tensor& input);
-
-// The two GEMMs that follow the activation pass.
+// The two GEMMs that follow the CPU's activation pass.
 std::tuple<Tensor, Tensor, Tensor> finish_backward(const BackwardPlan& p, const Tensor& input,
                                                    const Tensor& weight,
                                                    std::array<bool, 3> output_mask,
                                                    const Tensor& grad_weight_into = Tensor()) {
-  Tensor grad_input = output_mask[0] ? input_grad(p.g, weight, input)
+  Tensor grad_input = output_mask[0] ? at::mm(p.g, weight).view(input.sizes())
                                      : empty_like_options(p.grad_out);
   Tensor grad_weight = empty_like_options(p.grad_out);
   if (output_mask[1] && grad_weight_into.defined()) {
@@ -86,17 +83,6 @@ std::tuple<Tensor, Tensor, Tensor> finish_backward(const BackwardPlan& p, const 
     grad_weight = at::mm(p.g.t(), as_matrix(input, p.shape));
   }
   return {grad_input, grad_weight, p.grad_bias};
-}
-
-Tensor input_grad(const Tensor& g, const Tensor& weight, const Tensor& input) {
-#ifdef DPCUDA_WITH_CUDA
-  if (g.is_cuda()) {
-    // A small GEMM by cuBLASLt with one kernel (cublaslt.cpp), where cuBLAS may split K.
-    Tensor out = at::empty({g.size(0), weight.size(1)}, g.options());
-    if (input_grad_lt(g, weight, out)) return out.view(input.sizes());
-  }
-#endif
-  return at::mm(g, weight).view(input.sizes());
 }
 
 // The destinations of full_backward_into: contiguous tensors of the gradient's shape, dtype and
@@ -308,6 +294,14 @@ std::tuple<Tensor, Tensor> full_forward_cuda(const Tensor& input, const Tensor& 
   return {out.view(s.out_sizes), keep_pre ? z.view(s.out_sizes) : empty_like_options(z)};
 }
 
+// grad_input = g @ weight in the input's shape: a small GEMM by cuBLASLt with one kernel
+// (cublaslt.cpp), where cuBLAS may split K; else ATen's.
+Tensor input_grad_cuda(const Tensor& g, const Tensor& weight, const Tensor& input) {
+  Tensor out = at::empty({g.size(0), weight.size(1)}, g.options());
+  if (input_grad_lt(g, weight, out)) return out.view(input.sizes());
+  return at::mm(g, weight).view(input.sizes());
+}
+
 // dpcuda's backward pass over (rows, out) grad_out: g = grad_out * act'(saved) (where g is
 // given) and grad_bias = g's column sums (where grad_bias is given).
 void activation_pass_cuda(const Tensor& grad_out, const Tensor& saved, const Tensor& g,
@@ -365,7 +359,7 @@ std::tuple<Tensor, Tensor, Tensor> full_backward_cuda_into(
     if (!done) done = weight_grad_lt(p.g, x, grad_weight, Tensor());
     if (!done) at::mm_out(grad_weight, p.g.t(), x);
   }
-  Tensor grad_input = output_mask[0] ? input_grad(p.g, weight, input)
+  Tensor grad_input = output_mask[0] ? input_grad_cuda(p.g, weight, input)
                                      : empty_like_options(p.grad_out);
   return {grad_input, grad_weight, p.grad_bias};
 }

@@ -51,8 +51,8 @@ TORCH_LIBRARY(dpcuda, m) {
   // grads may be overwritten with the reduced gradient.
   // What a data-parallel step checks before its update, in one op (one kernel on CUDA):
   // float64 [loss (the sum of its elements, in float64), 1 if grad holds a NaN or an Inf else
-  // 0, label_flag's value], on grad's
-  // device; label_flag (the CUDA loss kernel's bad-label flag) set back to 0 if clear_flag.
+  // 0, label_flag's value], on grad's device; label_flag (the CUDA loss kernel's bad-label
+  // flag) set back to 0 if clear_flag.
   // DataParallel's op: workspace holds int32 zeros of dpcuda._C._step_status_ints() elements
   // on grad's device when first used, and is left zero by each call; one stream at a time may
   // use it (a workspace that is not zero gives no record: its values are then undefined).
