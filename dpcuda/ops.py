@@ -233,5 +233,5 @@ def _step_status_fake(grad, loss, label_flag, workspace, clear_flag):
 
 @torch.library.register_fake("dpcuda::reduce_sgd_")
 def _reduce_sgd_fake(params, grads, momentum_buffers, lr, momentum, weight_decay, mean,
-                     algorithm):
+                     algorithm, status=None):
     return None

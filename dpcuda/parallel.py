@@ -7,13 +7,14 @@ replica all-reduce, and DataParallel, which runs one SGD step of a global batch 
     parallel_apply(replicas, inputs)        replica i applied to inputs[i]
     all_reduce(tensors, op, algorithm)      in place; the same bits on every replica
     DataParallel(module, devices, reducer="p2p"|"host"|"dist", split="even"|"weighted"|"auto",
-                 lr=..., momentum=0.0, weight_decay=0.0)
+                 lr=..., momentum=0.0, weight_decay=0.0, blocking=True)
 
 Training with k replicas gives the model that training the same global batches on one device
 gives (up to float rounding): each replica's loss is weighted by its share of the global batch,
 so the summed gradient is the gradient of the global batch's mean loss.
 """
 
+import collections
 import contextlib
 import copy
 import math
@@ -373,7 +374,19 @@ class DataParallel:
     its rows (as nn.CrossEntropyLoss does by default). A step whose gradients hold NaN or Inf is
     skipped with a warning; a step that raises leaves every replica's weights and buffers as
     they were.
+
+    blocking=False (reducer "p2p") makes a step wait for nothing on the devices: the update
+    reads the replicas' status records on the device and skips itself there on NaN/Inf
+    gradients or a bad label, and step() returns the loss as a float64 scalar tensor on
+    devices[0] (not yet computed when it returns). What a step found is read later, once the
+    device has it: at a later step() (which first waits for the step `lag` steps back, so the
+    host runs at most `lag` steps ahead) or at synchronize(). A skipped step then warns and
+    counts in skipped_steps; a bad label raises there, naming the step and the position, before
+    that call runs anything (the bad step's update was not applied).
     """
+
+    # How many non-blocking steps the host may run ahead of what it has read.
+    lag = 2
 
     # The model dtypes whose gradient buffer carries the reducer "dist" record (the loss; the
     # rows, exact to 2**24) behind the gradients; other dtypes send it in a float64 tensor.
@@ -381,7 +394,7 @@ class DataParallel:
 
     def __init__(self, module, devices, reducer="p2p", split="even", lr=0.01, momentum=0.0,
                  weight_decay=0.0, split_weights=None, algorithm="auto", process_group=None,
-                 buffers="broadcast", timeout=300.0):
+                 buffers="broadcast", timeout=300.0, blocking=True):
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
         if reducer not in REDUCERS:
@@ -393,6 +406,11 @@ class DataParallel:
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or \
                 not timeout > 0 or not math.isfinite(timeout):
             raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        if not isinstance(blocking, bool):
+            raise TypeError(f"blocking must be True or False, got {blocking!r}")
+        if not blocking and reducer != "p2p":
+            raise ValueError(f"blocking=False needs reducer='p2p' (reducer {reducer!r} reads "
+                             f"the gradients on the host at every step)")
         if algorithm not in ALGORITHMS:
             raise ValueError(f"algorithm must be one of {', '.join(ALGORITHMS)}; got "
                              f"{algorithm!r}")
@@ -448,6 +466,8 @@ class DataParallel:
             self._host_momentum = torch.zeros_like(self._host_param) if self.momentum else None
         self.steps = 0
         self.skipped_steps = 0
+        self.blocking = blocking
+        self._pending = collections.deque()  # the non-blocking steps not read yet
 
     # -- the model ---------------------------------------------------------------------------
 
@@ -514,6 +534,8 @@ class DataParallel:
         return self._replicas[0].flat_grad.dtype in self._record_inline
 
     def step(self, inputs, targets, loss_fn):
+        if self._pending:
+            self._settle(wait=False)
         # A step that raises leaves the buffers (batch-norm statistics) as they were, as it
         # leaves the weights.
         saved = [[b.clone() for b in bs] for bs in self._buffers] if self._buffers[0] else None
@@ -704,15 +726,19 @@ class DataParallel:
             # (per-row losses summed in float64, as step_status sums them for the others)
             return self._step_dist([l.double().sum() if torch.is_tensor(l) and l.dim() else l
                                     for l, _ in results], dens, global_den, targets, summed)
-        # One host read per replica of its status: the loss (its per-row losses summed there),
-        # whether its gradient buffer holds a NaN or an Inf, its device's bad-label flag (one
-        # op; one kernel on CUDA).
-        reads = []
+        # Each replica's status record: the loss (its per-row losses summed there), whether its
+        # gradient buffer holds a NaN or an Inf, its device's bad-label flag (one op; one kernel
+        # on CUDA).
+        records = []
         for (l, _), r in zip(results, self._replicas):
             flag = self._flag_tensor(r.device)
-            reads.append(torch.ops.dpcuda.step_status(
+            records.append(torch.ops.dpcuda.step_status(
                 r.flat_grad, torch.as_tensor(l, device=r.device).detach(), flag, r.status_work,
-                flag is not None and r.device not in shared).cpu())
+                flag is not None and r.device not in shared))
+        if not self.blocking:
+            return self._step_async(records, targets, summed, global_den)
+        # One host read per replica of its record.
+        reads = [x.cpu() for x in records]
         if any(float(x[2]) for x in reads):
             self._raise_label_error(targets, summed)
         loss = float(sum(float(x[0]) for x in reads)) if global_den > 0 else math.nan
@@ -737,6 +763,66 @@ class DataParallel:
         self.steps += 1
         return loss
 
+    def _step_async(self, records, targets, summed, global_den):
+        """The rest of a non-blocking step: the update, which the records skip on the device;
+        the loss as a device tensor; the records copied to host memory, to be read later."""
+        unused = set.intersection(*(r.unused for r in self._replicas))
+        kept = self._keep(unused) if unused else None
+        self._reduce_p2p(records)
+        if kept is not None:
+            for dst, src in kept:
+                dst.copy_(src)
+        first = self._replicas[0].device
+        if global_den > 0:
+            # summed in replica order from 0.0, as the blocking step sums its reads
+            loss = records[0][0]
+            for x in records[1:]:
+                loss = loss + x[0].to(first, non_blocking=True)
+        else:
+            loss = torch.full((), math.nan, dtype=torch.float64, device=first)
+        cuda = sorted({r.device for r in self._replicas if r.device.type == "cuda"},
+                      key=str)
+        if cuda:
+            host = torch.empty((len(records), 3), dtype=torch.float64, pin_memory=True)
+            for row, x in zip(host, records):
+                row.copy_(x, non_blocking=True)
+            events = []
+            for device in cuda:
+                event = torch.cuda.Event()
+                event.record(torch.cuda.current_stream(device))
+                events.append(event)
+        else:
+            host, events = torch.stack(records), []
+        self._pending.append((self.steps, host, events, targets, summed, self._classes))
+        self.steps += 1
+        return loss
+
+    def synchronize(self):
+        """Waits for every step so far and reads what they found (blocking=False): warns for
+        each skipped step, raises for a bad label. Call it before relying on skipped_steps."""
+        self._settle(wait=True)
+
+    def _settle(self, wait):
+        """Reads the records of earlier non-blocking steps, oldest first: those the devices
+        have finished, then, waiting for them, every one (wait) or those more than `lag` steps
+        back. A bad label raises (that step's update was skipped on the device; this call runs
+        nothing more), NaN/Inf gradients warn."""
+        while self._pending:
+            step, host, events, targets, summed, classes = self._pending[0]
+            if not all(e.query() for e in events):
+                if not wait and len(self._pending) < self.lag:
+                    return
+                for e in events:
+                    e.synchronize()
+            self._pending.popleft()
+            if bool(host[:, 2].any()):
+                self._classes = classes
+                self._raise_label_error(targets, summed, step)
+            if bool(host[:, 1].any()):
+                warnings.warn(f"dpcuda DataParallel: step {step} has NaN or Inf gradients; "
+                              f"skipped (weights unchanged)", RuntimeWarning, stacklevel=3)
+                self.skipped_steps += 1
+
     def _keep(self, indices):
         """Copies of the weights and momenta of the given parameters, to put back after the
         update: (destination, copy) pairs."""
@@ -757,13 +843,23 @@ class DataParallel:
         flag = self._flag_tensor(device)
         return torch.zeros((), dtype=torch.float64) if flag is None else flag[0].double()
 
-    def _raise_label_error(self, targets, summed):
+    def _raise_label_error(self, targets, summed, step=None):
         """A loss kernel saw a label outside [0, classes): raise naming the first bad position
-        of the batch (before any update; the next step clears the flags as it starts)."""
+        of the batch (before any update; the next step clears the flags as it starts). step:
+        the earlier non-blocking step whose record said so."""
         classes = self._classes
         ignore = summed[1] if summed is not None else -100
         y = targets.detach().cpu().reshape(-1)
         bad = ((y != ignore) & ((y < 0) | (y >= classes))).nonzero() if classes else []
+        if step is not None:
+            if len(bad):
+                i = int(bad[0])
+                raise ValueError(f"step {step}: labels must be class indices in [0, {classes}) "
+                                 f"or ignore_index ({ignore}); got {int(y[i])} at position {i} "
+                                 f"(that step's update was not applied; this call ran nothing)")
+            raise ValueError(f"step {step}: a label outside [0, classes) reached dpcuda's CUDA "
+                             f"loss kernel (its targets no longer hold it); that step's update "
+                             f"was not applied; this call ran nothing")
         if len(bad):
             i = int(bad[0])
             where = " of this process's batch" if self.reducer == "dist" else ""
@@ -801,11 +897,11 @@ class DataParallel:
     def _sgd_args(self):
         return self.lr, self.momentum, self.weight_decay
 
-    def _reduce_p2p(self):
+    def _reduce_p2p(self, records=()):
         rs = self._replicas
         torch.ops.dpcuda.reduce_sgd_([r.flat_param for r in rs], [r.flat_grad for r in rs],
                                      [r.momentum for r in rs] if self.momentum else [],
-                                     *self._sgd_args(), False, self.algorithm)
+                                     *self._sgd_args(), False, self.algorithm, list(records))
 
     def _reduce_host(self):
         # The classic scheme: every gradient to host memory, summed there in replica order,

@@ -171,15 +171,38 @@ void check_sgd_args(const std::vector<Tensor>& params, const std::vector<Tensor>
   }
 }
 
+// status: none, or one step_status record (float64, 3 elements) per replica on its device.
+void check_status_records(const std::vector<Tensor>& status, const std::vector<Tensor>& params) {
+  TORCH_CHECK_VALUE(status.empty() || status.size() == params.size(), "status must be empty or ",
+                    "hold one step_status record per replica (", params.size(), "); got ",
+                    status.size());
+  for (size_t i = 0; i < status.size(); ++i) {
+    const Tensor& s = status[i];
+    TORCH_CHECK_VALUE(s.scalar_type() == at::kDouble && s.dim() == 1 && s.numel() == 3 &&
+                          s.is_contiguous(),
+                      "status[", i, "] must be a step_status record (3 contiguous float64), ",
+                      "got ", s.scalar_type(), " of shape ", s.sizes());
+    TORCH_CHECK_VALUE(s.device() == params[i].device(), "status[", i, "] is on ", s.device(),
+                      " but params[", i, "] is on ", params[i].device());
+  }
+}
+
 void reduce_sgd_cpu(at::TensorList params, at::TensorList grads, at::TensorList momentum_buffers,
                     double lr, double momentum, double weight_decay, bool mean,
-                    c10::string_view algorithm) {
+                    c10::string_view algorithm, c10::optional<at::TensorList> status) {
   const std::vector<Tensor> p = params.vec(), g = grads.vec();
   const std::vector<Tensor> m = momentum != 0.0 ? momentum_buffers.vec() : std::vector<Tensor>();
+  const std::vector<Tensor> records = status.has_value() ? status->vec() : std::vector<Tensor>();
   check_sgd_args(p, g, m, lr, momentum, weight_decay);
+  check_status_records(records, p);
+  for (const Tensor& s : records) {
+    const double* v = s.data_ptr<double>();
+    if (v[1] != 0.0 || v[2] != 0.0) return;  // a NaN/Inf gradient or a bad label: no update
+  }
   if (is_half_type(p[0])) {
     std::vector<Tensor> fp = as_float(p), fm = as_float(m);
-    reduce_sgd_cpu(fp, as_float(g), fm, lr, momentum, weight_decay, mean, algorithm);
+    reduce_sgd_cpu(fp, as_float(g), fm, lr, momentum, weight_decay, mean, algorithm,
+                   c10::nullopt);
     for (size_t i = 0; i < p.size(); ++i) p[i].copy_(fp[i]);
     for (size_t i = 0; i < m.size(); ++i) m[i].copy_(fm[i]);
     return;
@@ -296,10 +319,15 @@ void all_reduce_cuda(at::TensorList tensors, c10::string_view op, c10::string_vi
 
 void reduce_sgd_cuda(at::TensorList params, at::TensorList grads,
                      at::TensorList momentum_buffers, double lr, double momentum,
-                     double weight_decay, bool mean, c10::string_view algorithm) {
+                     double weight_decay, bool mean, c10::string_view algorithm,
+                     c10::optional<at::TensorList> status) {
   const std::vector<Tensor> p = params.vec(), g = grads.vec();
   const std::vector<Tensor> m = momentum != 0.0 ? momentum_buffers.vec() : std::vector<Tensor>();
+  const std::vector<Tensor> st = status.has_value() ? status->vec() : std::vector<Tensor>();
   check_sgd_args(p, g, m, lr, momentum, weight_decay);
+  check_status_records(st, p);
+  std::vector<const double*> records;
+  for (const Tensor& s : st) records.push_back(s.data_ptr<double>());
   check_cuda_dtype(p[0], "params");
   const Algorithm algo = parse_algorithm(algorithm, p[0].nbytes(), p.size(), false);
   const cuda::SgdArgs sgd{static_cast<float>(lr), static_cast<float>(momentum),
@@ -312,7 +340,7 @@ void reduce_sgd_cuda(at::TensorList params, at::TensorList grads,
     check_cuda(cuda::reduce_sgd<CT<scalar_t>>(call.plan, replicas_of<scalar_t>(g),
                                               replicas_of<scalar_t>(p).data,
                                               replicas_of<scalar_t>(m).data, sgd, mean,
-                                              call.scratch_ptrs),
+                                              call.scratch_ptrs, records),
                "reduce_sgd");
   });
 }

@@ -48,7 +48,9 @@ TORCH_LIBRARY(dpcuda, m) {
   // The gradient reduction fused with SGD (torch.optim.SGD's update, dampening 0): grads are
   // reduced (sum or mean) and every replica's params and momentum buffers updated identically.
   // With two_shot each replica updates only its shard and the gather moves updated weights.
-  // grads may be overwritten with the reduced gradient.
+  // grads may be overwritten with the reduced gradient. status: none, or one step_status record
+  // per replica on its device; when any says NaN/Inf or a bad label, nothing is updated, decided
+  // where the update runs (on CUDA, by the kernels: no host read).
   // What a data-parallel step checks before its update, in one op (one kernel on CUDA):
   // float64 [loss (the sum of its elements, in float64), 1 if grad holds a NaN or an Inf else
   // 0, label_flag's value], on grad's device; label_flag (the CUDA loss kernel's bad-label
@@ -59,7 +61,8 @@ TORCH_LIBRARY(dpcuda, m) {
   m.def("step_status(Tensor grad, Tensor loss, Tensor(a!)? label_flag, Tensor(b!) workspace,"
         " bool clear_flag) -> Tensor");
   m.def("reduce_sgd_(Tensor(a!)[] params, Tensor(b!)[] grads, Tensor(c!)[] momentum_buffers,"
-        " float lr, float momentum, float weight_decay, bool mean, str algorithm) -> ()");
+        " float lr, float momentum, float weight_decay, bool mean, str algorithm,"
+        " Tensor[]? status=None) -> ()");
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

@@ -42,6 +42,21 @@ __device__ __forceinline__ A sgd_step(A g, A p, bool use_m, A& m, const SgdIn<A>
   return add_rn(p, -mul_rn(s.lr, d));
 }
 
+// Whether the records say skip (a NaN/Inf gradient or a bad label on some replica): thread 0
+// reads them once for the block, the others take its verdict after the barrier.
+__device__ __forceinline__ bool records_say_skip(const StepRecords& records) {
+  __shared__ int skip;
+  if (threadIdx.x == 0) {
+    int s = 0;
+    for (int r = 0; r < records.n; ++r) {
+      s |= records.ptr[r][1] != 0.0 || records.ptr[r][2] != 0.0 ? 1 : 0;
+    }
+    skip = s;
+  }
+  __syncthreads();
+  return skip != 0;
+}
+
 // The element-wise kernels below (reduce_sgd, chain, sgd) move kLanes<T> elements per thread
 // and iteration: 16 bytes of the accumulation type (4 floats, 2 doubles; 4 halves, 8 bytes)
 // when every pointer is aligned to a whole pack at the range's start, else one element. Each
@@ -174,7 +189,9 @@ __global__ void reduce_sgd_kernel(const __grid_constant__ Replicas<const T> grad
                                   const __grid_constant__ Replicas<T> params, int nparams,
                                   const __grid_constant__ Replicas<T> momenta, int nmomenta,
                                   int64_t begin, int64_t end, bool mean,
-                                  const __grid_constant__ SgdArgs sgd, bool vectorised) {
+                                  const __grid_constant__ SgdArgs sgd,
+                                  const __grid_constant__ StepRecords records, bool vectorised) {
+  if (records.n > 0 && records_say_skip(records)) return;
   const SgdIn<acc_t<T>> in(sgd);
   const ReduceSgdOp<T> op{grads, ngrads, params, nparams, momenta, nmomenta, mean, in};
   for_each_pack<kLanes<T>>(op, begin, end, vectorised);
@@ -260,7 +277,9 @@ struct SgdOp {
 
 template <typename T>
 __global__ void sgd_kernel(const T* grad, T* param, T* momentum, int64_t n,
-                           const __grid_constant__ SgdArgs sgd, bool vectorised) {
+                           const __grid_constant__ SgdArgs sgd,
+                           const __grid_constant__ StepRecords records, bool vectorised) {
+  if (records.n > 0 && records_say_skip(records)) return;
   const SgdIn<acc_t<T>> in(sgd);
   const SgdOp<T> op{grad, param, momentum, in};
   for_each_pack<kLanes<T>>(op, 0, n, vectorised);
@@ -361,7 +380,8 @@ cudaError_t reduce_range(Replicas<const T> in, int nin, Replicas<T> out, int nou
 template <typename T>
 cudaError_t reduce_sgd_range(Replicas<const T> grads, int ngrads, Replicas<T> params,
                              int nparams, Replicas<T> momenta, int nmomenta, int64_t begin,
-                             int64_t end, bool mean, SgdArgs sgd, cudaStream_t stream) {
+                             int64_t end, bool mean, SgdArgs sgd, StepRecords records,
+                             cudaStream_t stream) {
   if (end <= begin) return cudaSuccess;
   bool vectorised = true;
   for (int r = 0; r < ngrads; ++r) vectorised &= pack_aligned<T>(grads.ptr[r] + begin);
@@ -369,7 +389,8 @@ cudaError_t reduce_sgd_range(Replicas<const T> grads, int ngrads, Replicas<T> pa
   for (int o = 0; o < nmomenta; ++o) vectorised &= pack_aligned<T>(momenta.ptr[o] + begin);
   const int64_t work = vectorised ? ceil_div(end - begin, kLanes<T>) : end - begin;
   return launch(reduce_sgd_kernel<T>, dim3(blocks_for(work)), dim3(kThreads), 0, stream, grads,
-                ngrads, params, nparams, momenta, nmomenta, begin, end, mean, sgd, vectorised);
+                ngrads, params, nparams, momenta, nmomenta, begin, end, mean, sgd, records,
+                vectorised);
 }
 
 template <typename T, typename A>
@@ -389,13 +410,13 @@ cudaError_t chain_accumulate(const T* prev_x, const A* prev_acc, const T* own, A
 
 template <typename T>
 cudaError_t sgd_range(const T* grad, T* param, T* momentum, int64_t n, SgdArgs sgd,
-                      cudaStream_t stream) {
+                      StepRecords records, cudaStream_t stream) {
   if (n <= 0) return cudaSuccess;
   const bool vectorised = pack_aligned<T>(grad) && pack_aligned<T>(param) &&
                           pack_aligned<T>(momentum);
   const int64_t items = vectorised ? ceil_div(n, kLanes<T>) : n;
   return launch(sgd_kernel<T>, dim3(blocks_for(items)), dim3(kThreads), 0, stream, grad, param,
-                momentum, n, sgd, vectorised);
+                momentum, n, sgd, records, vectorised);
 }
 
 #define DPCUDA_INSTANTIATE(T)                                                                  \
@@ -403,11 +424,12 @@ cudaError_t sgd_range(const T* grad, T* param, T* momentum, int64_t n, SgdArgs s
                                        int64_t, bool, cudaStream_t);                           \
   template cudaError_t reduce_sgd_range<T>(Replicas<const T>, int, Replicas<T>, int,           \
                                            Replicas<T>, int, int64_t, int64_t, bool, SgdArgs,  \
-                                           cudaStream_t);                                      \
+                                           StepRecords, cudaStream_t);                         \
   template cudaError_t chain_accumulate<T, acc_t<T>>(const T*, const acc_t<T>*, const T*,      \
                                                      acc_t<T>*, T*, int64_t, int64_t, int,     \
                                                      cudaStream_t);                            \
-  template cudaError_t sgd_range<T>(const T*, T*, T*, int64_t, SgdArgs, cudaStream_t);       \
+  template cudaError_t sgd_range<T>(const T*, T*, T*, int64_t, SgdArgs, StepRecords,          \
+                                    cudaStream_t);                                             \
   template cudaError_t step_status<T, float>(const T*, int64_t, const float*, int64_t, int*,  \
                                              bool, int*, double*, cudaStream_t);              \
   template cudaError_t step_status<T, double>(const T*, int64_t, const double*, int64_t, int*, \

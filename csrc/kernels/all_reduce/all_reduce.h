@@ -33,6 +33,16 @@ struct SgdArgs {
   double weight_decay_d;
 };
 
+// The step_status records (see step_status below: 3 doubles each) that an update obeys: it
+// writes nothing when any of them says NaN/Inf (record[1]) or a bad label (record[2]), so a step
+// can skip its update on the device, with no host read in between. n == 0: no records, the
+// update applies. Each pointer must be readable by the kernel's device (the schedules stage
+// records a device cannot read).
+struct StepRecords {
+  const double* ptr[kMaxReplicas];
+  int n;
+};
+
 // Elements [begin, end) of each buffer: the fixed-order sum (or mean) of in.ptr[0..nin),
 // written to out.ptr[0..nout). An output may alias an input only at the same element (each
 // thread reads its elements from every input before writing them).
@@ -42,11 +52,13 @@ cudaError_t reduce_range(Replicas<const T> in, int nin, Replicas<T> out, int nou
 
 // The reduction fused with SGD (torch.optim.SGD's formula, dampening 0): g = fixed-order sum
 // (or mean) of grads; param and momentum read from params.ptr[0] / momenta.ptr[0]; the updated
-// values written to every params.ptr[0..nparams) and momenta.ptr[0..nmomenta).
+// values written to every params.ptr[0..nparams) and momenta.ptr[0..nmomenta); nothing written
+// when a record says skip.
 template <typename T>
 cudaError_t reduce_sgd_range(Replicas<const T> grads, int ngrads, Replicas<T> params,
                              int nparams, Replicas<T> momenta, int nmomenta, int64_t begin,
-                             int64_t end, bool mean, SgdArgs sgd, cudaStream_t stream);
+                             int64_t end, bool mean, SgdArgs sgd, StepRecords records,
+                             cudaStream_t stream);
 
 // The ring (chain) step in the accumulation type A (float for half types, else T):
 // acc = (first ? A(prev_x[i]) : prev_acc[i]) + A(own[i]); written to work[i], or, on the last
@@ -72,10 +84,11 @@ cudaError_t step_status(const T* grad, int64_t n, const L* loss, int64_t loss_n,
 // The ints step_status needs in `work`.
 int64_t step_status_workspace();
 
-// SGD alone on gradients already reduced (the same element formula).
+// SGD alone on gradients already reduced (the same element formula); nothing written when a
+// record says skip.
 template <typename T>
 cudaError_t sgd_range(const T* grad, T* param, T* momentum, int64_t n, SgdArgs sgd,
-                      cudaStream_t stream);
+                      StepRecords records, cudaStream_t stream);
 
 }  // namespace cuda
 }  // namespace dpcuda

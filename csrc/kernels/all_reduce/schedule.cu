@@ -94,10 +94,32 @@ const V* readable_from(const AllReducePlan& p, int d, const V* src, int src_devi
   return staged;
 }
 
+// The replicas' step records as kernels on device d may read them: the records themselves, or
+// copies staged into d's record area (3 doubles each, 256 bytes apart).
+StepRecords records_for(const AllReducePlan& p, int d, const std::vector<const double*>& records,
+                        const std::vector<int>& device, const std::vector<void*>& scratch,
+                        Status& st) {
+  StepRecords out{};
+  out.n = static_cast<int>(records.size());
+  Arena area;
+  area.base = static_cast<char*>(scratch[d]) + (d < static_cast<int>(p.records_offset.size())
+                                                    ? p.records_offset[d]
+                                                    : 0);
+  for (int r = 0; r < out.n; ++r) {
+    out.ptr[r] = readable_from<double>(p, d, records[r], device[r], 3, area, st);
+  }
+  return out;
+}
+
 template <typename T>
 void two_shot(const AllReducePlan& p, const ScheduleReplicas<T>& grads,
               const std::vector<T*>& params, const std::vector<T*>& momenta, const SgdArgs* sgd,
-              bool mean, std::vector<Arena>& arena, Status& st) {
+              bool mean, std::vector<Arena>& arena, Status& st,
+              const std::vector<const double*>& records = {},
+              const std::vector<void*>& scratch = {}) {
+  // Each device's view of the records, staged once per device before its first update.
+  std::vector<StepRecords> seen(arena.size(), StepRecords{});
+  std::vector<bool> staged(arena.size(), false);
   const int R = p.replicas;
   for (int k = 0; k < R && st.good(); ++k) {
     int64_t b, e;
@@ -110,11 +132,15 @@ void two_shot(const AllReducePlan& p, const ScheduleReplicas<T>& grads,
       in.ptr[i] = readable_from<T>(p, d, grads.data[i] + b, grads.device[i], e - b, arena[d], st);
     }
     if (sgd) {
+      if (!records.empty() && !staged[d]) {
+        seen[d] = records_for(p, d, records, grads.device, scratch, st);
+        staged[d] = true;
+      }
       Replicas<T> out{}, mom{};
       out.ptr[0] = params[k] + b;
       if (!momenta.empty()) mom.ptr[0] = momenta[k] + b;
       st.ok(reduce_sgd_range<T>(in, R, out, 1, mom, momenta.empty() ? 0 : 1, 0, e - b, mean,
-                                *sgd, p.stream[d]));
+                                *sgd, seen[d], p.stream[d]));
     } else {
       Replicas<T> out{};
       out.ptr[0] = grads.data[k] + b;
@@ -297,6 +323,7 @@ AllReducePlan plan_all_reduce(const std::vector<int>& replica_device,
     max_device = std::max(max_device, d);
   }
   p.scratch_bytes.assign(static_cast<size_t>(max_device) + 1, 0);
+  p.records_offset.assign(static_cast<size_t>(max_device) + 1, 0);
   if (n == 0 || p.replicas < 2 || p.devices.size() < 2) return p;
   const int R = p.replicas;
   const size_t whole = round_up(static_cast<size_t>(n) * elem_size);
@@ -328,6 +355,13 @@ AllReducePlan plan_all_reduce(const std::vector<int>& replica_device,
       if (!reads(p, d, replica_device[r - 1])) {
         p.scratch_bytes[d] += round_up(static_cast<size_t>(e0 - b0) * (r == 1 ? elem_size : acc));
       }
+    }
+  }
+  // The step records a reduce_sgd may be given, staged where a device cannot read them.
+  for (int d : p.devices) {
+    p.records_offset[d] = p.scratch_bytes[d];
+    for (int r = 0; r < R; ++r) {
+      if (!reads(p, d, replica_device[r])) p.scratch_bytes[d] += round_up(3 * sizeof(double));
     }
   }
   return p;
@@ -366,9 +400,11 @@ cudaError_t all_reduce(const AllReducePlan& p, const ScheduleReplicas<T>& bufs,
 template <typename T>
 cudaError_t reduce_sgd(const AllReducePlan& p, const ScheduleReplicas<T>& grads,
                        const std::vector<T*>& params, const std::vector<T*>& momenta,
-                       SgdArgs sgd, bool mean, const std::vector<void*>& scratch) {
+                       SgdArgs sgd, bool mean, const std::vector<void*>& scratch,
+                       const std::vector<const double*>& records) {
   if (!valid_call(p, grads, scratch) || params.size() != grads.data.size() ||
-      (!momenta.empty() && momenta.size() != grads.data.size())) {
+      (!momenta.empty() && momenta.size() != grads.data.size()) ||
+      (!records.empty() && records.size() != grads.data.size())) {
     return cudaErrorInvalidValue;
   }
   if (p.n == 0) return cudaSuccess;
@@ -380,23 +416,36 @@ cudaError_t reduce_sgd(const AllReducePlan& p, const ScheduleReplicas<T>& grads,
     cudaSetDevice(d);
     Replicas<const T> in{};
     for (int r = 0; r < R; ++r) in.ptr[r] = grads.data[r];
+    StepRecords rec{};
+    rec.n = static_cast<int>(records.size());
+    for (int r = 0; r < rec.n; ++r) rec.ptr[r] = records[r];
     return reduce_sgd_range<T>(in, R, all_of(params), R, all_of(momenta),
-                               static_cast<int>(momenta.size()), 0, p.n, mean, sgd, p.stream[d]);
+                               static_cast<int>(momenta.size()), 0, p.n, mean, sgd, rec,
+                               p.stream[d]);
   }
   if (p.algorithm == AllReduceAlgorithm::kTwoShot) {
     std::vector<Arena> arena = arenas(scratch);
     barrier(p, st);
-    two_shot<T>(p, grads, params, momenta, &sgd, mean, arena, st);
+    two_shot<T>(p, grads, params, momenta, &sgd, mean, arena, st, records, scratch);
     barrier(p, st);
     return st.err;
   }
   if (!st.ok(all_reduce<T>(p, grads, scratch, mean))) return st.err;
+  // (all_reduce closed with a barrier: every record is complete on every device's stream)
+  std::vector<StepRecords> seen(scratch.size(), StepRecords{});
+  std::vector<bool> staged(scratch.size(), false);
   for (int r = 0; r < R && st.good(); ++r) {
     const int d = grads.device[r];
     cudaSetDevice(d);
+    if (!records.empty() && !staged[d]) {
+      seen[d] = records_for(p, d, records, grads.device, scratch, st);
+      staged[d] = true;
+    }
     st.ok(sgd_range<T>(grads.data[r], params[r], momenta.empty() ? nullptr : momenta[r], p.n, sgd,
-                       p.stream[d]));
+                       seen[d], p.stream[d]));
   }
+  // No device frees or rewrites a record that a peer's staged copy may still read.
+  if (!records.empty()) barrier(p, st);
   return st.err;
 }
 
@@ -405,7 +454,8 @@ cudaError_t reduce_sgd(const AllReducePlan& p, const ScheduleReplicas<T>& grads,
                                      const std::vector<void*>&, bool);                         \
   template cudaError_t reduce_sgd<T>(const AllReducePlan&, const ScheduleReplicas<T>&,         \
                                      const std::vector<T*>&, const std::vector<T*>&, SgdArgs,  \
-                                     bool, const std::vector<void*>&);
+                                     bool, const std::vector<void*>&,                          \
+                                     const std::vector<const double*>&);
 
 DPCUDA_FOR_EACH_TYPE(DPCUDA_INSTANTIATE)
 #undef DPCUDA_INSTANTIATE

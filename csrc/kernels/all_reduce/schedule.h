@@ -60,6 +60,9 @@ struct AllReducePlan {
   std::vector<cudaStream_t> stream;
   std::vector<std::vector<bool>> readable;
   std::vector<size_t> scratch_bytes;
+  // Where in device d's scratch the step records a reduce_sgd stages are put (the last
+  // 256 * (replicas whose device d cannot read) bytes of scratch_bytes[d]).
+  std::vector<size_t> records_offset;
 };
 
 AllReducePlan plan_all_reduce(const std::vector<int>& replica_device,
@@ -75,11 +78,15 @@ cudaError_t all_reduce(const AllReducePlan& plan, const ScheduleReplicas<T>& buf
 
 // The reduction of grads fused with torch.optim.SGD's step: every params[r] (and momenta[r],
 // empty when sgd.momentum is 0) ends holding the same updated values. grads is reduced in place
-// unless the plan's algorithm is two_shot (which never writes grads).
+// unless the plan's algorithm is two_shot (which never writes grads). records: none, or one
+// step_status record per replica on its replica's device (StepRecords); when any says NaN/Inf
+// or a bad label no params or momenta are written, decided on the devices (records a device
+// cannot read are staged into its scratch after the opening barrier).
 template <typename T>
 cudaError_t reduce_sgd(const AllReducePlan& plan, const ScheduleReplicas<T>& grads,
                        const std::vector<T*>& params, const std::vector<T*>& momenta,
-                       SgdArgs sgd, bool mean, const std::vector<void*>& scratch);
+                       SgdArgs sgd, bool mean, const std::vector<void*>& scratch,
+                       const std::vector<const double*>& records = {});
 
 }  // namespace cuda
 }  // namespace dpcuda

@@ -527,7 +527,7 @@ void test_all_reduce_kernels(std::mt19937& rng) {
             mout.ptr[r] = m.back()->ptr;
           }
           CHECK(dpcuda::cuda::reduce_sgd_range<T>(gin, R, pout, R, mout, momentum ? R : 0, begin,
-                                                  n, true, sgd, nullptr) == cudaSuccess);
+                                                  n, true, sgd, {}, nullptr) == cudaSuccess);
           // sgd_range on the reduced gradient: the same element formula, the same bits.
           std::vector<T> reduced(n);
           for (int64_t i = 0; i < n; ++i) reduced[i] = fixed_sum(x, i, true);
@@ -537,7 +537,7 @@ void test_all_reduce_kernels(std::mt19937& rng) {
           dm.upload(m0);
           CHECK(dpcuda::cuda::sgd_range<T>(dr.ptr + begin, dp.ptr + begin,
                                            momentum ? dm.ptr + begin : nullptr, n - begin, sgd,
-                                           nullptr) == cudaSuccess);
+                                           {}, nullptr) == cudaSuccess);
           const std::vector<T> sp = dp.download(), sm = dm.download();
           if constexpr (std::is_same<T, float>::value || std::is_same<T, double>::value) {
             // The CPU kernel (built with -ffp-contract=off) gives the same bits: the rule of
@@ -692,6 +692,100 @@ void test_step_status(std::mt19937& rng) {
   CHECK(std::isnan(r[0]) && r[1] == 0.0 && r[2] == 0.0);
 }
 
+// The update obeys the step records: with every record clear it writes what it writes without
+// records; when any record says NaN/Inf (1, or NaN) or a bad label it writes nothing, neither
+// parameters nor momenta, in every block. Launches alternate between the two, so a block that
+// took a stale verdict (the barrier after thread 0 reads the records) would show.
+template <typename T>
+void test_update_obeys_records(std::mt19937& rng) {
+  std::normal_distribution<double> dist(0.0, 10.0);
+  const dpcuda::cuda::SgdArgs sgd{0.1f, 0.9f, 0.01f, 0.1, 0.9, 0.01};
+  for (int R : {1, 2, 3}) {
+    for (int64_t n : {int64_t(5), int64_t(4099)}) {
+      std::vector<std::unique_ptr<DeviceBuffer<T>>> g, p, m;
+      std::vector<std::unique_ptr<DeviceBuffer<double>>> rec;
+      dpcuda::cuda::Replicas<const T> gin{};
+      dpcuda::cuda::Replicas<T> pout{}, mout{};
+      dpcuda::cuda::StepRecords records{};
+      records.n = R;
+      std::vector<std::vector<T>> x(R, std::vector<T>(n));
+      std::vector<T> p0(n), m0(n);
+      for (auto& v : p0) v = from_double<T>(dist(rng));
+      for (auto& v : m0) v = from_double<T>(dist(rng) * 0.1);
+      for (int r = 0; r < R; ++r) {
+        for (auto& v : x[r]) v = from_double<T>(dist(rng));
+        g.push_back(std::make_unique<DeviceBuffer<T>>(n));
+        g.back()->upload(x[r]);
+        gin.ptr[r] = g.back()->ptr;
+        p.push_back(std::make_unique<DeviceBuffer<T>>(n));
+        pout.ptr[r] = p.back()->ptr;
+        m.push_back(std::make_unique<DeviceBuffer<T>>(n));
+        mout.ptr[r] = m.back()->ptr;
+        rec.push_back(std::make_unique<DeviceBuffer<double>>(3));
+        records.ptr[r] = rec.back()->ptr;
+      }
+      // The update without records, the reference for a clear verdict.
+      for (int r = 0; r < R; ++r) {
+        p[r]->upload(p0);
+        m[r]->upload(m0);
+      }
+      CHECK(dpcuda::cuda::reduce_sgd_range<T>(gin, R, pout, R, mout, R, 0, n, false, sgd, {},
+                                              nullptr) == cudaSuccess);
+      const std::vector<T> want_p = p[0]->download(), want_m = m[0]->download();
+      for (int turn = 0; turn < 8; ++turn) {
+        // Even turns clear; odd turns one replica's record says skip, in one of three ways.
+        const bool skip = turn % 2 == 1;
+        const int who = static_cast<int>(rng() % R);
+        const int how = static_cast<int>(rng() % 3);
+        for (int r = 0; r < R; ++r) {
+          std::vector<double> v = {dist(rng), 0.0, 0.0};
+          if (skip && r == who) {
+            if (how == 0) v[1] = 1.0;
+            if (how == 1) v[2] = 1.0;
+            if (how == 2) v[1] = kNaN;
+          }
+          rec[r]->upload(v);
+          p[r]->upload(p0);
+          m[r]->upload(m0);
+        }
+        const bool fused = rng() % 2 == 0;
+        if (fused) {
+          CHECK(dpcuda::cuda::reduce_sgd_range<T>(gin, R, pout, R, mout, R, 0, n, false, sgd,
+                                                  records, nullptr) == cudaSuccess);
+        } else {
+          // sgd_range on each replica's own gradient here; the reference is the fused update
+          // only when R == 1 (one replica's sum is its gradient).
+          for (int r = 0; r < R; ++r) {
+            CHECK(dpcuda::cuda::sgd_range<T>(g[r]->ptr, p[r]->ptr, m[r]->ptr, n, sgd, records,
+                                             nullptr) == cudaSuccess);
+          }
+        }
+        for (int r = 0; r < R; ++r) {
+          const std::vector<T> gp = p[r]->download(), gm = m[r]->download();
+          bool ok;
+          if (skip) {
+            ok = std::memcmp(gp.data(), p0.data(), n * sizeof(T)) == 0 &&
+                 std::memcmp(gm.data(), m0.data(), n * sizeof(T)) == 0;
+          } else if (fused || R == 1) {
+            ok = std::memcmp(gp.data(), want_p.data(), n * sizeof(T)) == 0 &&
+                 std::memcmp(gm.data(), want_m.data(), n * sizeof(T)) == 0;
+          } else {
+            ok = std::memcmp(gp.data(), p0.data(), n * sizeof(T)) != 0;  // it was applied
+          }
+          if (!ok) {
+            ++dpcuda_test::failures();
+            if (++g_reported <= 20)
+              std::printf("%s (%s) R=%d n=%lld turn %d (skip %d, how %d): the records were not "
+                          "obeyed on replica %d\n",
+                          fused ? "reduce_sgd_range" : "sgd_range", name<T>(), R, (long long)n,
+                          turn, skip, how, r);
+          }
+        }
+      }
+    }
+  }
+}
+
 template <typename T>
 void test_dtype(uint64_t seed) {
   std::mt19937 rng(static_cast<unsigned>(seed));
@@ -710,6 +804,7 @@ void test_dtype(uint64_t seed) {
   test_cross_entropy_many_rows<T>(rng);
   lap("cross_entropy");
   test_all_reduce_kernels<T>(rng);
+  test_update_obeys_records<T>(rng);
   lap("all-reduce kernels");
   test_step_status<T, float>(rng);
   test_step_status<T, double>(rng);

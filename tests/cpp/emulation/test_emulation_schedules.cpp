@@ -34,6 +34,9 @@ struct Case {
   int64_t n;
   bool sgd;
   bool momentum;
+  // With sgd: the replicas' step records given to reduce_sgd: none, all clear, or one (a
+  // random replica) saying NaN/Inf or a bad label, when no replica may be updated.
+  enum { kNone, kClear, kSkip } records = kNone;
 };
 
 template <typename T>
@@ -87,11 +90,25 @@ void run_case(const Case& c, uint64_t seed) {
     want_p[i] = from_float<T>(p - lr * d);
     want_m[i] = from_float<T>(d);
   }
+  const bool skip = c.records == Case::kSkip;
+  if (skip) {
+    want_p = p0;
+    want_m = m0;
+  }
+  const int who = static_cast<int>(rng() % R);
   std::vector<std::unique_ptr<DeviceBuffer<T>>> g, p, m;
+  std::vector<std::unique_ptr<DeviceBuffer<double>>> rec;
+  std::vector<const double*> records;
   dpcuda::cuda::ScheduleReplicas<T> reps;
   std::vector<T*> params, momenta;
   for (int r = 0; r < R; ++r) {
     CUDA_OK(cudaSetDevice(r % D));
+    if (c.records != Case::kNone) {
+      rec.push_back(std::make_unique<DeviceBuffer<double>>(3));
+      rec.back()->upload({0.5, skip && r == who && who % 2 == 0 ? 1.0 : 0.0,
+                          skip && r == who && who % 2 == 1 ? 1.0 : 0.0});
+      records.push_back(rec.back()->ptr);
+    }
     g.push_back(std::make_unique<DeviceBuffer<T>>(c.n));
     g.back()->upload(x[r]);
     reps.data.push_back(g.back()->ptr);
@@ -118,7 +135,8 @@ void run_case(const Case& c, uint64_t seed) {
   }
   CUDA_OK(cudaSetDevice(0));
   if (c.sgd) {
-    CUDA_OK(dpcuda::cuda::reduce_sgd<T>(plan, reps, params, momenta, sgd, true, scratch_ptrs));
+    CUDA_OK(dpcuda::cuda::reduce_sgd<T>(plan, reps, params, momenta, sgd, true, scratch_ptrs,
+                                        records));
   } else {
     CUDA_OK(dpcuda::cuda::all_reduce<T>(plan, reps, scratch_ptrs, true));
   }
@@ -142,10 +160,11 @@ void run_case(const Case& c, uint64_t seed) {
     }
   }
   if (!ok) {
-    std::printf("schedule %d R=%d devices=%d peers=%d n=%lld sgd=%d momentum=%d (%zu-byte): "
-                "replicas differ from the fixed-order sum\n",
+    std::printf("schedule %d R=%d devices=%d peers=%d n=%lld sgd=%d momentum=%d records=%d "
+                "(%zu-byte): replicas differ from the expected values\n",
                 static_cast<int>(c.algorithm), R, D, static_cast<int>(c.peers),
-                static_cast<long long>(c.n), c.sgd, c.momentum, sizeof(T));
+                static_cast<long long>(c.n), c.sgd, c.momentum, static_cast<int>(c.records),
+                sizeof(T));
     ++dpcuda_test::failures();
   }
   emu_test::expect_no_reports("schedules");
@@ -171,6 +190,13 @@ int main() {
       run_case<__half>({R, R, Peers::kMixed, a, 1001, false, false}, ++seed);
       run_case<__half>({R, R, Peers::kNone, a, 1001, true, true}, ++seed);
       run_case<double>({R, R, Peers::kAll, a, 999, true, false}, ++seed);
+      // The update obeying the replicas' step records (staged where a device cannot read them).
+      for (Peers peers : {Peers::kAll, Peers::kNone, Peers::kMixed}) {
+        run_case<float>({R, R, peers, a, 1000, true, true, Case::kClear}, ++seed);
+        run_case<float>({R, R, peers, a, 1000, true, true, Case::kSkip}, ++seed);
+      }
+      run_case<float>({R, (R + 1) / 2, Peers::kNone, a, 1000, true, false, Case::kSkip}, ++seed);
+      run_case<__half>({R, R, Peers::kMixed, a, 1001, true, true, Case::kSkip}, ++seed);
     }
   }
   // Buffers long enough for the ring to pipeline several chunks.
