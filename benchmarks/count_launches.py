@@ -2,7 +2,10 @@
 steady-state training step (784-256-10 relu MLP, batch 256, inputs and labels on the GPU),
 counted by torch.profiler and torch.cuda's sync debug mode over 5 steps, for torch eager
 (nn.Sequential, F.cross_entropy, torch.optim.SGD) and for dpcuda's DataParallel (FusedMLP,
-SoftmaxCrossEntropyLoss). The correctness of the CUDA step is tests/test_cuda_step.py's.
+SoftmaxCrossEntropyLoss; blocking and blocking=False). The sync debug mode flags stream and
+device synchronisations, blocking copies and reads of device values; it does not see a host
+wait on an event, which a blocking=False step makes only when the host is DataParallel.lag steps
+ahead of the device. The correctness of the CUDA step is tests/test_cuda_step.py's.
 
     python benchmarks/count_launches.py [--json FILE]
 """
@@ -73,15 +76,21 @@ def launches():
             dp = DataParallel(FusedMLP([784, 256, 10]), ["cuda:0"] * R, lr=0.1, momentum=mom)
             rows[f"dpcuda {R} replica(s), momentum {mom}"] = (
                 lambda dp=dp: dp.step(x, y, SoftmaxCrossEntropyLoss()))
-    dp = DataParallel(FusedMLP([784, 256, 10]), ["cuda:0"], lr=0.1, momentum=0.9)
     y_host = y.cpu()
-    rows["dpcuda 1 replica, labels in host memory"] = (
-        lambda: dp.step(x, y_host, SoftmaxCrossEntropyLoss()))
+    for blocking in (True, False):
+        dp = DataParallel(FusedMLP([784, 256, 10]), ["cuda:0"], lr=0.1, momentum=0.9,
+                          blocking=blocking)
+        mode = "" if blocking else ", blocking=False"
+        if not blocking:
+            rows[f"dpcuda 1 replica{mode}"] = (
+                lambda dp=dp: dp.step(x, y, SoftmaxCrossEntropyLoss()))
+        rows[f"dpcuda 1 replica, labels in host memory{mode}"] = (
+            lambda dp=dp: dp.step(x, y_host, SoftmaxCrossEntropyLoss()))
     out = {}
     for name, fn in rows.items():
         kinds, syncs, names = count_step(fn)
         out[name] = {"per_step": kinds, "host_syncs": syncs, "kernels": names}
-        print(f"{name:42s} kernels {kinds.get('kernel', 0):5.1f}  "
+        print(f"{name:58s} kernels {kinds.get('kernel', 0):5.1f}  "
               f"memcpy {kinds.get('memcpy', 0):4.1f}  memset {kinds.get('memset', 0):4.1f}  "
               f"syncs {syncs:4.1f}", flush=True)
     return out

@@ -607,12 +607,15 @@ class DataParallel:
         if summed is None:
             dens = list(sizes)
         else:
-            # Counted in host memory: no device synchronisation for targets there (as a
-            # DataLoader gives them); for targets on a GPU one copy (a synchronisation) and, up
-            # to 65536 labels, no kernel (more are compared there and copied as a mask, an
-            # eighth of the bytes).
-            small = targets.device.type == "cpu" or targets.numel() <= 65536
-            kept = targets.cpu() != summed[1] if small else (targets != summed[1]).cpu()
+            # Counted in host memory (numpy, no op): no device synchronisation for targets there
+            # (as a DataLoader gives them); for targets on a GPU one copy (a synchronisation)
+            # and, up to 65536 labels, no kernel (more are compared there and copied as a mask,
+            # an eighth of the bytes).
+            y = targets.detach()
+            if y.device.type == "cpu" or y.numel() <= 65536:
+                kept = y.cpu().numpy() != summed[1]
+            else:
+                kept = (y != summed[1]).cpu().numpy()
             bounds = [0]
             for n in sizes:
                 bounds.append(bounds[-1] + n)
@@ -783,16 +786,17 @@ class DataParallel:
         cuda = sorted({r.device for r in self._replicas if r.device.type == "cuda"},
                       key=str)
         if cuda:
-            host = torch.empty((len(records), 3), dtype=torch.float64, pin_memory=True)
-            for row, x in zip(host, records):
-                row.copy_(x, non_blocking=True)
+            host = []
+            for x in records:
+                host.append(torch.empty(3, dtype=torch.float64, pin_memory=True))
+                host[-1].copy_(x, non_blocking=True)
             events = []
             for device in cuda:
                 event = torch.cuda.Event()
                 event.record(torch.cuda.current_stream(device))
                 events.append(event)
         else:
-            host, events = torch.stack(records), []
+            host, events = records, []
         self._pending.append((self.steps, host, events, targets, summed, self._classes))
         self.steps += 1
         return loss
@@ -815,10 +819,11 @@ class DataParallel:
                 for e in events:
                     e.synchronize()
             self._pending.popleft()
-            if bool(host[:, 2].any()):
+            rows = [h.numpy() for h in host]  # host memory, read with no op
+            if any(r[2] != 0 for r in rows):
                 self._classes = classes
                 self._raise_label_error(targets, summed, step)
-            if bool(host[:, 1].any()):
+            if any(r[1] != 0 for r in rows):
                 warnings.warn(f"dpcuda DataParallel: step {step} has NaN or Inf gradients; "
                               f"skipped (weights unchanged)", RuntimeWarning, stacklevel=3)
                 self.skipped_steps += 1

@@ -120,11 +120,70 @@ def test_a_step_of_the_mlp_stays_within_the_launch_budget():
     torch.manual_seed(0)
     x = torch.randn(256, 784, device="cuda")
     y = torch.randint(0, 10, (256,), device="cuda")
-    for labels, syncs_now in ((y, 2), (y.cpu(), 1)):
+    # blocking=False: no synchronisation with labels in host memory, 1 (the row count) with
+    # labels on the GPU.
+    cases = ((y, True, 2), (y.cpu(), True, 1), (y, False, 1), (y.cpu(), False, 0))
+    for labels, blocking, syncs_now in cases:
         for momentum in (0.0, 0.9):
-            dp = DataParallel(FusedMLP([784, 256, 10]), ["cuda:0"], lr=0.1, momentum=momentum)
+            dp = DataParallel(FusedMLP([784, 256, 10]), ["cuda:0"], lr=0.1, momentum=momentum,
+                              blocking=blocking)
             kinds, syncs, names = count_step(
                 lambda: dp.step(x, labels, SoftmaxCrossEntropyLoss()))
             assert kinds.get("kernel", 0) <= 12, names
             assert kinds.get("memset", 0) == 0, kinds
-            assert syncs <= syncs_now, syncs
+            assert syncs <= syncs_now, (blocking, labels.device, syncs)
+
+
+@pytest.mark.parametrize("replicas", [1, 2, 3])
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("labels", ["cuda", "cpu"])
+def test_cuda_nonblocking_training_is_the_blocking_training(replicas, fused, labels):
+    # The same weights bit for bit, the same losses and the same skipped step: the update that
+    # skips itself on the device from the status records is the blocking step's skip.
+    data = batches(torch.float32, nan_step=1, ignore=True, steps=5)
+    results = []
+    for blocking in (True, False):
+        dp = DataParallel(mlp(fused, torch.float32), ["cuda:0"] * replicas, lr=0.1,
+                          momentum=0.9, weight_decay=1e-3, blocking=blocking)
+        losses = []
+        for x, y in data:
+            loss = dp.step(x.cuda(), y.cuda() if labels == "cuda" else y,
+                           SoftmaxCrossEntropyLoss())
+            if not blocking:
+                assert loss.device == torch.device("cuda:0") and loss.dtype == torch.float64
+            losses.append(loss)
+        if not blocking:
+            dp.synchronize()
+        results.append(([float(v) for v in losses],
+                        [p.detach().clone() for p in dp.module.parameters()], dp.skipped_steps))
+    (la, wa, sa), (lb, wb, sb) = results
+    assert sa == sb == 1
+    assert la == pytest.approx(lb, rel=0, abs=0, nan_ok=True)
+    for a, b in zip(wa, wb):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_cuda_nonblocking_bad_label_raises_at_the_next_call(replicas):
+    # The CUDA loss kernel's flag, read from the status record a step later: the bad step's
+    # update skipped itself on the device; the next call raises naming the step and position.
+    dp = DataParallel(mlp(True, torch.float32), ["cuda:0"] * replicas, lr=0.1, momentum=0.9,
+                      blocking=False)
+    data = [(x.cuda(), y.cuda()) for x, y in batches(torch.float32, bad_label_step=1, steps=3)]
+    loss_fn = SoftmaxCrossEntropyLoss()
+    dp.step(*data[0], loss_fn)
+    dp.synchronize()
+    before = [p.detach().clone() for p in dp.module.parameters()]
+    dp.step(*data[1], loss_fn)  # label 5 at position 9, of 5 classes
+    torch.cuda.synchronize()
+    assert all(torch.equal(p, b) for p, b in zip(dp.module.parameters(), before))
+    with pytest.raises(ValueError, match=r"step 1: labels must be class indices in \[0, 5\) or "
+                                         r"ignore_index \(-100\); got 5 at position 9"):
+        dp.step(*data[2], loss_fn)
+    assert dp.steps == 2
+    dp.step(*data[2], loss_fn)
+    dp.synchronize()
+    assert not all(torch.equal(p, b) for p, b in zip(dp.module.parameters(), before))
+    for r in dp.replicas[1:]:
+        for a, b in zip(r.parameters(), dp.module.parameters()):
+            assert torch.equal(a, b)

@@ -1,0 +1,262 @@
+"""DataParallel(blocking=False): the update skips itself from the replicas' status records (on
+the device, with no host read), step() returns the loss as a device tensor, and what a step
+found (NaN/Inf gradients, a bad label) is read a step later or at synchronize(). Held against
+the blocking step, which tests/test_parallel.py holds against torch.optim.SGD. On the CPU here;
+tests/test_cuda_step.py runs the CUDA cases where a GPU is present."""
+
+import collections
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from dpcuda.nn import FusedMLP, SoftmaxCrossEntropyLoss
+from dpcuda.parallel import DataParallel
+
+
+def make_model(fused, dtype=torch.float32):
+    torch.manual_seed(1)
+    if fused:
+        return FusedMLP([12, 16, 5]).to(dtype)
+    return torch.nn.Sequential(torch.nn.Linear(12, 16), torch.nn.ReLU(),
+                               torch.nn.Linear(16, 5)).to(dtype)
+
+
+def batches(steps, rows=24, seed=0, nan_steps=(), ignore_steps=(), all_ignored_steps=()):
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for s in range(steps):
+        x = torch.randn(rows, 12, generator=gen)
+        y = torch.randint(0, 5, (rows,), generator=gen)
+        if s in nan_steps:
+            x[int(torch.randint(0, rows, (1,), generator=gen)), 3] = float("nan")
+        if s in ignore_steps:
+            y[::3] = -100
+        if s in all_ignored_steps:
+            y[:] = -100
+        out.append((x, y))
+    return out
+
+
+def run(blocking, model, devices, data, loss_fn, **kw):
+    dp = DataParallel(model, devices, lr=0.1, blocking=blocking, **kw)
+    losses, warned = [], []
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        for x, y in data:
+            loss = dp.step(x, y, loss_fn)
+            losses.append(loss)
+        if not blocking:
+            dp.synchronize()
+    warned = [str(m.message) for m in w if "NaN or Inf" in str(m.message)]
+    return dp, losses, warned
+
+
+@pytest.mark.parametrize("replicas", [1, 2, 3])
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("algorithm", ["auto", "one_shot", "two_shot", "ring"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_nonblocking_training_is_the_blocking_training_bit_for_bit(replicas, fused, algorithm,
+                                                                   dtype):
+    data = [(x.to(dtype), y) for x, y in
+            batches(8, nan_steps=(2, 5), ignore_steps=(3,), all_ignored_steps=(6,))]
+    loss_fn = SoftmaxCrossEntropyLoss() if fused else torch.nn.CrossEntropyLoss()
+    kw = dict(momentum=0.9, weight_decay=1e-3, algorithm=algorithm)
+    a, la, wa = run(True, make_model(fused, dtype), ["cpu"] * replicas, data, loss_fn, **kw)
+    b, lb, wb = run(False, make_model(fused, dtype), ["cpu"] * replicas, data, loss_fn, **kw)
+    for x, y in zip(la, lb):
+        assert isinstance(y, torch.Tensor) and y.dim() == 0 and y.dtype == torch.float64
+        assert y.device == torch.device("cpu")
+        assert (x != x and y != y) or x == y.item(), (x, y)
+    assert wa == wb and len(wa) == 2  # the same warnings, naming the same steps
+    assert a.skipped_steps == b.skipped_steps == 2 and a.steps == b.steps == 8
+    for p, q in zip(a.module.parameters(), b.module.parameters()):
+        assert torch.equal(p, q)
+    for r in b.replicas[1:]:
+        for p, q in zip(r.parameters(), b.module.parameters()):
+            assert torch.equal(p, q)
+
+
+def test_a_skipped_step_warns_at_the_next_call_and_counts_after_it():
+    dp = DataParallel(make_model(False), ["cpu", "cpu"], lr=0.1, momentum=0.9, blocking=False)
+    (x0, y0), (x1, y1), (x2, y2) = batches(3)
+    dp.step(x0, y0, F.cross_entropy)
+    before = [p.detach().clone() for p in dp.module.parameters()]
+    x1 = x1.clone()
+    x1[-1, 0] = float("inf")  # only the second replica's rows see it
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loss = dp.step(x1, y1, F.cross_entropy)  # no warning yet: nothing is read
+    assert torch.isnan(loss) or torch.isinf(loss) or loss.item() > 0
+    # the update skipped itself: weights and momentum as they were
+    assert all(torch.equal(p, b) for p, b in zip(dp.module.parameters(), before))
+    assert dp.skipped_steps == 0
+    with pytest.warns(RuntimeWarning, match="step 1 has NaN or Inf gradients; skipped"):
+        dp.step(x2, y2, F.cross_entropy)
+    assert dp.skipped_steps == 1
+    assert not all(torch.equal(p, b) for p, b in zip(dp.module.parameters(), before))
+    dp.synchronize()
+    dp.synchronize()  # nothing left: no second warning, no error
+    assert dp.skipped_steps == 1
+
+
+class _Flagged:
+    """The CUDA loss kernel's bad-label flag, simulated on the CPU (as test_parallel does)."""
+
+    def __init__(self, monkeypatch):
+        self.flags = {}
+        monkeypatch.setattr(DataParallel, "_flag_tensor", staticmethod(self.flag_of))
+
+    def flag_of(self, device):
+        return self.flags.setdefault(device, torch.zeros(1, dtype=torch.int32))
+
+    def loss(self, out, y):  # a loss whose kernel saw a bad label (and read it clamped)
+        self.flag_of(out.device).fill_(1)
+        return F.cross_entropy(out, y.clamp(0, out.shape[1] - 1))
+
+
+def test_a_bad_label_raises_at_the_next_call_naming_step_and_position(monkeypatch):
+    flagged = _Flagged(monkeypatch)
+    dp = DataParallel(make_model(False), ["cpu"], lr=0.1, momentum=0.9, blocking=False)
+    (x0, y0), (x1, y1), (x2, y2) = batches(3)
+    dp.step(x0, y0, F.cross_entropy)
+    dp.synchronize()
+    before = [p.detach().clone() for p in dp.module.parameters()]
+    momentum = dp._replicas[0].momentum.clone()
+    bad = y1.clone()
+    bad[9] = 7
+    dp.step(x1, bad, flagged.loss)  # returns: the device skips the update by itself
+    assert all(torch.equal(p, b) for p, b in zip(dp.module.parameters(), before))
+    assert torch.equal(dp._replicas[0].momentum, momentum)
+    with pytest.raises(ValueError, match=r"step 1: labels must be class indices in \[0, 5\) or "
+                                         r"ignore_index \(-100\); got 7 at position 9 \(that "
+                                         r"step's update was not applied; this call ran nothing"):
+        dp.step(x2, y2, F.cross_entropy)
+    # this call ran nothing: no step counted, no weight moved
+    assert dp.steps == 2
+    assert all(torch.equal(p, b) for p, b in zip(dp.module.parameters(), before))
+    dp.step(x2, y2, F.cross_entropy)  # and training goes on
+    dp.synchronize()
+    assert dp.steps == 3
+    assert not all(torch.equal(p, b) for p, b in zip(dp.module.parameters(), before))
+
+
+def test_a_bad_label_the_targets_no_longer_hold_still_raises(monkeypatch):
+    flagged = _Flagged(monkeypatch)
+    dp = DataParallel(make_model(False), ["cpu"], lr=0.1, blocking=False)
+    x, y = batches(1)[0]
+    reused = y.clone()
+    dp.step(x, reused, flagged.loss)
+    reused.zero_()  # the caller reused its label buffer before the step was read
+    with pytest.raises(ValueError, match="step 0: a label outside .* no longer hold it"):
+        dp.synchronize()
+
+
+class _Event:
+    """A CUDA event's host side: not done until the host waits for it."""
+
+    def __init__(self, log, step):
+        self.log, self.step, self.done = log, step, False
+
+    def query(self):
+        return self.done
+
+    def synchronize(self):
+        self.log.append(self.step)
+        self.done = True
+
+
+def test_the_host_waits_only_for_the_step_lag_steps_back():
+    dp = DataParallel(make_model(False), ["cpu"], lr=0.1, blocking=False)
+    assert dp.lag == 2
+    waited = []
+    clear = torch.zeros(3, dtype=torch.float64)
+    for step in range(2):
+        dp._pending.append((step, [clear], [_Event(waited, step)], None, None, 5))
+    dp._settle(wait=False)  # two steps in flight: the older one is waited for, not the newer
+    assert waited == [0] and len(dp._pending) == 1
+    dp._settle(wait=False)  # one in flight: no wait
+    assert waited == [0] and len(dp._pending) == 1
+    dp._pending[0][2][0].done = True  # the device finished it: read with no wait
+    dp._settle(wait=False)
+    assert waited == [0] and not dp._pending
+    dp._pending.append((7, [clear], [_Event(waited, 7)], None, None, 5))
+    dp.synchronize()  # waits for everything
+    assert waited == [0, 7] and not dp._pending
+
+
+class _OpLog(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_nonblocking_step_reads_no_tensor_on_the_host(fused):
+    # Reading a tensor's value on the host (.item(), float(), bool(), .tolist(), .nonzero())
+    # is what synchronises with a GPU: every such read is an aten._local_scalar_dense or a
+    # nonzero here. The blocking step makes them (the test can fail); a steady-state
+    # non-blocking step, labels in host memory, makes none: its records are read as numpy
+    # views of host memory once the device has written them.
+    loss_fn = SoftmaxCrossEntropyLoss() if fused else torch.nn.CrossEntropyLoss()
+    reads = ("_local_scalar_dense", "item", "nonzero", "is_nonzero", "equal")
+    for blocking in (True, False):
+        dp = DataParallel(make_model(fused), ["cpu", "cpu"], lr=0.1, momentum=0.9,
+                          blocking=blocking)
+        data = batches(4, ignore_steps=(1,))
+        dp.step(*data[0], loss_fn)
+        with _OpLog() as log:
+            for x, y in data[1:]:
+                dp.step(x, y, loss_fn)
+        found = {op: log.ops[op] for op in reads if log.ops[op]}
+        if blocking:
+            assert found, log.ops
+        else:
+            assert not found, found
+            assert log.ops["reduce_sgd_"] == 3 and log.ops["step_status"] == 6
+
+
+def test_blocking_argument_checks():
+    model = make_model(False)
+    with pytest.raises(TypeError, match="blocking must be True or False"):
+        DataParallel(model, ["cpu"], blocking="no")
+    with pytest.raises(ValueError, match="blocking=False needs reducer='p2p'"):
+        DataParallel(model, ["cpu"], reducer="host", blocking=False)
+
+
+def test_reduce_sgd_obeys_status_records_and_checks_them():
+    torch.manual_seed(0)
+    g = [torch.randn(37) for _ in range(3)]
+    p0 = torch.randn(37)
+    m0 = torch.randn(37)
+
+    def update(status):
+        ps = [p0.clone() for _ in g]
+        ms = [m0.clone() for _ in g]
+        torch.ops.dpcuda.reduce_sgd_(ps, [x.clone() for x in g], ms, 0.1, 0.9, 1e-3, False,
+                                     "auto", status)
+        return ps, ms
+
+    plain_p, plain_m = update(None)
+    clear = [torch.tensor([1.5, 0.0, 0.0], dtype=torch.float64) for _ in g]
+    ps, ms = update(clear)
+    assert all(torch.equal(a, b) for a, b in zip(ps + ms, plain_p + plain_m))
+    for col, value in ((1, 1.0), (2, 1.0), (1, float("nan"))):
+        for who in range(3):
+            status = [x.clone() for x in clear]
+            status[who][col] = value
+            ps, ms = update(status)
+            assert all(torch.equal(a, p0) for a in ps) and all(torch.equal(a, m0) for a in ms)
+    with pytest.raises(ValueError, match="status must be empty or hold one step_status record "
+                                         "per replica"):
+        update(clear[:2])
+    with pytest.raises(ValueError, match=r"status\[1\] must be a step_status record"):
+        update([clear[0], clear[1].float(), clear[2]])
+    with pytest.raises(ValueError, match=r"status\[2\] must be a step_status record"):
+        update([clear[0], clear[1], torch.zeros(4, dtype=torch.float64)])
