@@ -227,11 +227,12 @@ def _all_reduce_fake(tensors, op, algorithm):
 
 
 @torch.library.register_fake("dpcuda::step_status")
-def _step_status_fake(grad, loss, label_flag, workspace, clear_flag):
-    return grad.new_empty((3,), dtype=torch.float64)
+def _step_status_fake(grad, loss, label_flag, workspace, clear_flag, labels=None,
+                      ignore_index=-100):
+    return grad.new_empty((4,), dtype=torch.float64)
 
 
 @torch.library.register_fake("dpcuda::reduce_sgd_")
 def _reduce_sgd_fake(params, grads, momentum_buffers, lr, momentum, weight_decay, mean,
-                     algorithm, status=None):
+                     algorithm, status=None, scaled_by=0.0, loss_out=None):
     return None

@@ -387,6 +387,9 @@ class DataParallel:
 
     # How many non-blocking steps the host may run ahead of what it has read.
     lag = 2
+    # Non-blocking steps count the rows a mean is over on the device for labels on a GPU; True
+    # makes them do so for labels in host memory too (a test hook: the CPU runs that path).
+    _count_on_device = False
 
     # The model dtypes whose gradient buffer carries the reducer "dist" record (the loss; the
     # rows, exact to 2**24) behind the gradients; other dtypes send it in a float64 tensor.
@@ -604,7 +607,12 @@ class DataParallel:
         # targets the rows that are not ignored. Each replica's loss is its sum over that
         # denominator of the global batch, so every replica count computes the global mean.
         summed = _summed_loss(loss_fn, targets)
-        if summed is None:
+        # A non-blocking step does not read labels on a GPU: it scales by 1 / every row, each
+        # replica's step_status counts its rows that are not ignored, and the update rescales
+        # the gradient (and the loss) by rows / that count on the device.
+        count_on_device = not self.blocking and summed is not None and (
+            targets.device.type != "cpu" or self._count_on_device)
+        if summed is None or count_on_device:
             dens = list(sizes)
         else:
             # Counted in host memory (numpy, no op): no device synchronisation for targets there
@@ -733,13 +741,17 @@ class DataParallel:
         # gradient buffer holds a NaN or an Inf, its device's bad-label flag (one op; one kernel
         # on CUDA).
         records = []
-        for (l, _), r in zip(results, self._replicas):
+        for (l, _), r, (_, y) in zip(results, self._replicas, parts):
             flag = self._flag_tensor(r.device)
+            labels = None
+            if count_on_device:
+                labels = y.reshape(-1) if y.dtype == torch.long else y.reshape(-1).long()
             records.append(torch.ops.dpcuda.step_status(
                 r.flat_grad, torch.as_tensor(l, device=r.device).detach(), flag, r.status_work,
-                flag is not None and r.device not in shared))
+                flag is not None and r.device not in shared, labels,
+                summed[1] if summed is not None else -100))
         if not self.blocking:
-            return self._step_async(records, targets, summed, global_den)
+            return self._step_async(records, targets, summed, global_den, count_on_device)
         # One host read per replica of its record.
         reads = [x.cpu() for x in records]
         if any(float(x[2]) for x in reads):
@@ -766,23 +778,20 @@ class DataParallel:
         self.steps += 1
         return loss
 
-    def _step_async(self, records, targets, summed, global_den):
-        """The rest of a non-blocking step: the update, which the records skip on the device;
-        the loss as a device tensor; the records copied to host memory, to be read later."""
+    def _step_async(self, records, targets, summed, global_den, count_on_device):
+        """The rest of a non-blocking step: the update, which the records skip (and, with the
+        rows counted on the device, rescale) there, and which writes the loss (the records'
+        losses summed in replica order from 0.0, as the blocking step sums its reads) into a
+        device tensor; the records copied to host memory, to be read later."""
         unused = set.intersection(*(r.unused for r in self._replicas))
         kept = self._keep(unused) if unused else None
-        self._reduce_p2p(records)
+        loss = torch.empty((), dtype=torch.float64, device=self._replicas[0].device)
+        self._reduce_p2p(records, float(global_den) if count_on_device else 0.0, loss)
         if kept is not None:
             for dst, src in kept:
                 dst.copy_(src)
-        first = self._replicas[0].device
-        if global_den > 0:
-            # summed in replica order from 0.0, as the blocking step sums its reads
-            loss = records[0][0]
-            for x in records[1:]:
-                loss = loss + x[0].to(first, non_blocking=True)
-        else:
-            loss = torch.full((), math.nan, dtype=torch.float64, device=first)
+        if not count_on_device and global_den == 0:
+            loss.fill_(math.nan)  # a mean over no rows, as torch's
         cuda = sorted({r.device for r in self._replicas if r.device.type == "cuda"},
                       key=str)
         if cuda:
@@ -902,11 +911,12 @@ class DataParallel:
     def _sgd_args(self):
         return self.lr, self.momentum, self.weight_decay
 
-    def _reduce_p2p(self, records=()):
+    def _reduce_p2p(self, records=(), scaled_by=0.0, loss_out=None):
         rs = self._replicas
         torch.ops.dpcuda.reduce_sgd_([r.flat_param for r in rs], [r.flat_grad for r in rs],
                                      [r.momentum for r in rs] if self.momentum else [],
-                                     *self._sgd_args(), False, self.algorithm, list(records))
+                                     *self._sgd_args(), False, self.algorithm, list(records),
+                                     scaled_by, loss_out)
 
     def _reduce_host(self):
         # The classic scheme: every gradient to host memory, summed there in replica order,

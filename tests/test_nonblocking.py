@@ -5,6 +5,7 @@ the blocking step, which tests/test_parallel.py holds against torch.optim.SGD. O
 tests/test_cuda_step.py runs the CUDA cases where a GPU is present."""
 
 import collections
+import math
 import warnings
 
 import pytest
@@ -198,12 +199,14 @@ class _OpLog(TorchDispatchMode):
 
 
 @pytest.mark.parametrize("fused", [False, True])
-def test_a_nonblocking_step_reads_no_tensor_on_the_host(fused):
+@pytest.mark.parametrize("count_on_device", [False, True])
+def test_a_nonblocking_step_reads_no_tensor_on_the_host(monkeypatch, fused, count_on_device):
     # Reading a tensor's value on the host (.item(), float(), bool(), .tolist(), .nonzero())
     # is what synchronises with a GPU: every such read is an aten._local_scalar_dense or a
     # nonzero here. The blocking step makes them (the test can fail); a steady-state
     # non-blocking step, labels in host memory, makes none: its records are read as numpy
     # views of host memory once the device has written them.
+    monkeypatch.setattr(DataParallel, "_count_on_device", count_on_device)
     loss_fn = SoftmaxCrossEntropyLoss() if fused else torch.nn.CrossEntropyLoss()
     reads = ("_local_scalar_dense", "item", "nonzero", "is_nonzero", "equal")
     for blocking in (True, False):
@@ -236,15 +239,15 @@ def test_reduce_sgd_obeys_status_records_and_checks_them():
     p0 = torch.randn(37)
     m0 = torch.randn(37)
 
-    def update(status):
+    def update(status, scaled_by=0.0, loss_out=None):
         ps = [p0.clone() for _ in g]
         ms = [m0.clone() for _ in g]
         torch.ops.dpcuda.reduce_sgd_(ps, [x.clone() for x in g], ms, 0.1, 0.9, 1e-3, False,
-                                     "auto", status)
+                                     "auto", status, scaled_by, loss_out)
         return ps, ms
 
     plain_p, plain_m = update(None)
-    clear = [torch.tensor([1.5, 0.0, 0.0], dtype=torch.float64) for _ in g]
+    clear = [torch.tensor([1.5, 0.0, 0.0, 2.0], dtype=torch.float64) for _ in g]
     ps, ms = update(clear)
     assert all(torch.equal(a, b) for a, b in zip(ps + ms, plain_p + plain_m))
     for col, value in ((1, 1.0), (2, 1.0), (1, float("nan"))):
@@ -259,4 +262,105 @@ def test_reduce_sgd_obeys_status_records_and_checks_them():
     with pytest.raises(ValueError, match=r"status\[1\] must be a step_status record"):
         update([clear[0], clear[1].float(), clear[2]])
     with pytest.raises(ValueError, match=r"status\[2\] must be a step_status record"):
-        update([clear[0], clear[1], torch.zeros(4, dtype=torch.float64)])
+        update([clear[0], clear[1], torch.zeros(3, dtype=torch.float64)])
+    with pytest.raises(ValueError, match="scaled_by needs status records"):
+        update(None, 6.0)
+    with pytest.raises(ValueError, match="scaled_by must be a non-negative number"):
+        update(clear, -1.0)
+    with pytest.raises(ValueError, match="loss_out needs status records"):
+        update(None, 0.0, torch.empty((), dtype=torch.float64))
+    with pytest.raises(ValueError, match="loss_out must be one float64"):
+        update(clear, 0.0, torch.empty(2, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_reduce_sgd_rescales_by_the_rows_the_records_count(dtype):
+    # scaled_by: the gradients were scaled by 1 / scaled_by rows; the records count the rows
+    # that are not ignored; the reduced gradient (rounded to the dtype) is multiplied by
+    # scaled_by / rows (rounded again) before the step, as the CUDA kernels do
+    # (test_emulation_kernels holds those to the same formula). loss_out: the records' losses
+    # summed in replica order, times that factor; NaN when no row counts.
+    torch.manual_seed(0)
+    g = [torch.randn(37).to(dtype) for _ in range(3)]
+    p0, m0 = torch.randn(37).to(dtype), torch.randn(37).to(dtype)
+
+    def update(counts, scaled_by, momentum=0.9):
+        ps, ms = [p0.clone() for _ in g], [m0.clone() for _ in g]
+        status = [torch.tensor([0.25 * (i + 1), 0.0, 0.0, c], dtype=torch.float64)
+                  for i, c in enumerate(counts)]
+        loss = torch.full((), -1.0, dtype=torch.float64)
+        torch.ops.dpcuda.reduce_sgd_(ps, [x.clone() for x in g], ms if momentum else [], 0.1,
+                                     momentum, 1e-3, False, "auto", status, scaled_by, loss)
+        return ps, ms, loss.item()
+
+    plain = update([0, 0, 0], 0.0)
+    assert plain[2] == 0.25 + 0.5 + 0.75
+    same = update([8, 8, 8], 24.0)  # every row counts: fix exactly 1, the same bits
+    assert all(torch.equal(a, b) for a, b in zip(same[0] + same[1], plain[0] + plain[1]))
+    assert same[2] == plain[2]
+    fewer = update([2, 5, 1], 24.0)  # 8 rows of 24: the gradient tripled
+    total = (g[0].float() + g[1].float() + g[2].float()).to(dtype) if dtype == torch.bfloat16 \
+        else g[0] + g[1] + g[2]
+    grad = (total.float() * 3.0).to(dtype) if dtype == torch.bfloat16 else total * 3.0
+    ref_p, ref_m = [p0.clone()], [m0.clone()]
+    torch.ops.dpcuda.reduce_sgd_(ref_p, [grad], ref_m, 0.1, 0.9, 1e-3, False, "auto")
+    assert all(torch.equal(a, ref_p[0]) for a in fewer[0])
+    assert all(torch.equal(a, ref_m[0]) for a in fewer[1])
+    assert fewer[2] == 1.5 * 3.0
+    none = update([0, 0, 0], 24.0)  # no row counts: loss NaN, the gradient as it is
+    assert math.isnan(none[2])
+    assert all(torch.equal(a, b) for a, b in zip(none[0] + none[1], plain[0] + plain[1]))
+    skipped = torch.tensor([1.0, 1.0, 0.0, 8.0], dtype=torch.float64)  # skip still says the loss
+    ps, ms = [p0.clone() for _ in g], [m0.clone() for _ in g]
+    loss = torch.empty((), dtype=torch.float64)
+    torch.ops.dpcuda.reduce_sgd_(ps, g, ms, 0.1, 0.9, 0.0, False, "auto",
+                                 [skipped, skipped, skipped], 48.0, loss)
+    assert loss.item() == 3.0 * 2.0 and all(torch.equal(a, p0) for a in ps)
+
+
+def test_step_status_counts_the_labels_not_ignored():
+    grad = torch.randn(10)
+    work = torch.zeros(0, dtype=torch.int32)
+    y = torch.tensor([0, -100, 3, 3, 7, -100, 1])
+    rec = torch.ops.dpcuda.step_status(grad, torch.ones(7), None, work, False, y, -100)
+    assert rec.tolist() == [7.0, 0.0, 0.0, 5.0]
+    rec = torch.ops.dpcuda.step_status(grad, torch.ones(7), None, work, False, y, 3)
+    assert rec[3].item() == 5.0
+    rec = torch.ops.dpcuda.step_status(grad, torch.ones(7), None, work, False)
+    assert rec[3].item() == 0.0
+    with pytest.raises(ValueError, match="labels must be int64 class indices"):
+        torch.ops.dpcuda.step_status(grad, torch.ones(7), None, work, False, y.int(), -100)
+
+
+@pytest.mark.parametrize("replicas", [1, 2, 3])
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("algorithm", ["two_shot", "ring"])
+def test_rows_counted_on_the_device_train_as_counted_on_the_host(monkeypatch, replicas, fused,
+                                                                 algorithm):
+    # What a non-blocking step does with labels on a GPU, run on the CPU: scale by every row,
+    # count the rows on the device, rescale in the update. With no ignored label that is the
+    # blocking step bit for bit; with ignored labels the same within rounding (the gradient is
+    # rescaled once more); all ignored gives torch's NaN loss and a zero gradient.
+    monkeypatch.setattr(DataParallel, "_count_on_device", True)
+    loss_fn = SoftmaxCrossEntropyLoss() if fused else torch.nn.CrossEntropyLoss()
+    kw = dict(momentum=0.9, weight_decay=1e-3, algorithm=algorithm)
+    for ignore in ((), (1, 3, 4)):
+        data = batches(6, nan_steps=(2,), ignore_steps=ignore, all_ignored_steps=(5,))
+        a, la, wa = run(True, make_model(fused), ["cpu"] * replicas, data, loss_fn, **kw)
+        b, lb, wb = run(False, make_model(fused), ["cpu"] * replicas, data, loss_fn, **kw)
+        assert wa == wb and a.skipped_steps == b.skipped_steps == 1
+        for i, (x, y) in enumerate(zip(la, lb)):
+            if i == 5:
+                assert math.isnan(x) and math.isnan(y.item())
+            elif ignore:
+                assert y.item() == pytest.approx(x, rel=1e-6, nan_ok=True)  # float32 rows
+            else:
+                assert (x != x and y != y) or x == y.item()
+        for p, q in zip(a.module.parameters(), b.module.parameters()):
+            if ignore:
+                torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6)
+            else:
+                assert torch.equal(p, q)
+        for r in b.replicas[1:]:
+            for p, q in zip(r.parameters(), b.module.parameters()):
+                assert torch.equal(p, q)

@@ -232,16 +232,16 @@ def test_step_status_reads_the_loss_the_flag_and_any_nan_or_inf():
                 flag = torch.ones(1, dtype=torch.int32)
                 out = torch.ops.dpcuda.step_status(g, torch.tensor(2.5), flag, work, clear)
                 assert out.dtype == torch.float64
-                assert out.tolist() == [2.5, 0.0 if bad is None else 1.0, 1.0]
+                assert out.tolist() == [2.5, 0.0 if bad is None else 1.0, 1.0, 0.0]
                 assert int(flag) == (0 if clear else 1)
     # finite elements whose sum overflows: not a NaN or an Inf (the exact test decides)
     for dtype, big in ((torch.float32, 3e38), (torch.float64, 1.7e308), (torch.float16, 6e4),
                        (torch.bfloat16, 3e38)):
         out = torch.ops.dpcuda.step_status(torch.full((10,), big, dtype=dtype),
                                            torch.tensor(1.0), None, work, True)
-        assert out.tolist() == [1.0, 0.0, 0.0], dtype
+        assert out.tolist() == [1.0, 0.0, 0.0, 0.0], dtype
     out = torch.ops.dpcuda.step_status(torch.zeros(0), torch.tensor(1.0), None, work, True)
-    assert out.tolist() == [1.0, 0.0, 0.0]
+    assert out.tolist() == [1.0, 0.0, 0.0, 0.0]
     with pytest.raises(ValueError, match="grad must be a contiguous 1-D"):
         torch.ops.dpcuda.step_status(torch.zeros(2, 2), torch.tensor(1.0), None, work, True)
     # per-row losses: their sum, in float64
@@ -249,7 +249,7 @@ def test_step_status_reads_the_loss_the_flag_and_any_nan_or_inf():
     out = torch.ops.dpcuda.step_status(torch.zeros(2), rows, None, work, True)
     assert out[0].item() == pytest.approx(rows.double().sum().item(), rel=1e-12, abs=1e-12)
     out = torch.ops.dpcuda.step_status(torch.zeros(2), torch.zeros(0), None, work, True)
-    assert out.tolist() == [0.0, 0.0, 0.0]
+    assert out.tolist() == [0.0, 0.0, 0.0, 0.0]
     with pytest.raises(ValueError, match="loss must be floating point"):
         torch.ops.dpcuda.step_status(torch.zeros(2), torch.zeros(2, dtype=torch.int64), None,
                                      work, True)

@@ -171,38 +171,102 @@ void check_sgd_args(const std::vector<Tensor>& params, const std::vector<Tensor>
   }
 }
 
-// status: none, or one step_status record (float64, 3 elements) per replica on its device.
-void check_status_records(const std::vector<Tensor>& status, const std::vector<Tensor>& params) {
+// The step_status record: [loss, NaN/Inf, bad label, rows counted] (csrc/kernels/all_reduce).
+constexpr int64_t kRecord = 4;
+
+// status: none, or one step_status record per replica on its device; scaled_by and loss_out
+// need them.
+void check_status_records(const std::vector<Tensor>& status, const std::vector<Tensor>& params,
+                          double scaled_by, const c10::optional<Tensor>& loss_out) {
   TORCH_CHECK_VALUE(status.empty() || status.size() == params.size(), "status must be empty or ",
                     "hold one step_status record per replica (", params.size(), "); got ",
                     status.size());
   for (size_t i = 0; i < status.size(); ++i) {
     const Tensor& s = status[i];
-    TORCH_CHECK_VALUE(s.scalar_type() == at::kDouble && s.dim() == 1 && s.numel() == 3 &&
-                          s.is_contiguous(),
-                      "status[", i, "] must be a step_status record (3 contiguous float64), ",
-                      "got ", s.scalar_type(), " of shape ", s.sizes());
+    TORCH_CHECK_VALUE(s.scalar_type() == at::kDouble && s.dim() == 1 &&
+                          s.numel() == kRecord && s.is_contiguous(),
+                      "status[", i, "] must be a step_status record (", kRecord,
+                      " contiguous float64), got ", s.scalar_type(), " of shape ", s.sizes());
     TORCH_CHECK_VALUE(s.device() == params[i].device(), "status[", i, "] is on ", s.device(),
                       " but params[", i, "] is on ", params[i].device());
   }
+  TORCH_CHECK_VALUE(std::isfinite(scaled_by) && scaled_by >= 0.0,
+                    "scaled_by must be a non-negative number of rows, got ", scaled_by);
+  TORCH_CHECK_VALUE(scaled_by == 0.0 || !status.empty(), "scaled_by needs status records");
+  if (loss_out.has_value() && loss_out->defined()) {
+    TORCH_CHECK_VALUE(!status.empty(), "loss_out needs status records");
+    TORCH_CHECK_VALUE(loss_out->scalar_type() == at::kDouble && loss_out->numel() == 1,
+                      "loss_out must be one float64, got ", loss_out->scalar_type(), " of ",
+                      loss_out->numel(), " elements");
+    TORCH_CHECK_VALUE(loss_out->device() == params[0].device(), "loss_out is on ",
+                      loss_out->device(), " but params[0] is on ", params[0].device());
+    TORCH_CHECK_VALUE(params[0].numel() > 0, "loss_out needs parameters to update (params ",
+                      "are empty)");
+  }
+}
+
+// What the records say, read on the host (the CPU's records are in host memory), as the CUDA
+// kernels read them: skip, the gradient's factor, the step's loss.
+struct HostVerdict {
+  bool skip = false;
+  double fix = 1.0;
+  double loss = 0.0;
+};
+
+HostVerdict read_records(const std::vector<Tensor>& records, double scaled_by) {
+  HostVerdict v;
+  double rows = 0.0;
+  for (const Tensor& s : records) {
+    const double* r = s.data_ptr<double>();
+    v.skip = v.skip || r[1] != 0.0 || r[2] != 0.0;
+    v.loss += r[0];
+    rows += r[3];
+  }
+  if (scaled_by > 0.0) {
+    if (rows > 0.0) {
+      v.fix = scaled_by / rows;
+      v.loss *= v.fix;
+    } else {
+      v.loss = std::nan("");
+    }
+  }
+  return v;
 }
 
 void reduce_sgd_cpu(at::TensorList params, at::TensorList grads, at::TensorList momentum_buffers,
                     double lr, double momentum, double weight_decay, bool mean,
-                    c10::string_view algorithm, c10::optional<at::TensorList> status) {
+                    c10::string_view algorithm, c10::optional<at::TensorList> status,
+                    double scaled_by, const c10::optional<Tensor>& loss_out) {
   const std::vector<Tensor> p = params.vec(), g = grads.vec();
   const std::vector<Tensor> m = momentum != 0.0 ? momentum_buffers.vec() : std::vector<Tensor>();
   const std::vector<Tensor> records = status.has_value() ? status->vec() : std::vector<Tensor>();
   check_sgd_args(p, g, m, lr, momentum, weight_decay);
-  check_status_records(records, p);
-  for (const Tensor& s : records) {
-    const double* v = s.data_ptr<double>();
-    if (v[1] != 0.0 || v[2] != 0.0) return;  // a NaN/Inf gradient or a bad label: no update
+  check_status_records(records, p, scaled_by, loss_out);
+  const HostVerdict v = read_records(records, scaled_by);
+  if (loss_out.has_value() && loss_out->defined()) loss_out->fill_(v.loss);
+  if (v.skip) return;  // a NaN/Inf gradient or a bad label: no update
+  if (v.fix != 1.0) {
+    // The CUDA kernels' order: the fixed-order sum (or mean; in float for the half types),
+    // rounded to the buffer type, times fix, rounded again; then the step on replica 0's
+    // buffers, copied to the others.
+    const bool half = is_half_type(p[0]);
+    Tensor acc = half ? g[0].to(at::kFloat) : g[0].clone();
+    for (size_t r = 1; r < g.size(); ++r) acc.add_(half ? g[r].to(at::kFloat) : g[r]);
+    if (mean) acc.div_(static_cast<double>(g.size()));
+    Tensor reduced = acc.to(p[0].scalar_type());
+    reduced = (half ? reduced.to(at::kFloat) : reduced).mul_(v.fix).to(p[0].scalar_type());
+    std::vector<Tensor> m0;
+    if (!m.empty()) m0.push_back(m[0]);
+    reduce_sgd_cpu({p[0]}, {reduced}, m0, lr, momentum, weight_decay, false, algorithm,
+                   c10::nullopt, 0.0, c10::nullopt);
+    for (size_t r = 1; r < p.size(); ++r) p[r].copy_(p[0]);
+    for (size_t r = 1; r < m.size(); ++r) m[r].copy_(m[0]);
+    return;
   }
   if (is_half_type(p[0])) {
     std::vector<Tensor> fp = as_float(p), fm = as_float(m);
     reduce_sgd_cpu(fp, as_float(g), fm, lr, momentum, weight_decay, mean, algorithm,
-                   c10::nullopt);
+                   c10::nullopt, 0.0, c10::nullopt);
     for (size_t i = 0; i < p.size(); ++i) p[i].copy_(fp[i]);
     for (size_t i = 0; i < m.size(); ++i) m[i].copy_(fm[i]);
     return;
@@ -320,12 +384,16 @@ void all_reduce_cuda(at::TensorList tensors, c10::string_view op, c10::string_vi
 void reduce_sgd_cuda(at::TensorList params, at::TensorList grads,
                      at::TensorList momentum_buffers, double lr, double momentum,
                      double weight_decay, bool mean, c10::string_view algorithm,
-                     c10::optional<at::TensorList> status) {
+                     c10::optional<at::TensorList> status, double scaled_by,
+                     const c10::optional<Tensor>& loss_out) {
   const std::vector<Tensor> p = params.vec(), g = grads.vec();
   const std::vector<Tensor> m = momentum != 0.0 ? momentum_buffers.vec() : std::vector<Tensor>();
   const std::vector<Tensor> st = status.has_value() ? status->vec() : std::vector<Tensor>();
   check_sgd_args(p, g, m, lr, momentum, weight_decay);
-  check_status_records(st, p);
+  check_status_records(st, p, scaled_by, loss_out);
+  double* loss_ptr = loss_out.has_value() && loss_out->defined()
+                         ? loss_out->data_ptr<double>()
+                         : nullptr;
   std::vector<const double*> records;
   for (const Tensor& s : st) records.push_back(s.data_ptr<double>());
   check_cuda_dtype(p[0], "params");
@@ -340,7 +408,7 @@ void reduce_sgd_cuda(at::TensorList params, at::TensorList grads,
     check_cuda(cuda::reduce_sgd<CT<scalar_t>>(call.plan, replicas_of<scalar_t>(g),
                                               replicas_of<scalar_t>(p).data,
                                               replicas_of<scalar_t>(m).data, sgd, mean,
-                                              call.scratch_ptrs, records),
+                                              call.scratch_ptrs, records, scaled_by, loss_ptr),
                "reduce_sgd");
   });
 }
@@ -349,9 +417,11 @@ void reduce_sgd_cuda(at::TensorList params, at::TensorList grads,
 
 // step_status: what a step checks before its update, as float64 [loss (the sum of its
 // elements: a replica's per-row losses, or their sum), 1 if grad holds a NaN or an Inf else 0,
-// the bad-label flag] on grad's device; the flag set back to 0 if clear_flag.
+// the bad-label flag, the labels that are not ignore_index] on grad's device; the flag set back
+// to 0 if clear_flag.
 void check_status_args(const Tensor& grad, const Tensor& loss,
-                       const c10::optional<Tensor>& label_flag) {
+                       const c10::optional<Tensor>& label_flag,
+                       const c10::optional<Tensor>& labels) {
   TORCH_CHECK_VALUE(grad.dim() == 1 && grad.is_contiguous(),
                     "grad must be a contiguous 1-D tensor, got shape ", grad.sizes());
   const auto dt = grad.scalar_type();
@@ -367,16 +437,22 @@ void check_status_args(const Tensor& grad, const Tensor& loss,
                       label_flag->numel(), " elements");
     check_same_device(*label_flag, "label_flag", grad, "grad");
   }
+  if (labels.has_value() && labels->defined()) {
+    TORCH_CHECK_VALUE(labels->scalar_type() == at::kLong, "labels must be int64 class indices, ",
+                      "got ", labels->scalar_type());
+    check_same_device(*labels, "labels", grad, "grad");
+  }
 }
 
 Tensor step_status_cpu(const Tensor& grad, const Tensor& loss,
                        const c10::optional<Tensor>& label_flag, Tensor& workspace,
-                       bool clear_flag) {
-  check_status_args(grad, loss, label_flag);
+                       bool clear_flag, const c10::optional<Tensor>& labels,
+                       int64_t ignore_index) {
+  check_status_args(grad, loss, label_flag, labels);
   // The CPU uses none of it, but takes what CUDA takes.
   TORCH_CHECK_VALUE(workspace.scalar_type() == at::kInt, "workspace must be int32, got ",
                     workspace.scalar_type());
-  Tensor out = at::empty({3}, grad.options().dtype(at::kDouble));
+  Tensor out = at::empty({kRecord}, grad.options().dtype(at::kDouble));
   double* o = out.data_ptr<double>();
   o[0] = loss.to(at::kDouble).sum().item<double>();
   // A sum is finite when every element is (a NaN or an Inf carries through every addition);
@@ -388,14 +464,20 @@ Tensor step_status_cpu(const Tensor& grad, const Tensor& loss,
   const bool has_flag = label_flag.has_value() && label_flag->defined();
   o[2] = has_flag ? static_cast<double>(label_flag->item<int>()) : 0.0;
   if (has_flag && clear_flag) label_flag->zero_();
+  o[3] = labels.has_value() && labels->defined()
+             ? static_cast<double>(labels->ne(ignore_index).sum().item<int64_t>())
+             : 0.0;
   return out;
 }
 
 #ifdef DPCUDA_WITH_CUDA
+static_assert(kRecord == cuda::kRecord, "one record layout for the CPU and CUDA");
+
 Tensor step_status_cuda(const Tensor& grad, const Tensor& loss,
                         const c10::optional<Tensor>& label_flag, Tensor& workspace,
-                        bool clear_flag) {
-  check_status_args(grad, loss, label_flag);
+                        bool clear_flag, const c10::optional<Tensor>& labels,
+                        int64_t ignore_index) {
+  check_status_args(grad, loss, label_flag, labels);
   check_cuda_dtype(grad, "grad");
   TORCH_CHECK_VALUE(workspace.scalar_type() == at::kInt && workspace.is_contiguous() &&
                         workspace.numel() >= cuda::step_status_workspace(),
@@ -411,7 +493,11 @@ Tensor step_status_cuda(const Tensor& grad, const Tensor& loss,
           ? at::zeros({1}, loss.options().dtype(loss.scalar_type() == at::kDouble ? at::kDouble
                                                                                   : at::kFloat))
           : (loss.scalar_type() == at::kDouble ? loss : loss.to(at::kFloat)).contiguous();
-  Tensor out = at::empty({3}, grad.options().dtype(at::kDouble));
+  Tensor out = at::empty({kRecord}, grad.options().dtype(at::kDouble));
+  const bool has_labels = labels.has_value() && labels->defined();
+  const Tensor y = has_labels ? labels->contiguous() : Tensor();
+  const int64_t* y_ptr = has_labels ? y.data_ptr<int64_t>() : nullptr;
+  const int64_t y_n = has_labels ? y.numel() : 0;
   int* flag = label_flag.has_value() && label_flag->defined() ? label_flag->data_ptr<int>()
                                                               : nullptr;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad.scalar_type(),
@@ -421,11 +507,13 @@ Tensor step_status_cuda(const Tensor& grad, const Tensor& loss,
     const cudaError_t err =
         l.scalar_type() == at::kDouble
             ? cuda::step_status<CT<scalar_t>, double>(g, grad.numel(), l.data_ptr<double>(),
-                                                      l.numel(), flag, clear_flag,
+                                                      l.numel(), y_ptr, y_n, ignore_index,
+                                                      flag, clear_flag,
                                                       workspace.data_ptr<int>(),
                                                       out.data_ptr<double>(), stream)
             : cuda::step_status<CT<scalar_t>, float>(g, grad.numel(), l.data_ptr<float>(),
-                                                     l.numel(), flag, clear_flag,
+                                                     l.numel(), y_ptr, y_n, ignore_index,
+                                                     flag, clear_flag,
                                                      workspace.data_ptr<int>(),
                                                      out.data_ptr<double>(), stream);
     check_cuda(err, "step_status launch");

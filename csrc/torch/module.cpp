@@ -45,24 +45,29 @@ TORCH_LIBRARY(dpcuda, m) {
   // tensor ends with the sum (op "sum") or mean ("mean") of all, the same bits on every replica
   // whatever the algorithm ("auto", "one_shot", "two_shot", "ring").
   m.def("all_reduce_(Tensor(a!)[] tensors, str op, str algorithm) -> ()");
-  // The gradient reduction fused with SGD (torch.optim.SGD's update, dampening 0): grads are
-  // reduced (sum or mean) and every replica's params and momentum buffers updated identically.
-  // With two_shot each replica updates only its shard and the gather moves updated weights.
-  // grads may be overwritten with the reduced gradient. status: none, or one step_status record
-  // per replica on its device; when any says NaN/Inf or a bad label, nothing is updated, decided
-  // where the update runs (on CUDA, by the kernels: no host read).
   // What a data-parallel step checks before its update, in one op (one kernel on CUDA):
   // float64 [loss (the sum of its elements, in float64), 1 if grad holds a NaN or an Inf else
-  // 0, label_flag's value], on grad's device; label_flag (the CUDA loss kernel's bad-label
-  // flag) set back to 0 if clear_flag.
+  // 0, label_flag's value, how many elements of labels (int64) are not ignore_index (0 without
+  // labels)], on grad's device; label_flag (the CUDA loss kernel's bad-label flag) set back to
+  // 0 if clear_flag.
   // DataParallel's op: workspace holds int32 zeros of dpcuda._C._step_status_ints() elements
   // on grad's device when first used, and is left zero by each call; one stream at a time may
   // use it (a workspace that is not zero gives no record: its values are then undefined).
   m.def("step_status(Tensor grad, Tensor loss, Tensor(a!)? label_flag, Tensor(b!) workspace,"
-        " bool clear_flag) -> Tensor");
+        " bool clear_flag, Tensor? labels=None, int ignore_index=-100) -> Tensor");
+  // The gradient reduction fused with SGD (torch.optim.SGD's update, dampening 0): grads are
+  // reduced (sum or mean) and every replica's params and momentum buffers updated identically.
+  // With two_shot each replica updates only its shard and the gather moves updated weights.
+  // grads may be overwritten with the reduced gradient. status: none, or one step_status record
+  // per replica on its device, which the update obeys where it runs (on CUDA, in the kernels:
+  // no host read): nothing is updated when a record says NaN/Inf or a bad label; scaled_by > 0
+  // says the losses and gradients were scaled by 1 / scaled_by rows, and the reduced gradient
+  // is multiplied by scaled_by / (the rows the records count) before the step; loss_out (a
+  // float64 scalar on params[0]'s device) receives the step's loss: the records' losses summed
+  // in replica order, times that factor (NaN when no row counts).
   m.def("reduce_sgd_(Tensor(a!)[] params, Tensor(b!)[] grads, Tensor(c!)[] momentum_buffers,"
         " float lr, float momentum, float weight_decay, bool mean, str algorithm,"
-        " Tensor[]? status=None) -> ()");
+        " Tensor[]? status=None, float scaled_by=0.0, Tensor(d!)? loss_out=None) -> ()");
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

@@ -42,19 +42,47 @@ __device__ __forceinline__ A sgd_step(A g, A p, bool use_m, A& m, const SgdIn<A>
   return add_rn(p, -mul_rn(s.lr, d));
 }
 
-// Whether the records say skip (a NaN/Inf gradient or a bad label on some replica): thread 0
-// reads them once for the block, the others take its verdict after the barrier.
-__device__ __forceinline__ bool records_say_skip(const StepRecords& records) {
+// What the records say (StepRecords): skip the update, or apply it with the gradient times fix.
+struct Verdict {
+  bool skip;
+  double fix;
+};
+
+// Thread 0 reads the records once for the block (and block 0's writes the loss); the others
+// take its verdict after the barrier.
+__device__ __forceinline__ Verdict read_records(const StepRecords& records) {
   __shared__ int skip;
+  __shared__ double fix;
   if (threadIdx.x == 0) {
     int s = 0;
+    double loss = 0.0, rows = 0.0;
     for (int r = 0; r < records.n; ++r) {
-      s |= records.ptr[r][1] != 0.0 || records.ptr[r][2] != 0.0 ? 1 : 0;
+      const double* rec = records.ptr[r];
+      s |= rec[1] != 0.0 || rec[2] != 0.0 ? 1 : 0;
+      loss += rec[0];
+      rows += rec[3];
+    }
+    double f = 1.0;
+    if (records.scaled_by > 0.0) {
+      if (rows > 0.0) {
+        f = records.scaled_by / rows;
+        loss *= f;
+      } else {
+        loss = static_cast<double>(NAN);  // a mean over no rows, as torch's
+      }
     }
     skip = s;
+    fix = f;
+    if (records.loss_out != nullptr && blockIdx.x == 0) *records.loss_out = loss;
   }
   __syncthreads();
-  return skip != 0;
+  return {skip != 0, fix};
+}
+
+// The reduced gradient (already rounded to T) times the records' fix, rounded to T again.
+template <typename T, typename A>
+__device__ __forceinline__ A rescaled(A g, bool rescale, A fix) {
+  return rescale ? to_acc(from_acc<T>(mul_rn(g, fix))) : g;
 }
 
 // The element-wise kernels below (reduce_sgd, chain, sgd) move kLanes<T> elements per thread
@@ -160,6 +188,8 @@ struct ReduceSgdOp {
   int nmomenta;
   bool mean;
   const SgdIn<acc_t<T>>& sgd;
+  bool rescale;
+  acc_t<T> fix;
 
   template <int K>
   __device__ __forceinline__ void run(int64_t i) const {
@@ -174,7 +204,7 @@ struct ReduceSgdOp {
     for (int k = 0; k < K; ++k) {
       // The reduced gradient is rounded to T, as the unfused path (all-reduce, then SGD)
       // stores it, so every algorithm gives the same bits for the half types too.
-      const A gk = to_acc(from_acc<T>(g[k]));
+      const A gk = rescaled<T>(to_acc(from_acc<T>(g[k])), rescale, fix);
       A mk = nmomenta ? to_acc(m.v[k]) : A(0);
       np.v[k] = from_acc<T>(sgd_step(gk, to_acc(p.v[k]), nmomenta > 0, mk, sgd));
       nm.v[k] = from_acc<T>(mk);
@@ -191,9 +221,12 @@ __global__ void reduce_sgd_kernel(const __grid_constant__ Replicas<const T> grad
                                   int64_t begin, int64_t end, bool mean,
                                   const __grid_constant__ SgdArgs sgd,
                                   const __grid_constant__ StepRecords records, bool vectorised) {
-  if (records.n > 0 && records_say_skip(records)) return;
+  Verdict v{false, 1.0};
+  if (records.n > 0) v = read_records(records);
+  if (v.skip) return;
   const SgdIn<acc_t<T>> in(sgd);
-  const ReduceSgdOp<T> op{grads, ngrads, params, nparams, momenta, nmomenta, mean, in};
+  const ReduceSgdOp<T> op{grads, ngrads, params, nparams, momenta, nmomenta, mean, in,
+                          v.fix != 1.0, static_cast<acc_t<T>>(v.fix)};
   for_each_pack<kLanes<T>>(op, begin, end, vectorised);
 }
 
@@ -254,6 +287,8 @@ struct SgdOp {
   T* param;
   T* momentum;
   const SgdIn<acc_t<T>>& sgd;
+  bool rescale;
+  acc_t<T> fix;
 
   template <int K>
   __device__ __forceinline__ void run(int64_t i) const {
@@ -266,8 +301,8 @@ struct SgdOp {
 #pragma unroll
     for (int k = 0; k < K; ++k) {
       A mk = momentum ? to_acc(m.v[k]) : A(0);
-      np.v[k] = from_acc<T>(sgd_step(to_acc(g.v[k]), to_acc(p.v[k]), momentum != nullptr, mk,
-                                     sgd));
+      np.v[k] = from_acc<T>(sgd_step(rescaled<T>(to_acc(g.v[k]), rescale, fix), to_acc(p.v[k]),
+                                     momentum != nullptr, mk, sgd));
       nm.v[k] = from_acc<T>(mk);
     }
     store_pack<K>(param + i, np);
@@ -279,9 +314,11 @@ template <typename T>
 __global__ void sgd_kernel(const T* grad, T* param, T* momentum, int64_t n,
                            const __grid_constant__ SgdArgs sgd,
                            const __grid_constant__ StepRecords records, bool vectorised) {
-  if (records.n > 0 && records_say_skip(records)) return;
+  Verdict v{false, 1.0};
+  if (records.n > 0) v = read_records(records);
+  if (v.skip) return;
   const SgdIn<acc_t<T>> in(sgd);
-  const SgdOp<T> op{grad, param, momentum, in};
+  const SgdOp<T> op{grad, param, momentum, in, v.fix != 1.0, static_cast<acc_t<T>>(v.fix)};
   for_each_pack<kLanes<T>>(op, 0, n, vectorised);
 }
 
@@ -302,12 +339,14 @@ constexpr int kStatusBlocks = 264;
 
 template <typename T, typename L>
 __global__ void step_status_kernel(const T* __restrict__ grad, int64_t n, const L* loss,
-                                   int64_t loss_n, int* label_flag, bool clear_flag, int* work,
-                                   double* record) {
+                                   int64_t loss_n, const int64_t* labels, int64_t labels_n,
+                                   int64_t ignore_index, int* label_flag, bool clear_flag,
+                                   int* work, double* record) {
   static_assert((kThreads & (kThreads - 1)) == 0, "the loss sum halves the block");
   __shared__ int block_bad;
   __shared__ int is_last;
   __shared__ double sums[kThreads];
+  __shared__ long long counts[kThreads];
   if (threadIdx.x == 0) block_bad = 0;
   __syncthreads();
   int bad = 0;
@@ -330,14 +369,25 @@ __global__ void step_status_kernel(const T* __restrict__ grad, int64_t n, const 
   __threadfence();  // every other block's verdict is visible
   // The loss: the sum of its elements in float64, in an order fixed by loss_n alone (each
   // thread's stride, then halving), so it never depends on the grid.
+  // The rows that count (labels not ignored) the same way, in the same tree.
   double s = 0.0;
   if (loss != nullptr) {
     for (int64_t i = threadIdx.x; i < loss_n; i += blockDim.x) s += static_cast<double>(loss[i]);
   }
+  long long c = 0;
+  if (labels != nullptr) {
+    for (int64_t i = threadIdx.x; i < labels_n; i += blockDim.x) {
+      c += labels[i] != ignore_index ? 1 : 0;
+    }
+  }
   sums[threadIdx.x] = s;
+  counts[threadIdx.x] = c;
   for (unsigned int half = kThreads / 2; half > 0; half /= 2) {
     __syncthreads();
-    if (threadIdx.x < half) sums[threadIdx.x] += sums[threadIdx.x + half];
+    if (threadIdx.x < half) {
+      sums[threadIdx.x] += sums[threadIdx.x + half];
+      counts[threadIdx.x] += counts[threadIdx.x + half];
+    }
   }
   if (threadIdx.x != 0) return;
   int any = 0;
@@ -347,6 +397,7 @@ __global__ void step_status_kernel(const T* __restrict__ grad, int64_t n, const 
   record[0] = loss != nullptr ? sums[0] : static_cast<double>(NAN);
   record[1] = any ? 1.0 : 0.0;
   record[2] = label_flag != nullptr ? static_cast<double>(*label_flag) : 0.0;
+  record[3] = static_cast<double>(counts[0]);
   if (clear_flag && label_flag != nullptr) *label_flag = 0;
   *ticket = 0u;  // ready for the next launch
 }
@@ -357,12 +408,13 @@ int64_t step_status_workspace() { return 1 + kStatusBlocks; }
 
 template <typename T, typename L>
 cudaError_t step_status(const T* grad, int64_t n, const L* loss, int64_t loss_n,
+                        const int64_t* labels, int64_t labels_n, int64_t ignore_index,
                         int* label_flag, bool clear_flag, int* work, double* record,
                         cudaStream_t stream) {
   const int64_t blocks = std::min<int64_t>(kStatusBlocks, blocks_for(n));
   return launch(step_status_kernel<T, L>, dim3(static_cast<unsigned int>(blocks)),
-                dim3(kThreads), 0, stream, grad, n, loss, loss_n, label_flag, clear_flag, work,
-                record);
+                dim3(kThreads), 0, stream, grad, n, loss, loss_n, labels, labels_n,
+                ignore_index, label_flag, clear_flag, work, record);
 }
 
 template <typename T>
@@ -430,10 +482,12 @@ cudaError_t sgd_range(const T* grad, T* param, T* momentum, int64_t n, SgdArgs s
                                                      cudaStream_t);                            \
   template cudaError_t sgd_range<T>(const T*, T*, T*, int64_t, SgdArgs, StepRecords,          \
                                     cudaStream_t);                                             \
-  template cudaError_t step_status<T, float>(const T*, int64_t, const float*, int64_t, int*,  \
-                                             bool, int*, double*, cudaStream_t);              \
-  template cudaError_t step_status<T, double>(const T*, int64_t, const double*, int64_t, int*, \
-                                              bool, int*, double*, cudaStream_t);
+  template cudaError_t step_status<T, float>(const T*, int64_t, const float*, int64_t,        \
+                                             const int64_t*, int64_t, int64_t, int*, bool,    \
+                                             int*, double*, cudaStream_t);                    \
+  template cudaError_t step_status<T, double>(const T*, int64_t, const double*, int64_t,      \
+                                              const int64_t*, int64_t, int64_t, int*, bool,   \
+                                              int*, double*, cudaStream_t);
 
 DPCUDA_FOR_EACH_TYPE(DPCUDA_INSTANTIATE)
 #undef DPCUDA_INSTANTIATE

@@ -33,14 +33,26 @@ struct SgdArgs {
   double weight_decay_d;
 };
 
-// The step_status records (see step_status below: 3 doubles each) that an update obeys: it
-// writes nothing when any of them says NaN/Inf (record[1]) or a bad label (record[2]), so a step
-// can skip its update on the device, with no host read in between. n == 0: no records, the
-// update applies. Each pointer must be readable by the kernel's device (the schedules stage
-// records a device cannot read).
+// The step_status records (see step_status below: kRecord doubles each) that an update obeys,
+// so that a step needs no host read between its status and its update. The update writes
+// nothing when any record says NaN/Inf (record[1]) or a bad label (record[2]). n == 0: no
+// records, the update applies as given. Each pointer must be readable by the kernel's device
+// (the schedules stage records a device cannot read).
+//
+// scaled_by > 0: the replicas' losses and gradients were scaled by 1 / scaled_by rows, before
+// the rows that count (the labels not ignored, record[3] summed over the records) were known;
+// the reduced gradient is multiplied by fix = scaled_by / rows (1 when no row counts: the
+// gradient is then 0), rounded to the buffer type, before the SGD step. fix is exactly 1 when
+// rows == scaled_by, so that case gives the bits of a gradient scaled by 1 / rows from the start.
+// loss_out, when not null: block 0 writes the step's loss there (whether or not the update is
+// skipped): the records' losses summed in replica order from 0.0, times fix when scaled_by > 0
+// (NaN when no row counts).
+constexpr int kRecord = 4;
 struct StepRecords {
   const double* ptr[kMaxReplicas];
   int n;
+  double scaled_by;
+  double* loss_out;
 };
 
 // Elements [begin, end) of each buffer: the fixed-order sum (or mean) of in.ptr[0..nin),
@@ -71,13 +83,15 @@ cudaError_t chain_accumulate(const T* prev_x, const A* prev_acc, const T* own, A
 // The check a step makes before its update, in one launch: record[0] = the replica's loss
 // (the sum of loss[0, loss_n) in float64, in an order that depends on loss_n alone; NaN where
 // loss is null), record[1] = 1 if an element of grad[0, n) is NaN or
-// +-Inf else 0, record[2] = *label_flag (the loss kernel's bad-label flag; 0 where null), and
+// +-Inf else 0, record[2] = *label_flag (the loss kernel's bad-label flag; 0 where null),
+// record[3] = how many of labels[0, labels_n) are not ignore_index (0 where labels is null), and
 // *label_flag set back to 0 when clear_flag. Each block judges its elements, and the last block
 // to finish (an atomic ticket) combines the verdicts and writes the record. work holds
 // step_status_workspace() ints: zero when first used, it is left zero again by every launch.
 // L is float or double.
 template <typename T, typename L>
 cudaError_t step_status(const T* grad, int64_t n, const L* loss, int64_t loss_n,
+                        const int64_t* labels, int64_t labels_n, int64_t ignore_index,
                         int* label_flag, bool clear_flag, int* work, double* record,
                         cudaStream_t stream);
 

@@ -95,18 +95,19 @@ const V* readable_from(const AllReducePlan& p, int d, const V* src, int src_devi
 }
 
 // The replicas' step records as kernels on device d may read them: the records themselves, or
-// copies staged into d's record area (3 doubles each, 256 bytes apart).
+// copies staged into d's record area (kRecord doubles each, 256 bytes apart). No loss_out.
 StepRecords records_for(const AllReducePlan& p, int d, const std::vector<const double*>& records,
-                        const std::vector<int>& device, const std::vector<void*>& scratch,
-                        Status& st) {
+                        double scaled_by, const std::vector<int>& device,
+                        const std::vector<void*>& scratch, Status& st) {
   StepRecords out{};
   out.n = static_cast<int>(records.size());
+  out.scaled_by = scaled_by;
   Arena area;
   area.base = static_cast<char*>(scratch[d]) + (d < static_cast<int>(p.records_offset.size())
                                                     ? p.records_offset[d]
                                                     : 0);
   for (int r = 0; r < out.n; ++r) {
-    out.ptr[r] = readable_from<double>(p, d, records[r], device[r], 3, area, st);
+    out.ptr[r] = readable_from<double>(p, d, records[r], device[r], kRecord, area, st);
   }
   return out;
 }
@@ -115,8 +116,8 @@ template <typename T>
 void two_shot(const AllReducePlan& p, const ScheduleReplicas<T>& grads,
               const std::vector<T*>& params, const std::vector<T*>& momenta, const SgdArgs* sgd,
               bool mean, std::vector<Arena>& arena, Status& st,
-              const std::vector<const double*>& records = {},
-              const std::vector<void*>& scratch = {}) {
+              const std::vector<const double*>& records = {}, double scaled_by = 0.0,
+              double* loss_out = nullptr, const std::vector<void*>& scratch = {}) {
   // Each device's view of the records, staged once per device before its first update.
   std::vector<StepRecords> seen(arena.size(), StepRecords{});
   std::vector<bool> staged(arena.size(), false);
@@ -133,14 +134,17 @@ void two_shot(const AllReducePlan& p, const ScheduleReplicas<T>& grads,
     }
     if (sgd) {
       if (!records.empty() && !staged[d]) {
-        seen[d] = records_for(p, d, records, grads.device, scratch, st);
+        seen[d] = records_for(p, d, records, scaled_by, grads.device, scratch, st);
         staged[d] = true;
       }
+      // The loss is written by replica 0's shard (never empty: shard 0 starts at element 0).
+      StepRecords rec = seen[d];
+      if (k == 0) rec.loss_out = loss_out;
       Replicas<T> out{}, mom{};
       out.ptr[0] = params[k] + b;
       if (!momenta.empty()) mom.ptr[0] = momenta[k] + b;
       st.ok(reduce_sgd_range<T>(in, R, out, 1, mom, momenta.empty() ? 0 : 1, 0, e - b, mean,
-                                *sgd, seen[d], p.stream[d]));
+                                *sgd, rec, p.stream[d]));
     } else {
       Replicas<T> out{};
       out.ptr[0] = grads.data[k] + b;
@@ -361,7 +365,7 @@ AllReducePlan plan_all_reduce(const std::vector<int>& replica_device,
   for (int d : p.devices) {
     p.records_offset[d] = p.scratch_bytes[d];
     for (int r = 0; r < R; ++r) {
-      if (!reads(p, d, replica_device[r])) p.scratch_bytes[d] += round_up(3 * sizeof(double));
+      if (!reads(p, d, replica_device[r])) p.scratch_bytes[d] += round_up(kRecord * sizeof(double));
     }
   }
   return p;
@@ -401,10 +405,12 @@ template <typename T>
 cudaError_t reduce_sgd(const AllReducePlan& p, const ScheduleReplicas<T>& grads,
                        const std::vector<T*>& params, const std::vector<T*>& momenta,
                        SgdArgs sgd, bool mean, const std::vector<void*>& scratch,
-                       const std::vector<const double*>& records) {
+                       const std::vector<const double*>& records, double scaled_by,
+                       double* loss_out) {
   if (!valid_call(p, grads, scratch) || params.size() != grads.data.size() ||
       (!momenta.empty() && momenta.size() != grads.data.size()) ||
-      (!records.empty() && records.size() != grads.data.size())) {
+      (!records.empty() && records.size() != grads.data.size()) ||
+      (records.empty() && (scaled_by != 0.0 || loss_out != nullptr))) {
     return cudaErrorInvalidValue;
   }
   if (p.n == 0) return cudaSuccess;
@@ -418,6 +424,8 @@ cudaError_t reduce_sgd(const AllReducePlan& p, const ScheduleReplicas<T>& grads,
     for (int r = 0; r < R; ++r) in.ptr[r] = grads.data[r];
     StepRecords rec{};
     rec.n = static_cast<int>(records.size());
+    rec.scaled_by = scaled_by;
+    rec.loss_out = loss_out;
     for (int r = 0; r < rec.n; ++r) rec.ptr[r] = records[r];
     return reduce_sgd_range<T>(in, R, all_of(params), R, all_of(momenta),
                                static_cast<int>(momenta.size()), 0, p.n, mean, sgd, rec,
@@ -426,7 +434,8 @@ cudaError_t reduce_sgd(const AllReducePlan& p, const ScheduleReplicas<T>& grads,
   if (p.algorithm == AllReduceAlgorithm::kTwoShot) {
     std::vector<Arena> arena = arenas(scratch);
     barrier(p, st);
-    two_shot<T>(p, grads, params, momenta, &sgd, mean, arena, st, records, scratch);
+    two_shot<T>(p, grads, params, momenta, &sgd, mean, arena, st, records, scaled_by, loss_out,
+                scratch);
     barrier(p, st);
     return st.err;
   }
@@ -438,11 +447,13 @@ cudaError_t reduce_sgd(const AllReducePlan& p, const ScheduleReplicas<T>& grads,
     const int d = grads.device[r];
     cudaSetDevice(d);
     if (!records.empty() && !staged[d]) {
-      seen[d] = records_for(p, d, records, grads.device, scratch, st);
+      seen[d] = records_for(p, d, records, scaled_by, grads.device, scratch, st);
       staged[d] = true;
     }
+    StepRecords rec = seen[d];
+    if (r == 0) rec.loss_out = loss_out;
     st.ok(sgd_range<T>(grads.data[r], params[r], momenta.empty() ? nullptr : momenta[r], p.n, sgd,
-                       seen[d], p.stream[d]));
+                       rec, p.stream[d]));
   }
   // No device frees or rewrites a record that a peer's staged copy may still read.
   if (!records.empty()) barrier(p, st);
@@ -455,7 +466,7 @@ cudaError_t reduce_sgd(const AllReducePlan& p, const ScheduleReplicas<T>& grads,
   template cudaError_t reduce_sgd<T>(const AllReducePlan&, const ScheduleReplicas<T>&,         \
                                      const std::vector<T*>&, const std::vector<T*>&, SgdArgs,  \
                                      bool, const std::vector<void*>&,                          \
-                                     const std::vector<const double*>&);
+                                     const std::vector<const double*>&, double, double*);
 
 DPCUDA_FOR_EACH_TYPE(DPCUDA_INSTANTIATE)
 #undef DPCUDA_INSTANTIATE

@@ -79,14 +79,17 @@ cudaError_t all_reduce(const AllReducePlan& plan, const ScheduleReplicas<T>& buf
 // The reduction of grads fused with torch.optim.SGD's step: every params[r] (and momenta[r],
 // empty when sgd.momentum is 0) ends holding the same updated values. grads is reduced in place
 // unless the plan's algorithm is two_shot (which never writes grads). records: none, or one
-// step_status record per replica on its replica's device (StepRecords); when any says NaN/Inf
-// or a bad label no params or momenta are written, decided on the devices (records a device
-// cannot read are staged into its scratch after the opening barrier).
+// step_status record per replica on its replica's device; the update obeys them as StepRecords
+// says (skipped on NaN/Inf or a bad label, the gradient rescaled when scaled_by > 0), decided
+// on the devices (records a device cannot read are staged into its scratch after the opening
+// barrier). loss_out (on replica 0's device, or null) receives the step's loss from replica 0's
+// launch. scaled_by and loss_out need records.
 template <typename T>
 cudaError_t reduce_sgd(const AllReducePlan& plan, const ScheduleReplicas<T>& grads,
                        const std::vector<T*>& params, const std::vector<T*>& momenta,
                        SgdArgs sgd, bool mean, const std::vector<void*>& scratch,
-                       const std::vector<const double*>& records = {});
+                       const std::vector<const double*>& records = {}, double scaled_by = 0.0,
+                       double* loss_out = nullptr);
 
 }  // namespace cuda
 }  // namespace dpcuda

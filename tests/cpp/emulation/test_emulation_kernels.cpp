@@ -622,8 +622,13 @@ void test_step_status(std::mt19937& rng) {
                              -std::numeric_limits<double>::infinity()};
   DeviceBuffer<int> work(dpcuda::cuda::step_status_workspace());
   work.upload(std::vector<int>(work.n, 0));
-  DeviceBuffer<double> record(3);
+  DeviceBuffer<double> record(dpcuda::cuda::kRecord);
   DeviceBuffer<int> flag(1);
+  // The labels counted (those not ignore_index): none given, or 0, 1, 5 or 3000 of them with
+  // about a third ignored (-100, or 7 as a class index that is ignored).
+  const int64_t kLabelCounts[] = {-1, 0, 1, 5, 3000};
+  DeviceBuffer<int64_t> labels(3000);
+  int label_case = 0;
   // The loss: 1 element (a summed loss), or a replica's per-row losses, summed in float64
   // (none: 0).
   const int64_t kLossCounts[] = {1, 3, 300, 0};
@@ -657,25 +662,37 @@ void test_step_status(std::mt19937& rng) {
             }
             if (loss_n) loss.upload(losses);
             const double tol = loss_n == 1 ? 0.0 : static_cast<double>(size) * 1e-13;
+            const int64_t labels_n = kLabelCounts[label_case++ % 5];
+            const int64_t ignore = label_case % 2 ? -100 : 7;
+            std::vector<int64_t> ys(static_cast<size_t>(std::max<int64_t>(labels_n, 0)));
+            int64_t kept = 0;
+            for (auto& y : ys) {
+              y = rng() % 3 == 0 ? ignore : static_cast<int64_t>(rng() % 7);
+              kept += y != ignore;
+            }
+            if (!ys.empty()) labels.upload(ys);
             for (int repeat = 0; repeat < 2; ++repeat) {
               flag.upload({label});
-              record.upload({kNaN, kNaN, kNaN});
-              CHECK((dpcuda::cuda::step_status<T, L>(dg.ptr, n, with_loss ? loss.ptr : nullptr,
-                                                     loss_n, flag.ptr, clear, work.ptr,
-                                                     record.ptr, nullptr) == cudaSuccess));
+              record.upload({kNaN, kNaN, kNaN, kNaN});
+              CHECK((dpcuda::cuda::step_status<T, L>(
+                         dg.ptr, n, with_loss ? loss.ptr : nullptr, loss_n,
+                         labels_n >= 0 ? labels.ptr : nullptr, std::max<int64_t>(labels_n, 0),
+                         ignore, flag.ptr, clear, work.ptr, record.ptr, nullptr) == cudaSuccess));
               const std::vector<double> r = record.download();
               const bool loss_ok = with_loss ? std::fabs(r[0] - static_cast<double>(exact)) <= tol
                                              : std::isnan(r[0]);
               const bool ok = loss_ok &&
                               r[1] == (where >= 0 ? 1.0 : 0.0) && r[2] == label &&
+                              r[3] == static_cast<double>(kept) &&
                               flag.download()[0] == (clear ? 0 : label) &&
                               work.download()[0] == 0;
               if (!ok) {
                 ++dpcuda_test::failures();
                 if (++g_reported <= 20)
-                  std::printf("step_status (%s) n=%lld bad at %lld label %d clear %d: record "
-                              "%g %g %g\n", name<T>(), (long long)n, (long long)where, label,
-                              clear, r[0], r[1], r[2]);
+                  std::printf("step_status (%s) n=%lld bad at %lld label %d clear %d labels "
+                              "%lld (%lld kept): record %g %g %g %g\n", name<T>(), (long long)n,
+                              (long long)where, label, clear, (long long)labels_n,
+                              (long long)kept, r[0], r[1], r[2], r[3]);
               }
             }
           }
@@ -686,10 +703,10 @@ void test_step_status(std::mt19937& rng) {
   // Without a flag: 0 in the record, nothing written.
   DeviceBuffer<T> one(1);
   one.upload({from_double<T>(1.0)});
-  CHECK((dpcuda::cuda::step_status<T, L>(one.ptr, 1, nullptr, 0, nullptr, true, work.ptr,
-                                         record.ptr, nullptr) == cudaSuccess));
+  CHECK((dpcuda::cuda::step_status<T, L>(one.ptr, 1, nullptr, 0, nullptr, 0, -100, nullptr, true,
+                                         work.ptr, record.ptr, nullptr) == cudaSuccess));
   const std::vector<double> r = record.download();
-  CHECK(std::isnan(r[0]) && r[1] == 0.0 && r[2] == 0.0);
+  CHECK(std::isnan(r[0]) && r[1] == 0.0 && r[2] == 0.0 && r[3] == 0.0);
 }
 
 // The update obeys the step records: with every record clear it writes what it writes without
@@ -721,7 +738,7 @@ void test_update_obeys_records(std::mt19937& rng) {
         pout.ptr[r] = p.back()->ptr;
         m.push_back(std::make_unique<DeviceBuffer<T>>(n));
         mout.ptr[r] = m.back()->ptr;
-        rec.push_back(std::make_unique<DeviceBuffer<double>>(3));
+        rec.push_back(std::make_unique<DeviceBuffer<double>>(dpcuda::cuda::kRecord));
         records.ptr[r] = rec.back()->ptr;
       }
       // The update without records, the reference for a clear verdict.
@@ -738,7 +755,7 @@ void test_update_obeys_records(std::mt19937& rng) {
         const int who = static_cast<int>(rng() % R);
         const int how = static_cast<int>(rng() % 3);
         for (int r = 0; r < R; ++r) {
-          std::vector<double> v = {dist(rng), 0.0, 0.0};
+          std::vector<double> v = {dist(rng), 0.0, 0.0, 0.0};
           if (skip && r == who) {
             if (how == 0) v[1] = 1.0;
             if (how == 1) v[2] = 1.0;
@@ -786,6 +803,105 @@ void test_update_obeys_records(std::mt19937& rng) {
   }
 }
 
+// The records' rescale and loss: with scaled_by rows, the reduced gradient (rounded to T) is
+// multiplied by fix = scaled_by / (the rows the records count), rounded to T, before the SGD
+// step; fix == 1 (as many rows as assumed) gives the bits of the update without records; no row
+// counted leaves the gradient as it is (it is 0 then) and makes the loss NaN. Block 0 writes the
+// loss: the records' losses summed in replica order from 0.0, times fix. Through reduce_sgd_range
+// and, for one replica, sgd_range.
+template <typename T>
+void test_update_rescales_from_records(std::mt19937& rng) {
+  using Acc = dpcuda::cuda::acc_t<T>;
+  std::normal_distribution<double> dist(0.0, 10.0);
+  const dpcuda::cuda::SgdArgs sgd{0.1f, 0.9f, 0.01f, 0.1, 0.9, 0.01};
+  const bool dbl = sizeof(Acc) == 8;
+  const Acc lr = dbl ? Acc(0.1) : Acc(0.1f), mu = dbl ? Acc(0.9) : Acc(0.9f);
+  const Acc wd = dbl ? Acc(0.01) : Acc(0.01f);
+  for (int R : {1, 2, 3}) {
+    for (int64_t n : {int64_t(5), int64_t(4099)}) {
+      for (double counted : {-1.0, 0.0, 1.0, 17.0}) {  // -1: as many rows as scaled_by
+        for (bool fused : {true, false}) {
+          if (!fused && R != 1) continue;
+          const double scaled_by = 24.0;
+          const double rows = counted < 0 ? scaled_by : counted;
+          std::vector<std::vector<T>> x(R, std::vector<T>(n));
+          std::vector<T> p0(n), m0(n);
+          for (auto& v : p0) v = from_double<T>(dist(rng));
+          for (auto& v : m0) v = from_double<T>(dist(rng) * 0.1);
+          std::vector<std::unique_ptr<DeviceBuffer<T>>> g, p, m;
+          std::vector<std::unique_ptr<DeviceBuffer<double>>> rec;
+          dpcuda::cuda::Replicas<const T> gin{};
+          dpcuda::cuda::Replicas<T> pout{}, mout{};
+          dpcuda::cuda::StepRecords records{};
+          records.n = R;
+          records.scaled_by = scaled_by;
+          DeviceBuffer<double> loss(1);
+          loss.upload({-1.0});
+          records.loss_out = loss.ptr;
+          double want_loss = 0.0;
+          double left = rows;
+          for (int r = 0; r < R; ++r) {
+            for (auto& v : x[r]) v = from_double<T>(dist(rng));
+            g.push_back(std::make_unique<DeviceBuffer<T>>(n));
+            g.back()->upload(x[r]);
+            gin.ptr[r] = g.back()->ptr;
+            p.push_back(std::make_unique<DeviceBuffer<T>>(n));
+            p.back()->upload(p0);
+            pout.ptr[r] = p.back()->ptr;
+            m.push_back(std::make_unique<DeviceBuffer<T>>(n));
+            m.back()->upload(m0);
+            mout.ptr[r] = m.back()->ptr;
+            // The rows spread over the replicas (the last takes what is left).
+            const double mine = r == R - 1 ? left : std::floor(rows / R);
+            left -= mine;
+            const double l = dist(rng);
+            want_loss += l;
+            rec.push_back(std::make_unique<DeviceBuffer<double>>(dpcuda::cuda::kRecord));
+            rec.back()->upload({l, 0.0, 0.0, mine});
+            records.ptr[r] = rec.back()->ptr;
+          }
+          const double fix = rows > 0 ? scaled_by / rows : 1.0;
+          want_loss = rows > 0 ? want_loss * fix : kNaN;
+          if (fused) {
+            CHECK(dpcuda::cuda::reduce_sgd_range<T>(gin, R, pout, R, mout, R, 0, n, false, sgd,
+                                                    records, nullptr) == cudaSuccess);
+          } else {
+            CHECK(dpcuda::cuda::sgd_range<T>(g[0]->ptr, p[0]->ptr, m[0]->ptr, n, sgd, records,
+                                             nullptr) == cudaSuccess);
+          }
+          const double got_loss = loss.download()[0];
+          if (!(got_loss == want_loss || (std::isnan(got_loss) && std::isnan(want_loss)))) {
+            ++dpcuda_test::failures();
+            if (++g_reported <= 20)
+              std::printf("rescale (%s) R=%d rows %g: loss %.17g, want %.17g\n", name<T>(), R,
+                          rows, got_loss, want_loss);
+          }
+          const Acc fix_a = static_cast<Acc>(fix);
+          for (int r = 0; r < R; ++r) {
+            const std::vector<T> gp = p[r]->download(), gm = m[r]->download();
+            for (int64_t i = 0; i < n; ++i) {
+              Acc gr = static_cast<Acc>(to_double(fixed_sum(x, i, false)));
+              if (fix != 1.0) gr = static_cast<Acc>(to_double(from_double<T>(gr * fix_a)));
+              const Acc pv = static_cast<Acc>(to_double(p0[i]));
+              Acc d = gr + wd * pv;
+              d = mu * static_cast<Acc>(to_double(m0[i])) + d;
+              if (!same_bits(gp[i], from_double<T>(pv - lr * d)) ||
+                  !same_bits(gm[i], from_double<T>(d))) {
+                ++dpcuda_test::failures();
+                if (++g_reported <= 20)
+                  std::printf("rescale %s (%s) R=%d n=%lld rows %g: element %lld differs\n",
+                              fused ? "reduce_sgd_range" : "sgd_range", name<T>(), R,
+                              (long long)n, rows, (long long)i);
+                break;
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
 template <typename T>
 void test_dtype(uint64_t seed) {
   std::mt19937 rng(static_cast<unsigned>(seed));
@@ -805,6 +921,7 @@ void test_dtype(uint64_t seed) {
   lap("cross_entropy");
   test_all_reduce_kernels<T>(rng);
   test_update_obeys_records<T>(rng);
+  test_update_rescales_from_records<T>(rng);
   lap("all-reduce kernels");
   test_step_status<T, float>(rng);
   test_step_status<T, double>(rng);

@@ -34,9 +34,12 @@ struct Case {
   int64_t n;
   bool sgd;
   bool momentum;
-  // With sgd: the replicas' step records given to reduce_sgd: none, all clear, or one (a
-  // random replica) saying NaN/Inf or a bad label, when no replica may be updated.
-  enum { kNone, kClear, kSkip } records = kNone;
+  // With sgd: the replicas' step records given to reduce_sgd: none; all clear (with scaled_by
+  // the rows they count: the same bits as none); one (a random replica) saying NaN/Inf or a
+  // bad label, when no replica may be updated; or counting a third of the rows the gradients
+  // were scaled for, when the reduced gradient is tripled. With records, replica 0's device
+  // receives the loss: the records' losses summed (times 3 when tripled).
+  enum { kNone, kClear, kSkip, kTriple } records = kNone;
 };
 
 template <typename T>
@@ -85,7 +88,9 @@ void run_case(const Case& c, uint64_t seed) {
     const bool dbl = sizeof(Acc) == 8;
     const Acc wd = dbl ? Acc(0.01) : Acc(0.01f), mu = dbl ? Acc(0.9) : Acc(0.9f);
     const Acc lr = dbl ? Acc(0.05) : Acc(0.05f);
-    Acc d = g + wd * p;
+    Acc g2 = g;
+    if (c.records == Case::kTriple) g2 = static_cast<Acc>(to_float(from_float<T>(g * Acc(3))));
+    Acc d = g2 + wd * p;
     if (c.momentum) d = mu * static_cast<Acc>(to_float(m0[i])) + d;
     want_p[i] = from_float<T>(p - lr * d);
     want_m[i] = from_float<T>(d);
@@ -104,9 +109,9 @@ void run_case(const Case& c, uint64_t seed) {
   for (int r = 0; r < R; ++r) {
     CUDA_OK(cudaSetDevice(r % D));
     if (c.records != Case::kNone) {
-      rec.push_back(std::make_unique<DeviceBuffer<double>>(3));
-      rec.back()->upload({0.5, skip && r == who && who % 2 == 0 ? 1.0 : 0.0,
-                          skip && r == who && who % 2 == 1 ? 1.0 : 0.0});
+      rec.push_back(std::make_unique<DeviceBuffer<double>>(dpcuda::cuda::kRecord));
+      rec.back()->upload({0.5 + r, skip && r == who && who % 2 == 0 ? 1.0 : 0.0,
+                          skip && r == who && who % 2 == 1 ? 1.0 : 0.0, 2.0});
       records.push_back(rec.back()->ptr);
     }
     g.push_back(std::make_unique<DeviceBuffer<T>>(c.n));
@@ -134,9 +139,15 @@ void run_case(const Case& c, uint64_t seed) {
     scratch_ptrs.push_back(scratch.back()->ptr);
   }
   CUDA_OK(cudaSetDevice(0));
+  DeviceBuffer<double> loss(1);  // on device 0, replica 0's
+  loss.upload({-1.0});
+  // The records count 2 rows each: scaled_by 2R (fix 1), or 6R (tripled).
+  const double scaled_by = c.records == Case::kNone ? 0.0 : c.records == Case::kTriple ? 6.0 * R
+                                                                                       : 2.0 * R;
   if (c.sgd) {
     CUDA_OK(dpcuda::cuda::reduce_sgd<T>(plan, reps, params, momenta, sgd, true, scratch_ptrs,
-                                        records));
+                                        records, scaled_by,
+                                        c.records == Case::kNone ? nullptr : loss.ptr));
   } else {
     CUDA_OK(dpcuda::cuda::all_reduce<T>(plan, reps, scratch_ptrs, true));
   }
@@ -158,6 +169,12 @@ void run_case(const Case& c, uint64_t seed) {
     } else {
       ok = ok && same(g[r]->download(), want);
     }
+  }
+  if (c.sgd && c.records != Case::kNone) {
+    double want_loss = 0.0;
+    for (int r = 0; r < R; ++r) want_loss += 0.5 + r;
+    if (c.records == Case::kTriple) want_loss *= 3.0;
+    ok = ok && loss.download()[0] == want_loss;
   }
   if (!ok) {
     std::printf("schedule %d R=%d devices=%d peers=%d n=%lld sgd=%d momentum=%d records=%d "
@@ -194,7 +211,9 @@ int main() {
       for (Peers peers : {Peers::kAll, Peers::kNone, Peers::kMixed}) {
         run_case<float>({R, R, peers, a, 1000, true, true, Case::kClear}, ++seed);
         run_case<float>({R, R, peers, a, 1000, true, true, Case::kSkip}, ++seed);
+        run_case<float>({R, R, peers, a, 1000, true, true, Case::kTriple}, ++seed);
       }
+      run_case<__half>({R, R, Peers::kNone, a, 1001, true, false, Case::kTriple}, ++seed);
       run_case<float>({R, (R + 1) / 2, Peers::kNone, a, 1000, true, false, Case::kSkip}, ++seed);
       run_case<__half>({R, R, Peers::kMixed, a, 1001, true, true, Case::kSkip}, ++seed);
     }
