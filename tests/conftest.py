@@ -43,3 +43,14 @@ def reference_train(model, data, lr, momentum, weight_decay):
         F.cross_entropy(model(x), y).backward()
         opt.step()
     return model
+
+
+def make_model(fused, dtype=torch.float32):
+    """The 12-16-5 relu MLP the DataParallel tests train: dpcuda's FusedMLP or torch's
+    nn.Sequential, seeded alike."""
+    torch.manual_seed(1)
+    if fused:
+        from dpcuda.nn import FusedMLP
+        return FusedMLP([12, 16, 5]).to(dtype)
+    return torch.nn.Sequential(torch.nn.Linear(12, 16), torch.nn.ReLU(),
+                               torch.nn.Linear(16, 5)).to(dtype)

@@ -13,16 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from dpcuda.nn import FusedMLP, SoftmaxCrossEntropyLoss
+from dpcuda.nn import SoftmaxCrossEntropyLoss
 from dpcuda.parallel import DataParallel
-
-
-def make_model(fused, dtype=torch.float32):
-    torch.manual_seed(1)
-    if fused:
-        return FusedMLP([12, 16, 5]).to(dtype)
-    return torch.nn.Sequential(torch.nn.Linear(12, 16), torch.nn.ReLU(),
-                               torch.nn.Linear(16, 5)).to(dtype)
+from conftest import make_model
 
 
 def batches(steps, rows=24, seed=0, nan_steps=(), ignore_steps=(), all_ignored_steps=()):

@@ -17,7 +17,7 @@ import dpcuda
 from dpcuda import parallel
 from dpcuda.nn import FusedMLP, SoftmaxCrossEntropyLoss
 from dpcuda.parallel import DataParallel
-from conftest import reference_train
+from conftest import make_model, reference_train
 
 ALGOS = ["one_shot", "two_shot", "ring", "auto"]
 CUDA = dpcuda.cuda_available()
@@ -179,14 +179,6 @@ def test_bad_device_names():
 
 # ---------------------------------------------------------------------------------------------
 # DataParallel
-
-def make_model(fused, dtype=torch.float32):
-    torch.manual_seed(1)
-    if fused:
-        return FusedMLP([12, 16, 5]).to(dtype)
-    return torch.nn.Sequential(torch.nn.Linear(12, 16), torch.nn.ReLU(),
-                               torch.nn.Linear(16, 5)).to(dtype)
-
 
 def batches(steps=20, rows=24, seed=0):
     gen = torch.Generator().manual_seed(seed)

@@ -468,6 +468,47 @@ bool same_bits(T a, T b) {
   return std::memcmp(&a, &b, sizeof(T)) == 0;
 }
 
+// An update's buffers on the device: each replica's gradient x[r], and its parameters and
+// momenta starting at p0 and m0, with the pointer arrays the kernels take.
+template <typename T>
+struct UpdateBuffers {
+  std::vector<std::unique_ptr<DeviceBuffer<T>>> g, p, m;
+  dpcuda::cuda::Replicas<const T> gin{};
+  dpcuda::cuda::Replicas<T> pout{}, mout{};
+
+  UpdateBuffers(const std::vector<std::vector<T>>& x, const std::vector<T>& p0,
+                const std::vector<T>& m0) {
+    const int64_t n = static_cast<int64_t>(p0.size());
+    for (size_t r = 0; r < x.size(); ++r) {
+      g.push_back(std::make_unique<DeviceBuffer<T>>(n));
+      g.back()->upload(x[r]);
+      gin.ptr[r] = g.back()->ptr;
+      p.push_back(std::make_unique<DeviceBuffer<T>>(n));
+      p.back()->upload(p0);
+      pout.ptr[r] = p.back()->ptr;
+      m.push_back(std::make_unique<DeviceBuffer<T>>(n));
+      m.back()->upload(m0);
+      mout.ptr[r] = m.back()->ptr;
+    }
+  }
+};
+
+// Random gradients for R replicas, parameters and momenta (normal, sd 10 and 1) of n elements.
+template <typename T>
+struct RandomUpdate {
+  std::vector<std::vector<T>> x;
+  std::vector<T> p0, m0;
+
+  RandomUpdate(int R, int64_t n, std::mt19937& rng)
+      : x(R, std::vector<T>(n)), p0(n), m0(n) {
+    std::normal_distribution<double> dist(0.0, 10.0);
+    for (auto& v : p0) v = from_double<T>(dist(rng));
+    for (auto& v : m0) v = from_double<T>(dist(rng) * 0.1);
+    for (auto& b : x)
+      for (auto& v : b) v = from_double<T>(dist(rng));
+  }
+};
+
 template <typename T>
 void test_all_reduce_kernels(std::mt19937& rng) {
   using Acc = dpcuda::cuda::acc_t<T>;
@@ -512,22 +553,12 @@ void test_all_reduce_kernels(std::mt19937& rng) {
           std::vector<T> p0(n), m0(n);
           for (auto& v : p0) v = from_double<T>(dist(rng));
           for (auto& v : m0) v = from_double<T>(dist(rng) * 0.01);
-          std::vector<std::unique_ptr<DeviceBuffer<T>>> g, p, m;
-          dpcuda::cuda::Replicas<const T> gin{};
-          dpcuda::cuda::Replicas<T> pout{}, mout{};
-          for (int r = 0; r < R; ++r) {
-            g.push_back(std::make_unique<DeviceBuffer<T>>(n));
-            g.back()->upload(x[r]);
-            gin.ptr[r] = g.back()->ptr;
-            p.push_back(std::make_unique<DeviceBuffer<T>>(n));
-            p.back()->upload(p0);
-            pout.ptr[r] = p.back()->ptr;
-            m.push_back(std::make_unique<DeviceBuffer<T>>(n));
-            m.back()->upload(m0);
-            mout.ptr[r] = m.back()->ptr;
-          }
-          CHECK(dpcuda::cuda::reduce_sgd_range<T>(gin, R, pout, R, mout, momentum ? R : 0, begin,
-                                                  n, true, sgd, {}, nullptr) == cudaSuccess);
+          UpdateBuffers<T> u(x, p0, m0);
+          auto& p = u.p;
+          auto& m = u.m;
+          CHECK(dpcuda::cuda::reduce_sgd_range<T>(u.gin, R, u.pout, R, u.mout, momentum ? R : 0,
+                                                  begin, n, true, sgd, {}, nullptr) ==
+                cudaSuccess);
           // sgd_range on the reduced gradient: the same element formula, the same bits.
           std::vector<T> reduced(n);
           for (int64_t i = 0; i < n; ++i) reduced[i] = fixed_sum(x, i, true);
@@ -719,33 +750,20 @@ void test_update_obeys_records(std::mt19937& rng) {
   const dpcuda::cuda::SgdArgs sgd{0.1f, 0.9f, 0.01f, 0.1, 0.9, 0.01};
   for (int R : {1, 2, 3}) {
     for (int64_t n : {int64_t(5), int64_t(4099)}) {
-      std::vector<std::unique_ptr<DeviceBuffer<T>>> g, p, m;
+      const RandomUpdate<T> w(R, n, rng);
+      const auto &p0 = w.p0, &m0 = w.m0;
+      UpdateBuffers<T> u(w.x, p0, m0);
+      auto &g = u.g, &p = u.p, &m = u.m;
+      const auto &gin = u.gin;
+      const auto &pout = u.pout, &mout = u.mout;
       std::vector<std::unique_ptr<DeviceBuffer<double>>> rec;
-      dpcuda::cuda::Replicas<const T> gin{};
-      dpcuda::cuda::Replicas<T> pout{}, mout{};
       dpcuda::cuda::StepRecords records{};
       records.n = R;
-      std::vector<std::vector<T>> x(R, std::vector<T>(n));
-      std::vector<T> p0(n), m0(n);
-      for (auto& v : p0) v = from_double<T>(dist(rng));
-      for (auto& v : m0) v = from_double<T>(dist(rng) * 0.1);
       for (int r = 0; r < R; ++r) {
-        for (auto& v : x[r]) v = from_double<T>(dist(rng));
-        g.push_back(std::make_unique<DeviceBuffer<T>>(n));
-        g.back()->upload(x[r]);
-        gin.ptr[r] = g.back()->ptr;
-        p.push_back(std::make_unique<DeviceBuffer<T>>(n));
-        pout.ptr[r] = p.back()->ptr;
-        m.push_back(std::make_unique<DeviceBuffer<T>>(n));
-        mout.ptr[r] = m.back()->ptr;
         rec.push_back(std::make_unique<DeviceBuffer<double>>(dpcuda::cuda::kRecord));
         records.ptr[r] = rec.back()->ptr;
       }
       // The update without records, the reference for a clear verdict.
-      for (int r = 0; r < R; ++r) {
-        p[r]->upload(p0);
-        m[r]->upload(m0);
-      }
       CHECK(dpcuda::cuda::reduce_sgd_range<T>(gin, R, pout, R, mout, R, 0, n, false, sgd, {},
                                               nullptr) == cudaSuccess);
       const std::vector<T> want_p = p[0]->download(), want_m = m[0]->download();
@@ -824,14 +842,11 @@ void test_update_rescales_from_records(std::mt19937& rng) {
           if (!fused && R != 1) continue;
           const double scaled_by = 24.0;
           const double rows = counted < 0 ? scaled_by : counted;
-          std::vector<std::vector<T>> x(R, std::vector<T>(n));
-          std::vector<T> p0(n), m0(n);
-          for (auto& v : p0) v = from_double<T>(dist(rng));
-          for (auto& v : m0) v = from_double<T>(dist(rng) * 0.1);
-          std::vector<std::unique_ptr<DeviceBuffer<T>>> g, p, m;
+          const RandomUpdate<T> w(R, n, rng);
+          const auto &x = w.x, &p0 = w.p0, &m0 = w.m0;
+          UpdateBuffers<T> u(x, p0, m0);
+          auto &g = u.g, &p = u.p, &m = u.m;
           std::vector<std::unique_ptr<DeviceBuffer<double>>> rec;
-          dpcuda::cuda::Replicas<const T> gin{};
-          dpcuda::cuda::Replicas<T> pout{}, mout{};
           dpcuda::cuda::StepRecords records{};
           records.n = R;
           records.scaled_by = scaled_by;
@@ -841,16 +856,6 @@ void test_update_rescales_from_records(std::mt19937& rng) {
           double want_loss = 0.0;
           double left = rows;
           for (int r = 0; r < R; ++r) {
-            for (auto& v : x[r]) v = from_double<T>(dist(rng));
-            g.push_back(std::make_unique<DeviceBuffer<T>>(n));
-            g.back()->upload(x[r]);
-            gin.ptr[r] = g.back()->ptr;
-            p.push_back(std::make_unique<DeviceBuffer<T>>(n));
-            p.back()->upload(p0);
-            pout.ptr[r] = p.back()->ptr;
-            m.push_back(std::make_unique<DeviceBuffer<T>>(n));
-            m.back()->upload(m0);
-            mout.ptr[r] = m.back()->ptr;
             // The rows spread over the replicas (the last takes what is left).
             const double mine = r == R - 1 ? left : std::floor(rows / R);
             left -= mine;
@@ -863,8 +868,8 @@ void test_update_rescales_from_records(std::mt19937& rng) {
           const double fix = rows > 0 ? scaled_by / rows : 1.0;
           want_loss = rows > 0 ? want_loss * fix : kNaN;
           if (fused) {
-            CHECK(dpcuda::cuda::reduce_sgd_range<T>(gin, R, pout, R, mout, R, 0, n, false, sgd,
-                                                    records, nullptr) == cudaSuccess);
+            CHECK(dpcuda::cuda::reduce_sgd_range<T>(u.gin, R, u.pout, R, u.mout, R, 0, n, false,
+                                                    sgd, records, nullptr) == cudaSuccess);
           } else {
             CHECK(dpcuda::cuda::sgd_range<T>(g[0]->ptr, p[0]->ptr, m[0]->ptr, n, sgd, records,
                                              nullptr) == cudaSuccess);
