@@ -226,13 +226,29 @@ def _all_reduce_fake(tensors, op, algorithm):
     return None
 
 
+def _one_device_type(first, name, **others):
+    """A meta tensor among real ones would send the call here, where nothing is computed: a
+    silent wrong result. Every tensor must be on first's device type."""
+    for other, value in others.items():
+        for i, t in enumerate(value if isinstance(value, (list, tuple)) else [value]):
+            if t is not None and t.device.type != first.device.type:
+                where = f"{other}[{i}]" if isinstance(value, (list, tuple)) else other
+                raise ValueError(f"{where} is on {t.device} but {name} is on {first.device}")
+
+
 @torch.library.register_fake("dpcuda::step_status")
 def _step_status_fake(grad, loss, label_flag, workspace, clear_flag, labels=None,
                       ignore_index=-100):
+    _one_device_type(grad, "grad", loss=loss, label_flag=label_flag, workspace=workspace,
+                     labels=labels)
     return grad.new_empty((4,), dtype=torch.float64)
 
 
 @torch.library.register_fake("dpcuda::reduce_sgd_")
 def _reduce_sgd_fake(params, grads, momentum_buffers, lr, momentum, weight_decay, mean,
                      algorithm, status=None, scaled_by=0.0, loss_out=None):
+    if params:
+        _one_device_type(params[0], "params[0]", params=params, grads=grads,
+                         momentum_buffers=momentum_buffers, status=status or [],
+                         loss_out=loss_out)
     return None

@@ -382,7 +382,11 @@ class DataParallel:
     device has it: at a later step() (which first waits for the step `lag` steps back, so the
     host runs at most `lag` steps ahead) or at synchronize(). A skipped step then warns and
     counts in skipped_steps; a bad label raises there, naming the step and the position, before
-    that call runs anything (the bad step's update was not applied).
+    that call runs anything (the bad step's update was not applied; its forward's batch-norm
+    statistics stay, as a skipped step's do; steps counts it). The state functions
+    (state_dict, optimizer_state_dict and their loads) read every pending step first. With
+    split="auto" (which times each replica) or buffers="sync" (which reads counts on the
+    host) a step still synchronises.
     """
 
     # How many non-blocking steps the host may run ahead of what it has read.
@@ -484,12 +488,15 @@ class DataParallel:
         return [r.module for r in self._replicas]
 
     def state_dict(self):
-        """The model's state_dict (the keys of the wrapped module)."""
+        """The model's state_dict (the keys of the wrapped module). Reads every pending
+        non-blocking step first (synchronize())."""
+        self._settle(wait=True)
         return self.module.state_dict()
 
     def load_state_dict(self, state_dict):
         """Loads weights into every replica (the host master copy too); on error nothing
-        changes."""
+        changes. Reads every pending non-blocking step first (synchronize())."""
+        self._settle(wait=True)
         probe = copy.deepcopy(self.module)
         probe.load_state_dict(state_dict)  # raises on missing keys or wrong shapes
         for r in self._replicas:
@@ -502,7 +509,9 @@ class DataParallel:
             self._host_param.copy_(self._replicas[0].flat_param)
 
     def optimizer_state_dict(self):
-        """The SGD state: hyper-parameters and the momentum buffer (flat, in parameter order)."""
+        """The SGD state: hyper-parameters and the momentum buffer (flat, in parameter order).
+        Reads every pending non-blocking step first (synchronize())."""
+        self._settle(wait=True)
         momentum = None
         if self.momentum:
             source = self._host_momentum if self.reducer == "host" else self._replicas[0].momentum
@@ -511,6 +520,7 @@ class DataParallel:
                 "momentum_buffer": momentum, "steps": self.steps}
 
     def load_optimizer_state_dict(self, state):
+        self._settle(wait=True)
         buf = state.get("momentum_buffer")
         if buf is not None and self.momentum:
             if buf.numel() != self._replicas[0].flat_param.numel():
@@ -607,13 +617,18 @@ class DataParallel:
         # targets the rows that are not ignored. Each replica's loss is its sum over that
         # denominator of the global batch, so every replica count computes the global mean.
         summed = _summed_loss(loss_fn, targets)
-        # A non-blocking step does not read labels on a GPU: it scales by 1 / every row, each
-        # replica's step_status counts its rows that are not ignored, and the update rescales
-        # the gradient (and the loss) by rows / that count on the device.
+        # A non-blocking step does not read labels on a GPU: it scales by 1 / every label,
+        # each replica's step_status counts its labels that are not ignored, and the update
+        # rescales the gradient (and the loss) by labels / that count on the device (a factor
+        # of exactly 1 when none is ignored). Not for float16 models: a gradient scaled for
+        # more labels than count could overflow float16's range before the rescale.
         count_on_device = not self.blocking and summed is not None and (
-            targets.device.type != "cpu" or self._count_on_device)
-        if summed is None or count_on_device:
+            targets.device.type != "cpu" or self._count_on_device) and \
+            self._replicas[0].flat_grad.dtype != torch.float16
+        if summed is None:
             dens = list(sizes)
+        elif count_on_device:
+            dens = [part[1].numel() for part in parts]
         else:
             # Counted in host memory (numpy, no op): no device synchronisation for targets there
             # (as a DataLoader gives them); for targets on a GPU one copy (a synchronisation)
@@ -792,20 +807,18 @@ class DataParallel:
                 dst.copy_(src)
         if not count_on_device and global_den == 0:
             loss.fill_(math.nan)  # a mean over no rows, as torch's
+        # The records copied to host memory (pinned, behind an event, from CUDA devices).
         cuda = sorted({r.device for r in self._replicas if r.device.type == "cuda"},
                       key=str)
-        if cuda:
-            host = []
-            for x in records:
-                host.append(torch.empty(3, dtype=torch.float64, pin_memory=True))
-                host[-1].copy_(x, non_blocking=True)
-            events = []
-            for device in cuda:
-                event = torch.cuda.Event()
-                event.record(torch.cuda.current_stream(device))
-                events.append(event)
-        else:
-            host, events = records, []
+        host = []
+        for x in records:
+            host.append(torch.empty(x.numel(), dtype=torch.float64, pin_memory=bool(cuda)))
+            host[-1].copy_(x, non_blocking=bool(cuda))
+        events = []
+        for device in cuda:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(device))
+            events.append(event)
         self._pending.append((self.steps, host, events, targets, summed, self._classes))
         self.steps += 1
         return loss
@@ -818,24 +831,31 @@ class DataParallel:
     def _settle(self, wait):
         """Reads the records of earlier non-blocking steps, oldest first: those the devices
         have finished, then, waiting for them, every one (wait) or those more than `lag` steps
-        back. A bad label raises (that step's update was skipped on the device; this call runs
-        nothing more), NaN/Inf gradients warn."""
+        back. NaN/Inf gradients warn and count; a bad label (that step's update was skipped on
+        the device) raises once every record this call reads is read, the first one's."""
+        error = None
         while self._pending:
             step, host, events, targets, summed, classes = self._pending[0]
             if not all(e.query() for e in events):
                 if not wait and len(self._pending) < self.lag:
-                    return
+                    break
                 for e in events:
                     e.synchronize()
             self._pending.popleft()
             rows = [h.numpy() for h in host]  # host memory, read with no op
             if any(r[2] != 0 for r in rows):
-                self._classes = classes
-                self._raise_label_error(targets, summed, step)
-            if any(r[1] != 0 for r in rows):
+                if error is None:
+                    self._classes = classes
+                    try:
+                        self._raise_label_error(targets, summed, step)
+                    except ValueError as err:
+                        error = err
+            elif any(r[1] != 0 for r in rows):
                 warnings.warn(f"dpcuda DataParallel: step {step} has NaN or Inf gradients; "
                               f"skipped (weights unchanged)", RuntimeWarning, stacklevel=3)
                 self.skipped_steps += 1
+        if error is not None:
+            raise error
 
     def _keep(self, indices):
         """Copies of the weights and momenta of the given parameters, to put back after the
@@ -870,10 +890,11 @@ class DataParallel:
                 i = int(bad[0])
                 raise ValueError(f"step {step}: labels must be class indices in [0, {classes}) "
                                  f"or ignore_index ({ignore}); got {int(y[i])} at position {i} "
-                                 f"(that step's update was not applied; this call ran nothing)")
+                                 f"(that step's update was not applied; nothing of this call "
+                                 f"ran)")
             raise ValueError(f"step {step}: a label outside [0, classes) reached dpcuda's CUDA "
                              f"loss kernel (its targets no longer hold it); that step's update "
-                             f"was not applied; this call ran nothing")
+                             f"was not applied; nothing of this call ran")
         if len(bad):
             i = int(bad[0])
             where = " of this process's batch" if self.reducer == "dist" else ""

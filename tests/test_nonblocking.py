@@ -126,7 +126,8 @@ def test_a_bad_label_raises_at_the_next_call_naming_step_and_position(monkeypatc
     assert torch.equal(dp._replicas[0].momentum, momentum)
     with pytest.raises(ValueError, match=r"step 1: labels must be class indices in \[0, 5\) or "
                                          r"ignore_index \(-100\); got 7 at position 9 \(that "
-                                         r"step's update was not applied; this call ran nothing"):
+                                         r"step's update was not applied; nothing of this call "
+                                         r"ran"):
         dp.step(x2, y2, F.cross_entropy)
     # this call ran nothing: no step counted, no weight moved
     assert dp.steps == 2
@@ -166,7 +167,7 @@ def test_the_host_waits_only_for_the_step_lag_steps_back():
     dp = DataParallel(make_model(False), ["cpu"], lr=0.1, blocking=False)
     assert dp.lag == 2
     waited = []
-    clear = torch.zeros(3, dtype=torch.float64)
+    clear = torch.zeros(4, dtype=torch.float64)
     for step in range(2):
         dp._pending.append((step, [clear], [_Event(waited, step)], None, None, 5))
     dp._settle(wait=False)  # two steps in flight: the older one is waited for, not the newer
@@ -357,3 +358,116 @@ def test_rows_counted_on_the_device_train_as_counted_on_the_host(monkeypatch, re
         for r in b.replicas[1:]:
             for p, q in zip(r.parameters(), b.module.parameters()):
                 assert torch.equal(p, q)
+
+
+class _PerPosition(torch.nn.Module):
+    """Logits (rows, classes, positions) for labels (rows, positions): a loss over every
+    position of every row, as a sequence model's."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(2)
+        self.linear = torch.nn.Linear(12, 5 * 4)
+
+    def forward(self, x):
+        return self.linear(x).reshape(x.shape[0], 5, 4)
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_labels_of_several_positions_counted_on_the_device(monkeypatch, replicas):
+    # The device count is of label elements, and so is the scale: with nothing ignored the
+    # factor is exactly 1 and the training the blocking one, bit for bit.
+    monkeypatch.setattr(DataParallel, "_count_on_device", True)
+    gen = torch.Generator().manual_seed(4)
+    for ignore in (False, True):
+        data = []
+        for _ in range(4):
+            y = torch.randint(0, 5, (8, 4), generator=gen)
+            if ignore:
+                y[::3, 1:] = -100
+            data.append((torch.randn(8, 12, generator=gen), y))
+        a, la, _ = run(True, _PerPosition(), ["cpu"] * replicas, data,
+                       torch.nn.CrossEntropyLoss(), momentum=0.9)
+        b, lb, _ = run(False, _PerPosition(), ["cpu"] * replicas, data,
+                       torch.nn.CrossEntropyLoss(), momentum=0.9)
+        for p, q in zip(a.module.parameters(), b.module.parameters()):
+            if ignore:
+                torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6)
+            else:
+                assert torch.equal(p, q)
+        if not ignore:
+            assert la == [x.item() for x in lb]
+
+
+def test_a_float16_model_counts_its_labels_on_the_host(monkeypatch):
+    # A gradient scaled for more labels than count could overflow float16 before the
+    # rescale: float16 models take the host count (the blocking step's bits).
+    monkeypatch.setattr(DataParallel, "_count_on_device", True)
+    data = [(x.half(), y) for x, y in batches(4, ignore_steps=(0, 1, 2, 3))]
+    a, la, _ = run(True, make_model(False, torch.float16), ["cpu", "cpu"], data,
+                   F.cross_entropy)
+    b, lb, _ = run(False, make_model(False, torch.float16), ["cpu", "cpu"], data,
+                   F.cross_entropy)
+    assert la == [x.item() for x in lb]
+    for p, q in zip(a.module.parameters(), b.module.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_reduce_sgd_checks_everything_before_it_writes():
+    p, g = [torch.ones(4)], [torch.ones(4)]
+    skip = [torch.tensor([1.0, 1.0, 0.0, 1.0], dtype=torch.float64)]
+    loss = torch.full((), -1.0, dtype=torch.float64)
+    with pytest.raises(ValueError, match="algorithm must be one of"):
+        torch.ops.dpcuda.reduce_sgd_(p, g, [], 0.1, 0.0, 0.0, False, "bogus", skip, 0.0, loss)
+    assert loss.item() == -1.0
+    with pytest.raises(ValueError, match=r"loss_out shares memory with status\[0\]"):
+        torch.ops.dpcuda.reduce_sgd_(p, g, [], 0.1, 0.0, 0.0, False, "auto", skip, 0.0,
+                                     skip[0][1])
+    with pytest.raises(ValueError, match="loss_out is on meta but params"):
+        torch.ops.dpcuda.reduce_sgd_(p, g, [], 0.1, 0.0, 0.0, False, "auto", skip, 0.0,
+                                     torch.empty((), dtype=torch.float64, device="meta"))
+    with pytest.raises(ValueError, match="labels is on meta but grad"):
+        torch.ops.dpcuda.step_status(torch.zeros(2), torch.ones(1), None,
+                                     torch.zeros(0, dtype=torch.int32), False,
+                                     torch.zeros(2, dtype=torch.long, device="meta"))
+    assert torch.equal(p[0], torch.ones(4))
+
+
+def test_synchronize_reads_every_step_and_raises_the_first_bad_label():
+    # Three steps in flight (a bad label, another, NaN gradients): synchronize() reads them
+    # all, warns and counts the skipped one, then raises for the first bad label.
+    dp = DataParallel(make_model(False), ["cpu"], lr=0.1, blocking=False)
+    waited = []
+    y = batches(1)[0][1].clone()
+    y[3] = 9
+
+    def record(nan, bad):
+        return [torch.tensor([1.0, float(nan), float(bad), 24.0], dtype=torch.float64)]
+    for step, (nan, bad) in enumerate([(0, 1), (0, 1), (1, 0)], start=1):
+        dp._pending.append((step, record(nan, bad), [_Event(waited, step)], y,
+                            (None, -100), 5))
+    with pytest.warns(RuntimeWarning, match="step 3 has NaN or Inf"):
+        with pytest.raises(ValueError, match="step 1: .* got 9 at position 3"):
+            dp.synchronize()
+    assert waited == [1, 2, 3] and not dp._pending and dp.skipped_steps == 1
+    dp.synchronize()  # nothing left
+
+
+def test_the_state_functions_read_pending_steps_first(monkeypatch):
+    flagged = _Flagged(monkeypatch)
+    for call in ("state_dict", "optimizer_state_dict", "load_state_dict",
+                 "load_optimizer_state_dict"):
+        dp = DataParallel(make_model(False), ["cpu"], lr=0.1, momentum=0.9, blocking=False)
+        x, y = batches(1)[0]
+        bad = y.clone()
+        bad[2] = 8
+        state = dp.state_dict(), dp.optimizer_state_dict()
+        dp.step(x, bad, flagged.loss)
+        before = [p.detach().clone() for p in dp.module.parameters()]
+        args = {"load_state_dict": (state[0],), "load_optimizer_state_dict": (state[1],)}
+        with pytest.raises(ValueError, match="step 0: .* got 8 at position 2"):
+            getattr(dp, call)(*args.get(call, ()))
+        assert all(torch.equal(p, b) for p, b in zip(dp.module.parameters(), before))
+        assert not dp._pending
+        getattr(dp, call)(*args.get(call, ()))  # read: it goes through now
+

@@ -202,6 +202,14 @@ void check_status_records(const std::vector<Tensor>& status, const std::vector<T
                       loss_out->device(), " but params[0] is on ", params[0].device());
     TORCH_CHECK_VALUE(params[0].numel() > 0, "loss_out needs parameters to update (params ",
                       "are empty)");
+    // The kernels write the loss while other blocks still read the records.
+    const auto* out = static_cast<const char*>(loss_out->data_ptr());
+    for (size_t i = 0; i < status.size(); ++i) {
+      const auto* rec = static_cast<const char*>(status[i].data_ptr());
+      const bool apart = status[i].device() != loss_out->device() || out + sizeof(double) <= rec ||
+                         rec + kRecord * sizeof(double) <= out;
+      TORCH_CHECK_VALUE(apart, "loss_out shares memory with status[", i, "]");
+    }
   }
 }
 
@@ -242,6 +250,8 @@ void reduce_sgd_cpu(at::TensorList params, at::TensorList grads, at::TensorList 
   const std::vector<Tensor> records = status.has_value() ? status->vec() : std::vector<Tensor>();
   check_sgd_args(p, g, m, lr, momentum, weight_decay);
   check_status_records(records, p, scaled_by, loss_out);
+  (void)parse_algorithm(algorithm, p[0].nbytes(), p.size(), true);  // checked before any write
+  if (!is_half_type(p[0])) check_cpu_dtype(p[0], "params");
   const HostVerdict v = read_records(records, scaled_by);
   if (loss_out.has_value() && loss_out->defined()) loss_out->fill_(v.loss);
   if (v.skip) return;  // a NaN/Inf gradient or a bad label: no update
