@@ -1,6 +1,6 @@
 """One full data-parallel training step (784 -> 256 -> 10 MLP, softmax cross-entropy, SGD) for
 1, 2 and 4 replicas and each reducer, fused layers (dpcuda.nn.FusedMLP) and plain torch.nn
-layers, against the single-device torch baseline (nn.Sequential + torch.optim.SGD) and, on
+layers (and the fused p2p step with blocking=False), against the single-device torch baseline (nn.Sequential + torch.optim.SGD) and, on
 CUDA, torch.nn.DataParallel over the same devices, measured in the same run.
 
     python benchmarks/bench_step.py --device cpu --json benchmarks/results/step-cpu.json
@@ -40,7 +40,7 @@ def main(argv=None):
     cuda = device.startswith("cuda")
     repeats = args.repeats or (50 if cuda else 20)
     rows = []
-    print(f"{'batch':>6}{'R':>3}{'method':>22}{'ms':>10}{'torch/ours':>12}")
+    print(f"{'batch':>6}{'R':>3}{'method':>24}{'ms':>10}{'torch/ours':>12}")
     for batch in [int(b) for b in args.batches.split(",")]:
         torch.manual_seed(0)
         x = torch.randn(batch, 784, device=device)
@@ -63,6 +63,12 @@ def main(argv=None):
                     dp = DataParallel(model, devs, reducer=reducer, lr=0.2)
                     name = f"{reducer} {'fused' if fused else 'plain'}"
                     fns[name] = (lambda dp=dp, loss_fn=loss_fn: dp.step(x, y, loss_fn))
+                    if reducer == "p2p" and fused:  # the step that waits for nothing
+                        torch.manual_seed(0)
+                        nb = DataParallel(FusedMLP([784, 256, 10]), devs, lr=0.2,
+                                          blocking=False)
+                        fns["p2p fused nonblocking"] = (
+                            lambda nb=nb, loss_fn=loss_fn: nb.step(x, y, loss_fn))
             if cuda and R > 1:
                 torch_dp = torch.nn.DataParallel(plain_mlp().to(device))
                 dp_opt = torch.optim.SGD(torch_dp.parameters(), lr=0.2)
@@ -77,7 +83,7 @@ def main(argv=None):
                 ratio = times["torch 1 device"] / ms
                 rows.append({"batch": batch, "replicas": R, "method": name, "ms": ms,
                              "torch_over_this": ratio})
-                print(f"{batch:>6}{R:>3}{name:>22}{ms:>10.3f}{ratio:>12.2f}", flush=True)
+                print(f"{batch:>6}{R:>3}{name:>24}{ms:>10.3f}{ratio:>12.2f}", flush=True)
     write_json(args.json, {"benchmark": "step", "repeats": repeats,
                            "environment": environment(device), "results": rows})
 

@@ -66,7 +66,7 @@ __device__ __forceinline__ Verdict read_records(const StepRecords& records) {
     if (records.scaled_by > 0.0) {
       if (rows > 0.0) {
         f = records.scaled_by / rows;
-        loss *= f;
+        loss = mul_rn(loss, f);
       } else {
         loss = static_cast<double>(NAN);  // a mean over no rows, as torch's
       }
