@@ -219,13 +219,9 @@ def softmax_cross_entropy(logits, labels, reduction="mean", label_smoothing=0.0,
     return out[0] if unbatched and reduction == "none" else out
 
 
-# The in-place collectives return nothing and change no metadata: their fake kernels do nothing,
-# so they can be traced by torch.compile and run on meta tensors.
-@torch.library.register_fake("dpcuda::all_reduce_")
-def _all_reduce_fake(tensors, op, algorithm):
-    return None
-
-
+# The in-place collectives return nothing and change no metadata: their fake kernels compute
+# nothing (they only check that no meta tensor hides among real ones), so they can be traced by
+# torch.compile and run on meta tensors.
 def _one_device_type(first, name, **others):
     """A meta tensor among real ones would send the call here, where nothing is computed: a
     silent wrong result. Every tensor must be on first's device type."""
@@ -234,6 +230,13 @@ def _one_device_type(first, name, **others):
             if t is not None and t.device.type != first.device.type:
                 where = f"{other}[{i}]" if isinstance(value, (list, tuple)) else other
                 raise ValueError(f"{where} is on {t.device} but {name} is on {first.device}")
+
+
+@torch.library.register_fake("dpcuda::all_reduce_")
+def _all_reduce_fake(tensors, op, algorithm):
+    if tensors:
+        _one_device_type(tensors[0], "tensors[0]", tensors=tensors)
+    return None
 
 
 @torch.library.register_fake("dpcuda::step_status")
@@ -247,8 +250,8 @@ def _step_status_fake(grad, loss, label_flag, workspace, clear_flag, labels=None
 @torch.library.register_fake("dpcuda::reduce_sgd_")
 def _reduce_sgd_fake(params, grads, momentum_buffers, lr, momentum, weight_decay, mean,
                      algorithm, status=None, scaled_by=0.0, loss_out=None):
-    if params:
-        _one_device_type(params[0], "params[0]", params=params, grads=grads,
-                         momentum_buffers=momentum_buffers, status=status or [],
-                         loss_out=loss_out)
+    if not params:
+        raise ValueError("params must hold at least one tensor")
+    _one_device_type(params[0], "params[0]", params=params, grads=grads,
+                     momentum_buffers=momentum_buffers, status=status or [], loss_out=loss_out)
     return None

@@ -381,10 +381,12 @@ class DataParallel:
     devices[0] (not yet computed when it returns). What a step found is read later, once the
     device has it: at a later step() (which first waits for the step `lag` steps back, so the
     host runs at most `lag` steps ahead) or at synchronize(). A skipped step then warns and
-    counts in skipped_steps; a bad label raises there, naming the step and the position, before
-    that call runs anything (the bad step's update was not applied; its forward's batch-norm
-    statistics stay, as a skipped step's do; steps counts it). The state functions
-    (state_dict, optimizer_state_dict and their loads) read every pending step first. With
+    counts in skipped_steps; a bad label (seen by the CUDA loss kernel; on the CPU a bad label
+    raises in its own step, as a blocking step's) raises there, naming the step and the
+    position, before that call runs anything (the bad step's update was not applied; its
+    forward's batch-norm statistics stay, as a skipped step's do; steps counts it). The state
+    functions (state_dict, optimizer_state_dict and their loads) read every pending step first,
+    so they too can raise a pending step's bad label (a load then changes nothing). With
     split="auto" (which times each replica) or buffers="sync" (which reads counts on the
     host) a step still synchronises.
     """
@@ -620,11 +622,14 @@ class DataParallel:
         # A non-blocking step does not read labels on a GPU: it scales by 1 / every label,
         # each replica's step_status counts its labels that are not ignored, and the update
         # rescales the gradient (and the loss) by labels / that count on the device (a factor
-        # of exactly 1 when none is ignored). Not for float16 models: a gradient scaled for
-        # more labels than count could overflow float16's range before the rescale.
+        # of exactly 1 when none is ignored). Not where gradients are float16 (a float16 model,
+        # or float16 autocast): scaled by 1 / more labels than count, they would lose precision
+        # to float16's subnormals before the rescale.
+        kind = self._replicas[0].device.type
+        half = self._replicas[0].flat_grad.dtype == torch.float16 or (
+            torch.is_autocast_enabled(kind) and torch.get_autocast_dtype(kind) == torch.float16)
         count_on_device = not self.blocking and summed is not None and (
-            targets.device.type != "cpu" or self._count_on_device) and \
-            self._replicas[0].flat_grad.dtype != torch.float16
+            targets.device.type != "cpu" or self._count_on_device) and not half
         if summed is None:
             dens = list(sizes)
         elif count_on_device:
@@ -795,30 +800,30 @@ class DataParallel:
 
     def _step_async(self, records, targets, summed, global_den, count_on_device):
         """The rest of a non-blocking step: the update, which the records skip (and, with the
-        rows counted on the device, rescale) there, and which writes the loss (the records'
+        labels counted on the device, rescale) there, and which writes the loss (the records'
         losses summed in replica order from 0.0, as the blocking step sums its reads) into a
         device tensor; the records copied to host memory, to be read later."""
         unused = set.intersection(*(r.unused for r in self._replicas))
         kept = self._keep(unused) if unused else None
+        # Everything that can fail is made before the update is queued (a step that raises
+        # leaves the weights): the loss, the records' host memory (pinned, behind an event,
+        # from CUDA devices), the events.
         loss = torch.empty((), dtype=torch.float64, device=self._replicas[0].device)
+        cuda = sorted({r.device for r in self._replicas if r.device.type == "cuda"},
+                      key=str)
+        host = [torch.empty(x.numel(), dtype=torch.float64, pin_memory=bool(cuda))
+                for x in records]
+        events = [torch.cuda.Event() for _ in cuda]
         self._reduce_p2p(records, float(global_den) if count_on_device else 0.0, loss)
         if kept is not None:
             for dst, src in kept:
                 dst.copy_(src)
-        if not count_on_device and global_den == 0:
-            loss.fill_(math.nan)  # a mean over no rows, as torch's
-        # The records copied to host memory (pinned, behind an event, from CUDA devices).
-        cuda = sorted({r.device for r in self._replicas if r.device.type == "cuda"},
-                      key=str)
-        host = []
-        for x in records:
-            host.append(torch.empty(x.numel(), dtype=torch.float64, pin_memory=bool(cuda)))
-            host[-1].copy_(x, non_blocking=bool(cuda))
-        events = []
-        for device in cuda:
-            event = torch.cuda.Event()
+        if global_den == 0:
+            loss.fill_(math.nan)  # a mean over no labels, as torch's
+        for h, x in zip(host, records):
+            h.copy_(x, non_blocking=bool(cuda))
+        for event, device in zip(events, cuda):
             event.record(torch.cuda.current_stream(device))
-            events.append(event)
         self._pending.append((self.steps, host, events, targets, summed, self._classes))
         self.steps += 1
         return loss
@@ -833,7 +838,7 @@ class DataParallel:
         have finished, then, waiting for them, every one (wait) or those more than `lag` steps
         back. NaN/Inf gradients warn and count; a bad label (that step's update was skipped on
         the device) raises once every record this call reads is read, the first one's."""
-        error = None
+        error, more = None, []
         while self._pending:
             step, host, events, targets, summed, classes = self._pending[0]
             if not all(e.query() for e in events):
@@ -850,11 +855,17 @@ class DataParallel:
                         self._raise_label_error(targets, summed, step)
                     except ValueError as err:
                         error = err
+                else:
+                    more.append(step)
             elif any(r[1] != 0 for r in rows):
                 warnings.warn(f"dpcuda DataParallel: step {step} has NaN or Inf gradients; "
                               f"skipped (weights unchanged)", RuntimeWarning, stacklevel=3)
                 self.skipped_steps += 1
         if error is not None:
+            if more:
+                also = ", ".join(map(str, more))
+                raise ValueError(f"{error}; step{'s' if len(more) > 1 else ''} {also} also had "
+                                 f"a bad label (not applied either)")
             raise error
 
     def _keep(self, indices):

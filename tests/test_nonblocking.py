@@ -423,6 +423,10 @@ def test_reduce_sgd_checks_everything_before_it_writes():
     with pytest.raises(ValueError, match=r"loss_out shares memory with status\[0\]"):
         torch.ops.dpcuda.reduce_sgd_(p, g, [], 0.1, 0.0, 0.0, False, "auto", skip, 0.0,
                                      skip[0][1])
+    with pytest.raises(ValueError, match=r"loss_out shares memory with params\[0\]"):
+        pd = torch.ones(4, dtype=torch.float64)
+        torch.ops.dpcuda.reduce_sgd_([pd], [g[0].double()], [], 0.1, 0.0, 0.0, False, "auto",
+                                     skip, 0.0, pd[2])
     with pytest.raises(ValueError, match="loss_out is on meta but params"):
         torch.ops.dpcuda.reduce_sgd_(p, g, [], 0.1, 0.0, 0.0, False, "auto", skip, 0.0,
                                      torch.empty((), dtype=torch.float64, device="meta"))
@@ -430,6 +434,9 @@ def test_reduce_sgd_checks_everything_before_it_writes():
         torch.ops.dpcuda.step_status(torch.zeros(2), torch.ones(1), None,
                                      torch.zeros(0, dtype=torch.int32), False,
                                      torch.zeros(2, dtype=torch.long, device="meta"))
+    with pytest.raises(ValueError, match=r"tensors\[1\] is on meta but tensors\[0\]"):
+        torch.ops.dpcuda.all_reduce_([torch.ones(3), torch.ones(3, device="meta")], "sum",
+                                     "auto")
     assert torch.equal(p[0], torch.ones(4))
 
 
@@ -447,7 +454,8 @@ def test_synchronize_reads_every_step_and_raises_the_first_bad_label():
         dp._pending.append((step, record(nan, bad), [_Event(waited, step)], y,
                             (None, -100), 5))
     with pytest.warns(RuntimeWarning, match="step 3 has NaN or Inf"):
-        with pytest.raises(ValueError, match="step 1: .* got 9 at position 3"):
+        with pytest.raises(ValueError, match=r"step 1: .* got 9 at position 3 .*; step 2 also "
+                                             r"had a bad label \(not applied either\)"):
             dp.synchronize()
     assert waited == [1, 2, 3] and not dp._pending and dp.skipped_steps == 1
     dp.synchronize()  # nothing left
@@ -470,4 +478,43 @@ def test_the_state_functions_read_pending_steps_first(monkeypatch):
         assert all(torch.equal(p, b) for p, b in zip(dp.module.parameters(), before))
         assert not dp._pending
         getattr(dp, call)(*args.get(call, ()))  # read: it goes through now
+
+
+class _NoLabels(torch.nn.Module):
+    """Logits (rows, classes, 0) for labels (rows, 0): a batch with no label at all."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(3)
+        self.linear = torch.nn.Linear(12, 12)
+
+    def forward(self, x):
+        return self.linear(x)[:, :0].reshape(x.shape[0], 5, 0)
+
+
+def test_a_batch_without_labels_counted_on_the_device_is_torchs_nan(monkeypatch):
+    monkeypatch.setattr(DataParallel, "_count_on_device", True)
+    x = torch.randn(6, 12)
+    y = torch.zeros(6, 0, dtype=torch.long)
+    want = F.cross_entropy(_NoLabels()(x), y)
+    assert math.isnan(want.item())
+    a, la, _ = run(True, _NoLabels(), ["cpu", "cpu"], [(x, y)], torch.nn.CrossEntropyLoss())
+    b, lb, _ = run(False, _NoLabels(), ["cpu", "cpu"], [(x, y)], torch.nn.CrossEntropyLoss())
+    assert math.isnan(la[0]) and math.isnan(lb[0].item())
+    for p, q in zip(a.module.parameters(), b.module.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_float16_autocast_counts_its_labels_on_the_host(monkeypatch):
+    # float16 logits under autocast: the host count too (the blocking step's bits).
+    monkeypatch.setattr(DataParallel, "_count_on_device", True)
+    data = batches(3, ignore_steps=(0, 1, 2))
+    out = []
+    for blocking in (True, False):
+        with torch.autocast("cpu", dtype=torch.float16):
+            out.append(run(blocking, make_model(False), ["cpu", "cpu"], data, F.cross_entropy))
+    (a, la, _), (b, lb, _) = out
+    assert la == [x.item() for x in lb]
+    for p, q in zip(a.module.parameters(), b.module.parameters()):
+        assert torch.equal(p, q)
 

@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cmath>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "../cpu/all_reduce.h"
@@ -25,7 +26,6 @@
 #include <cstdlib>
 #include <mutex>
 #include <set>
-#include <utility>
 
 #include "../kernels/all_reduce/schedule.h"
 #include "cuda_types.h"
@@ -174,9 +174,19 @@ void check_sgd_args(const std::vector<Tensor>& params, const std::vector<Tensor>
 // The step_status record: [loss, NaN/Inf, bad label, rows counted] (csrc/kernels/all_reduce).
 constexpr int64_t kRecord = 4;
 
+// Whether two contiguous tensors share bytes.
+bool overlap(const Tensor& a, const Tensor& b) {
+  if (a.device() != b.device() || a.numel() == 0 || b.numel() == 0) return false;
+  const auto* pa = static_cast<const char*>(a.data_ptr());
+  const auto* pb = static_cast<const char*>(b.data_ptr());
+  return pa < pb + b.numel() * b.element_size() && pb < pa + a.numel() * a.element_size();
+}
+
 // status: none, or one step_status record per replica on its device; scaled_by and loss_out
-// need them.
+// need them. loss_out shares memory with none of the call's tensors (the kernels write it
+// while other blocks read and write those).
 void check_status_records(const std::vector<Tensor>& status, const std::vector<Tensor>& params,
+                          const std::vector<Tensor>& grads, const std::vector<Tensor>& momenta,
                           double scaled_by, const c10::optional<Tensor>& loss_out) {
   TORCH_CHECK_VALUE(status.empty() || status.size() == params.size(), "status must be empty or ",
                     "hold one step_status record per replica (", params.size(), "); got ",
@@ -202,13 +212,14 @@ void check_status_records(const std::vector<Tensor>& status, const std::vector<T
                       loss_out->device(), " but params[0] is on ", params[0].device());
     TORCH_CHECK_VALUE(params[0].numel() > 0, "loss_out needs parameters to update (params ",
                       "are empty)");
-    // The kernels write the loss while other blocks still read the records.
-    const auto* out = static_cast<const char*>(loss_out->data_ptr());
-    for (size_t i = 0; i < status.size(); ++i) {
-      const auto* rec = static_cast<const char*>(status[i].data_ptr());
-      const bool apart = status[i].device() != loss_out->device() || out + sizeof(double) <= rec ||
-                         rec + kRecord * sizeof(double) <= out;
-      TORCH_CHECK_VALUE(apart, "loss_out shares memory with status[", i, "]");
+    const std::pair<const char*, const std::vector<Tensor>*> lists[] = {
+        {"status", &status}, {"params", &params}, {"grads", &grads},
+        {"momentum_buffers", &momenta}};
+    for (const auto& list : lists) {
+      for (size_t i = 0; i < list.second->size(); ++i) {
+        TORCH_CHECK_VALUE(!overlap(*loss_out, (*list.second)[i]), "loss_out shares memory with ",
+                          list.first, "[", i, "]");
+      }
     }
   }
 }
@@ -249,7 +260,7 @@ void reduce_sgd_cpu(at::TensorList params, at::TensorList grads, at::TensorList 
   const std::vector<Tensor> m = momentum != 0.0 ? momentum_buffers.vec() : std::vector<Tensor>();
   const std::vector<Tensor> records = status.has_value() ? status->vec() : std::vector<Tensor>();
   check_sgd_args(p, g, m, lr, momentum, weight_decay);
-  check_status_records(records, p, scaled_by, loss_out);
+  check_status_records(records, p, g, m, scaled_by, loss_out);
   (void)parse_algorithm(algorithm, p[0].nbytes(), p.size(), true);  // checked before any write
   if (!is_half_type(p[0])) check_cpu_dtype(p[0], "params");
   const HostVerdict v = read_records(records, scaled_by);
@@ -400,7 +411,7 @@ void reduce_sgd_cuda(at::TensorList params, at::TensorList grads,
   const std::vector<Tensor> m = momentum != 0.0 ? momentum_buffers.vec() : std::vector<Tensor>();
   const std::vector<Tensor> st = status.has_value() ? status->vec() : std::vector<Tensor>();
   check_sgd_args(p, g, m, lr, momentum, weight_decay);
-  check_status_records(st, p, scaled_by, loss_out);
+  check_status_records(st, p, g, m, scaled_by, loss_out);
   double* loss_ptr = loss_out.has_value() && loss_out->defined()
                          ? loss_out->data_ptr<double>()
                          : nullptr;

@@ -61,8 +61,8 @@ TORCH_LIBRARY(dpcuda, m) {
   // grads may be overwritten with the reduced gradient. status: none, or one step_status record
   // per replica on its device, which the update obeys where it runs (on CUDA, in the kernels:
   // no host read): nothing is updated when a record says NaN/Inf or a bad label; scaled_by > 0
-  // says the losses and gradients were scaled by 1 / scaled_by rows, and the reduced gradient
-  // is multiplied by scaled_by / (the rows the records count) before the step; loss_out (a
+  // says the losses and gradients were scaled by 1 / scaled_by labels, and the reduced gradient
+  // is multiplied by scaled_by / (the labels the records count) before the step; loss_out (a
   // float64 scalar on params[0]'s device) receives the step's loss: the records' losses summed
   // in replica order, times that factor (NaN when no row counts).
   m.def("reduce_sgd_(Tensor(a!)[] params, Tensor(b!)[] grads, Tensor(c!)[] momentum_buffers,"

@@ -39,9 +39,9 @@ struct SgdArgs {
 // records, the update applies as given. Each pointer must be readable by the kernel's device
 // (the schedules stage records a device cannot read).
 //
-// scaled_by > 0: the replicas' losses and gradients were scaled by 1 / scaled_by rows, before
-// the rows that count (the labels not ignored, record[3] summed over the records) were known;
-// the reduced gradient is multiplied by fix = scaled_by / rows (1 when no row counts: the
+// scaled_by > 0: the replicas' losses and gradients were scaled by 1 / scaled_by labels (rows),
+// before the rows that count (the labels not ignored, record[3] summed over the records) were
+// known; the reduced gradient is multiplied by fix = scaled_by / rows (1 when no row counts: the
 // gradient is then 0), rounded to the buffer type, before the SGD step. fix is exactly 1 when
 // rows == scaled_by, so that case gives the bits of a gradient scaled by 1 / rows from the start.
 // loss_out, when not null: block 0 writes the step's loss there (whether or not the update is
