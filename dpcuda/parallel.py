@@ -393,8 +393,8 @@ class DataParallel:
 
     # How many non-blocking steps the host may run ahead of what it has read.
     lag = 2
-    # Non-blocking steps count the rows a mean is over on the device for labels on a GPU; True
-    # makes them do so for labels in host memory too (a test hook: the CPU runs that path).
+    # Non-blocking steps count the labels a mean is over on the device for labels on a GPU;
+    # True makes them do so for labels in host memory too (a test hook: the CPU runs that path).
     _count_on_device = False
 
     # The model dtypes whose gradient buffer carries the reducer "dist" record (the loss; the
