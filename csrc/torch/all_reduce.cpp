@@ -63,6 +63,14 @@ bool parse_mean(c10::string_view op) {
   return op == "mean";
 }
 
+// Whether two contiguous tensors share bytes.
+bool overlap(const Tensor& a, const Tensor& b) {
+  if (a.device() != b.device() || a.numel() == 0 || b.numel() == 0) return false;
+  const auto* pa = static_cast<const char*>(a.data_ptr());
+  const auto* pb = static_cast<const char*>(b.data_ptr());
+  return pa < pb + b.numel() * b.element_size() && pb < pa + a.numel() * a.element_size();
+}
+
 // A list of replica buffers: 1 to 16 dense tensors of one dtype and size, all on the CPU or
 // all on CUDA devices, no two sharing memory.
 void check_replicas(const std::vector<Tensor>& ts, const char* name, const Tensor* like) {
@@ -80,14 +88,9 @@ void check_replicas(const std::vector<Tensor>& ts, const char* name, const Tenso
     TORCH_CHECK_VALUE(t.device().type() == ref.device().type(), name, "[", i, "] is on ",
                       t.device(), " but ", name, "[0] is on ", ref.device(),
                       "; replicas must all be on the CPU or all on CUDA devices");
-    const auto* a = static_cast<const char*>(t.data_ptr());
     for (size_t j = 0; j < i; ++j) {
-      const auto* b = static_cast<const char*>(ts[j].data_ptr());
-      const int64_t bytes = t.numel() * t.element_size();
-      const bool apart = a + bytes <= b || b + bytes <= a || t.device() != ts[j].device();
-      TORCH_CHECK_VALUE(t.numel() == 0 || apart, name, "[", i, "] and ", name, "[", j,
-                        "] share memory; every replica ",
-                        "needs its own buffer");
+      TORCH_CHECK_VALUE(!overlap(t, ts[j]), name, "[", i, "] and ", name, "[", j,
+                        "] share memory; every replica needs its own buffer");
     }
   }
 }
@@ -173,14 +176,6 @@ void check_sgd_args(const std::vector<Tensor>& params, const std::vector<Tensor>
 
 // The step_status record: [loss, NaN/Inf, bad label, rows counted] (csrc/kernels/all_reduce).
 constexpr int64_t kRecord = 4;
-
-// Whether two contiguous tensors share bytes.
-bool overlap(const Tensor& a, const Tensor& b) {
-  if (a.device() != b.device() || a.numel() == 0 || b.numel() == 0) return false;
-  const auto* pa = static_cast<const char*>(a.data_ptr());
-  const auto* pb = static_cast<const char*>(b.data_ptr());
-  return pa < pb + b.numel() * b.element_size() && pb < pa + a.numel() * a.element_size();
-}
 
 // status: none, or one step_status record per replica on its device; scaled_by and loss_out
 // need them. loss_out shares memory with none of the call's tensors (the kernels write it

@@ -94,33 +94,35 @@ const V* readable_from(const AllReducePlan& p, int d, const V* src, int src_devi
   return staged;
 }
 
-// The replicas' step records as kernels on device d may read them: the records themselves, or
-// copies staged into d's record area (kRecord doubles each, 256 bytes apart). No loss_out.
-StepRecords records_for(const AllReducePlan& p, int d, const std::vector<const double*>& records,
-                        double scaled_by, const std::vector<int>& device,
-                        const std::vector<void*>& scratch, Status& st) {
-  StepRecords out{};
-  out.n = static_cast<int>(records.size());
-  out.scaled_by = scaled_by;
-  Arena area;
-  area.base = static_cast<char*>(scratch[d]) + (d < static_cast<int>(p.records_offset.size())
-                                                    ? p.records_offset[d]
-                                                    : 0);
-  for (int r = 0; r < out.n; ++r) {
-    out.ptr[r] = readable_from<double>(p, d, records[r], device[r], kRecord, area, st);
+// Each device's view of the replicas' step records, indexed by device: the records themselves,
+// or copies staged on the device's stream into its record area (kRecord doubles each, 256 bytes
+// apart). Called after a barrier, so that every record is complete; loss_out left null.
+std::vector<StepRecords> stage_records(const AllReducePlan& p,
+                                       const std::vector<const double*>& records,
+                                       double scaled_by, const std::vector<int>& device,
+                                       const std::vector<void*>& scratch, Status& st) {
+  std::vector<StepRecords> seen(p.scratch_bytes.size(), StepRecords{});
+  if (records.empty()) return seen;
+  for (int d : p.devices) {
+    cudaSetDevice(d);
+    StepRecords& out = seen[d];
+    out.n = static_cast<int>(records.size());
+    out.scaled_by = scaled_by;
+    Arena area;
+    area.base = static_cast<char*>(scratch[d]) + p.records_offset[d];
+    for (int r = 0; r < out.n; ++r) {
+      out.ptr[r] = readable_from<double>(p, d, records[r], device[r], kRecord, area, st);
+    }
   }
-  return out;
+  return seen;
 }
 
+// seen (with sgd): each device's records (stage_records); replica 0's launch writes loss_out.
 template <typename T>
 void two_shot(const AllReducePlan& p, const ScheduleReplicas<T>& grads,
               const std::vector<T*>& params, const std::vector<T*>& momenta, const SgdArgs* sgd,
               bool mean, std::vector<Arena>& arena, Status& st,
-              const std::vector<const double*>& records = {}, double scaled_by = 0.0,
-              double* loss_out = nullptr, const std::vector<void*>& scratch = {}) {
-  // Each device's view of the records, staged once per device before its first update.
-  std::vector<StepRecords> seen(arena.size(), StepRecords{});
-  std::vector<bool> staged(arena.size(), false);
+              const std::vector<StepRecords>& seen = {}, double* loss_out = nullptr) {
   const int R = p.replicas;
   for (int k = 0; k < R && st.good(); ++k) {
     int64_t b, e;
@@ -133,10 +135,6 @@ void two_shot(const AllReducePlan& p, const ScheduleReplicas<T>& grads,
       in.ptr[i] = readable_from<T>(p, d, grads.data[i] + b, grads.device[i], e - b, arena[d], st);
     }
     if (sgd) {
-      if (!records.empty() && !staged[d]) {
-        seen[d] = records_for(p, d, records, scaled_by, grads.device, scratch, st);
-        staged[d] = true;
-      }
       // The loss is written by replica 0's shard (never empty: shard 0 starts at element 0).
       StepRecords rec = seen[d];
       if (k == 0) rec.loss_out = loss_out;
@@ -419,14 +417,11 @@ cudaError_t reduce_sgd(const AllReducePlan& p, const ScheduleReplicas<T>& grads,
   const int R = p.replicas;
   if (p.devices.size() == 1) {
     const int d = p.devices[0];
+    StepRecords rec = stage_records(p, records, scaled_by, grads.device, scratch, st)[d];
+    rec.loss_out = loss_out;
     cudaSetDevice(d);
     Replicas<const T> in{};
     for (int r = 0; r < R; ++r) in.ptr[r] = grads.data[r];
-    StepRecords rec{};
-    rec.n = static_cast<int>(records.size());
-    rec.scaled_by = scaled_by;
-    rec.loss_out = loss_out;
-    for (int r = 0; r < rec.n; ++r) rec.ptr[r] = records[r];
     return reduce_sgd_range<T>(in, R, all_of(params), R, all_of(momenta),
                                static_cast<int>(momenta.size()), 0, p.n, mean, sgd, rec,
                                p.stream[d]);
@@ -434,22 +429,18 @@ cudaError_t reduce_sgd(const AllReducePlan& p, const ScheduleReplicas<T>& grads,
   if (p.algorithm == AllReduceAlgorithm::kTwoShot) {
     std::vector<Arena> arena = arenas(scratch);
     barrier(p, st);
-    two_shot<T>(p, grads, params, momenta, &sgd, mean, arena, st, records, scaled_by, loss_out,
-                scratch);
+    two_shot<T>(p, grads, params, momenta, &sgd, mean, arena, st,
+                stage_records(p, records, scaled_by, grads.device, scratch, st), loss_out);
     barrier(p, st);
     return st.err;
   }
   if (!st.ok(all_reduce<T>(p, grads, scratch, mean))) return st.err;
   // (all_reduce closed with a barrier: every record is complete on every device's stream)
-  std::vector<StepRecords> seen(scratch.size(), StepRecords{});
-  std::vector<bool> staged(scratch.size(), false);
+  const std::vector<StepRecords> seen =
+      stage_records(p, records, scaled_by, grads.device, scratch, st);
   for (int r = 0; r < R && st.good(); ++r) {
     const int d = grads.device[r];
     cudaSetDevice(d);
-    if (!records.empty() && !staged[d]) {
-      seen[d] = records_for(p, d, records, scaled_by, grads.device, scratch, st);
-      staged[d] = true;
-    }
     StepRecords rec = seen[d];
     if (r == 0) rec.loss_out = loss_out;
     st.ok(sgd_range<T>(grads.data[r], params[r], momenta.empty() ? nullptr : momenta[r], p.n, sgd,
