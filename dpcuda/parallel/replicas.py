@@ -1,0 +1,301 @@
+"""The replicas of a wrapped model, kept at the model's state.
+
+Replica 0 is the model itself: it is trained in place. Replica i >= 1 holds tensors of its own
+on devices[i] (parameters and buffers) and, for each forward, a module tree that is a shallow
+replica of the model's (torch's Module._replicate_for_data_parallel, as nn.DataParallel makes
+them) pointing at those tensors. So whatever the model's modules are at that moment (training
+mode, hooks, attributes, submodules replaced after wrapping) is what every replica runs.
+
+Before each forward, ReplicaSet.sync() brings the replicas' tensors to the model's:
+- a new, removed or replaced parameter or buffer, a changed requires_grad, or a parameter
+  whose .data was replaced rebuilds the replicas' tensors;
+- weights that moved (a parameter's version counter changed: an optimizer step, an in-place
+  edit under no_grad, load_state_dict) are copied with one flat copy per replica (the model's
+  trainable parameters are views of one flat buffer);
+- buffers whose version changed on the model or on a replica are copied from the model (DDP's
+  broadcast_buffers: replica 0's buffers win).
+A replica whose own parameters changed outside dpcuda raises: its weights could no longer be
+the model's.
+"""
+
+import torch
+from torch import nn
+
+from .. import _C
+from ..nn import FusedLinear
+
+
+class ReplicaError(RuntimeError):
+    """A replica can no longer be kept at the model's state."""
+
+
+def _refuse(model, replicas):
+    """Modules whose result on k >= 2 replicas cannot equal one device's: a clear error."""
+    for name, m in model.named_modules():
+        if isinstance(m, nn.Embedding) and m.sparse:
+            raise ValueError(f"dpcuda DataParallel: {name or 'the model'} is an "
+                             f"nn.Embedding(sparse=True); sparse gradients cannot be reduced "
+                             f"into the flat gradient buffers (use sparse=False)")
+        if replicas > 1 and isinstance(m, nn.Embedding) and m.max_norm is not None:
+            raise ValueError(f"dpcuda DataParallel: {name or 'the model'} is an "
+                             f"nn.Embedding(max_norm={m.max_norm}); its forward renormalises "
+                             f"the rows each replica sees, in place, so the replicas' weights "
+                             f"would differ (use max_norm=None, or one replica)")
+
+
+class Replica:
+    """One replica's tensors on its device.
+
+    params, buffers: one per model parameter and buffer (model order); replica 0's are the
+    model's own. The trainable parameters are views of flat_param, their gradients views of
+    flat_grad; flat_grad is the head of `exchange`, which has `record` more elements behind it
+    (room for what the reducer "dist" sends with the gradients). momentum: the convenience
+    step's SGD momentum (flat), or None."""
+
+    def __init__(self, params, buffers, device, copy, record=0):
+        self.device = device
+        dtypes = {p.dtype for p in params}
+        if len(dtypes) > 1:
+            raise TypeError(f"every parameter must have one floating dtype, got "
+                            f"{sorted(map(str, dtypes))}")
+        dtype = dtypes.pop() if dtypes else torch.float32
+        if not dtype.is_floating_point:
+            raise TypeError(f"parameters must be floating point, got {dtype}")
+        trainable = [i for i, p in enumerate(params) if p.requires_grad]
+        total = sum(params[i].numel() for i in trainable)
+        self.flat_param = torch.empty(total, dtype=dtype, device=device)
+        self.exchange = torch.zeros(total + record, dtype=dtype, device=device)
+        self.flat_grad = self.exchange[:total]
+        self.momentum = None
+        self.trainable = trainable
+        self.spans = []  # each trainable parameter's (offset, numel) in the flat buffers
+        self.params, self.buffers = [], []
+        offset = 0
+        views = {}
+        for i in trainable:
+            n = params[i].numel()
+            self.flat_param[offset:offset + n].copy_(params[i].detach().reshape(-1))
+            views[i] = self.flat_param[offset:offset + n].view_as(params[i])
+            self.spans.append((offset, n))
+            offset += n
+        for i, p in enumerate(params):
+            if not copy:  # the model's own parameter, its data now a view of the flat buffer
+                if i in views:
+                    grad = p.grad
+                    p.data = views[i]
+                    if grad is not None:
+                        p.grad = grad
+                self.params.append(p)
+            elif i in views:
+                # A version counter of its own (not the flat buffer's): an in-place change of
+                # this parameter is seen, dpcuda's writes to the flat buffer are not.
+                q = nn.Parameter(torch.empty(0, dtype=dtype, device=device))
+                q.data = views[i]
+                self.params.append(q)
+            else:
+                self.params.append(nn.Parameter(p.detach().to(device, copy=True),
+                                                requires_grad=False))
+        for b in buffers:
+            self.buffers.append(b if not copy or b is None else b.detach().to(device, copy=True))
+        self.views = [self.flat_grad[o:o + n].view_as(self.params[i])
+                      for i, (o, n) in zip(trainable, self.spans)]
+        # step_status's workspace (CUDA: int32 zeros, left zero by every launch)
+        ints = _C._step_status_ints() if torch.device(device).type == "cuda" else 0
+        self.status_work = torch.zeros(ints, dtype=torch.int32, device=device)
+        self.module = None  # the module tree of the last forward
+        self.tree = None    # the ids of its parameters
+        self.fused = []     # its FusedLinear layers whose backward may write into flat_grad
+        self.unused = set()  # the trainable parameters the last backward gave no gradient
+
+    def ensure_momentum(self):
+        if self.momentum is None:
+            self.momentum = torch.zeros_like(self.flat_param)
+
+    def set_module(self, module):
+        """This forward's module tree; finds the fused layers whose backward can write their
+        gradients straight into flat_grad (not a parameter two layers share, whose two
+        gradients would be written to one place)."""
+        self.module = module
+        self.tree = [id(p) for p in module.parameters()]
+        slot = {id(self.params[i]): k for k, i in enumerate(self.trainable)}
+        layers = [m for m in module.modules() if isinstance(m, FusedLinear)]
+        own = [(m._parameters.get("weight"), m._parameters.get("bias")) for m in layers]
+        uses = {}
+        for pair in own:
+            for q in pair:
+                if q is not None:
+                    uses[id(q)] = uses.get(id(q), 0) + 1
+
+        def into(q):
+            if q is None or id(q) not in slot or uses[id(q)] != 1:
+                return None
+            return slot[id(q)]
+        self.fused = [(m, tuple(into(q) for q in pair), pair) for m, pair in zip(layers, own)]
+
+    def release_grads(self):
+        """Before the convenience step's forward: .grad None (autograd then takes the fused
+        layers' gradients, which are views of the buffer, as they are) and each fused layer
+        told where its backward writes."""
+        for i in self.trainable:
+            self.params[i].grad = None
+        for m, slots, pair in self.fused:
+            # Not for a parameter with gradient hooks: they would be handed the buffer itself,
+            # which the next step overwrites, where torch hands them a tensor of their own.
+            into = tuple(self.views[s] if s is not None and not q._backward_hooks else None
+                         for s, q in zip(slots, pair))
+            m._grads_into = into if any(t is not None for t in into) else None
+
+    def collect_grads(self):
+        """After the backward (or a failure): every gradient in the buffer and .grad the
+        buffer's view again. A fused layer's gradient is there already; any other is copied in;
+        a parameter that got none (unused by this forward, or a replica without rows) is 0."""
+        for m, _, _ in self.fused:
+            m._grads_into = None
+        self.unused = set()
+        for k, i in enumerate(self.trainable):
+            p, view = self.params[i], self.views[k]
+            g = p.grad
+            if g is None:
+                self.unused.add(k)
+                view.zero_()
+            elif g.data_ptr() != view.data_ptr():
+                view.copy_(g)
+            p.grad = view
+
+    def drop_grads(self):
+        for i in self.trainable:
+            self.params[i].grad = None
+
+
+def _replicate_tree(model, pmap, bmap):
+    """A shallow replica of model's module tree whose parameters and buffers are pmap's and
+    bmap's (keyed by the model tensor's id)."""
+    memo = {}
+
+    def rep(m):
+        if id(m) in memo:
+            return memo[id(m)]
+        r = m._replicate_for_data_parallel()
+        memo[id(m)] = r
+        for name, p in m._parameters.items():
+            r._parameters[name] = None if p is None else pmap[id(p)]
+        for name, b in m._buffers.items():
+            r._buffers[name] = None if b is None else bmap[id(b)]
+        for name, c in m._modules.items():
+            r._modules[name] = None if c is None else rep(c)
+        return r
+    return rep(model)
+
+
+class ReplicaSet:
+    """The replicas of model on devices (devices[0] is the model's)."""
+
+    def __init__(self, model, devices, record=0, before_build=None):
+        self.model = model
+        self._before_build = before_build
+        self._pointers = None
+        self.devices = devices
+        self.record = record
+        self.replicas = []
+        self._structure = None
+        self.sync()
+
+    def _read_structure(self):
+        params = list(self.model.parameters())
+        buffers = list(self.model.buffers())
+        key = (tuple((id(p), tuple(p.shape), p.dtype, p.device, p.requires_grad)
+                     for p in params),
+               tuple((id(b), tuple(b.shape), b.dtype, b.device) for b in buffers))
+        return params, buffers, key
+
+    def sync(self):
+        """Brings every replica to the model's state (module docstring). Returns the replicas."""
+        params, buffers, key = self._read_structure()
+        r0 = self.replicas[0] if self.replicas else None
+        if key != self._structure or [p.data_ptr() for p in params] != self._pointers:
+            self._build(params, buffers, key)
+            return self.replicas
+        if len(self.replicas) == 1:
+            return self.replicas
+        for r in self.replicas[1:]:
+            if r.module is not None and [id(p) for p in r.module.parameters()] != r.tree:
+                raise ReplicaError(
+                    f"dpcuda DataParallel: the parameters of the replica on {r.device} were "
+                    f"changed (added, removed or replaced on the replica, not on the model); "
+                    f"make the change on dp.module, which every replica follows")
+            for i, (p, v) in enumerate(zip(r.params, self._replica_versions[id(r)][0])):
+                if p._version != v:
+                    name = self._param_names().get(id(params[i]), f"parameter {i}")
+                    raise ReplicaError(
+                        f"dpcuda DataParallel: the replica on {r.device} changed its {name} in "
+                        f"place (outside dpcuda), so it no longer holds the model's weights")
+        moved = [i for i, (p, v) in enumerate(zip(params, self._versions[0])) if p._version != v]
+        if moved:
+            trainable = set(r0.trainable)
+            flat = any(i in trainable for i in moved)
+            with torch.no_grad():
+                for r in self.replicas[1:]:
+                    if flat:
+                        r.flat_param.copy_(r0.flat_param, non_blocking=True)
+                    for i in moved:
+                        if i not in trainable:
+                            r.params[i].copy_(params[i], non_blocking=True)
+        for r in self.replicas[1:]:
+            versions = self._replica_versions[id(r)][1]
+            with torch.no_grad():
+                for j, (b, rb) in enumerate(zip(buffers, r.buffers)):
+                    if b._version != self._versions[1][j] or rb._version != versions[j]:
+                        rb.copy_(b, non_blocking=True)
+        self._record_versions(params, buffers)
+        return self.replicas
+
+    def _param_names(self):
+        return {id(p): name for name, p in self.model.named_parameters()}
+
+    def _build(self, params, buffers, key):
+        _refuse(self.model, len(self.devices))
+        if self.replicas and self._before_build is not None:
+            self._before_build()
+        old = self.replicas
+        old_momentum = None
+        if old and old[0].momentum is not None:
+            old_momentum = {id(old[0].params[i]): old[0].momentum[o:o + n]
+                            for i, (o, n) in zip(old[0].trainable, old[0].spans)}
+        self.replicas = [Replica(params, buffers, self.devices[0], False, self.record)]
+        self.replicas += [Replica(params, buffers, d, True, self.record)
+                          for d in self.devices[1:]]
+        if old_momentum is not None:
+            # The SGD momentum of the parameters that stay trainable carries over; a parameter
+            # that became trainable starts with none (zeros), as torch.optim.SGD's lazy state.
+            for r in self.replicas:
+                r.ensure_momentum()
+                for i, (o, n) in zip(r.trainable, r.spans):
+                    m = old_momentum.get(id(params[i]))
+                    if m is not None:
+                        r.momentum[o:o + n].copy_(m.reshape(-1))
+        self._structure = key
+        self._pointers = [p.data_ptr() for p in params]
+        self._record_versions(params, buffers)
+
+    def _record_versions(self, params, buffers):
+        self._versions = ([p._version for p in params], [b._version for b in buffers])
+        self._replica_versions = {
+            id(r): ([p._version for p in r.params], [b._version for b in r.buffers])
+            for r in self.replicas[1:]}
+
+    def build_modules(self):
+        """This forward's module trees: the model for replica 0, shallow replicas for the
+        others. Call after sync()."""
+        r0 = self.replicas[0]
+        r0.set_module(self.model)
+        for r in self.replicas[1:]:
+            pmap = {id(p): q for p, q in zip(r0.params, r.params)}
+            bmap = {id(b): q for b, q in zip(r0.buffers, r.buffers)}
+            r.set_module(_replicate_tree(self.model, pmap, bmap))
+        return [r.module for r in self.replicas]
+
+    def mark_synced(self):
+        """After dpcuda itself wrote every replica alike (the fused update, a load): the
+        current versions are the synced ones."""
+        params, buffers, _ = self._read_structure()
+        self._record_versions(params, buffers)

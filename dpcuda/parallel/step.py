@@ -1,0 +1,506 @@
+"""DataParallel's convenience step: step(inputs, targets, loss_fn) runs forward, loss, backward
+and an SGD update of a global batch in one call.
+
+A loss whose value is known without calling it (exactly nn.CrossEntropyLoss or dpcuda's
+SoftmaxCrossEntropyLoss with reduction "mean" and no class weights, or F.cross_entropy, on
+class-index targets; summed_loss) takes the per-replica path: each replica computes its rows'
+summed loss over the global batch's label count, and the SGD update is fused into the
+all-reduce (reduce_sgd_), which may skip itself on the device (blocking=False). Every other
+loss is computed on the gathered output, as in the conventional loop, and the update follows
+the reduction.
+"""
+
+import dataclasses
+import math
+import re
+import time
+import warnings
+
+import torch
+
+from .. import _C, ops
+from ..batchnorm import Exchange, replica_context
+from ..nn import SoftmaxCrossEntropyLoss
+from .labels import LabelChecks
+from .primitives import _run_all, batch_rows, scatter_sizes, split_sizes
+
+
+@dataclasses.dataclass
+class PendingStep:
+    """A non-blocking step not read yet: its status records (host memory, one per replica),
+    the events after which they hold the devices' values, and what naming a bad label needs."""
+    step: int
+    records: list
+    events: list
+    targets: torch.Tensor
+    summed: object
+    classes: object
+
+
+def _plain(loss_fn, cls):
+    """loss_fn is exactly a cls (not a subclass, which may have a forward of its own) with no
+    hooks, so that its result is known without calling it."""
+    return type(loss_fn) is cls and not (loss_fn._forward_hooks or loss_fn._forward_pre_hooks
+                                         or loss_fn._backward_hooks
+                                         or getattr(loss_fn, "_backward_pre_hooks", None))
+
+
+def summed_loss(loss_fn, targets):
+    """For a loss that averages over the rows it does not ignore (a "mean" cross-entropy,
+    nn.CrossEntropyLoss or dpcuda's SoftmaxCrossEntropyLoss, on class-index targets): the same
+    loss as a sum over its rows, and its ignore_index. None for any other loss_fn, which
+    the step computes on the gathered output. Half precision logits sum in float32: a float16 sum of a
+    few thousand rows' losses overflows where the mean would not."""
+    def summed(per_row):
+        def fn(out, y):
+            if out.dtype in (torch.float16, torch.bfloat16):
+                return per_row(out, y, "none").sum(dtype=torch.float32)
+            return per_row(out, y, "sum")
+        return fn
+
+    if targets.dtype.is_floating_point or targets.dtype == torch.bool:
+        return None
+    if _plain(loss_fn, SoftmaxCrossEntropyLoss) and loss_fn.reduction == "mean":
+        return summed(lambda out, y, reduction: ops.softmax_cross_entropy(
+            out, y, reduction, loss_fn.label_smoothing, loss_fn.ignore_index)), \
+            loss_fn.ignore_index
+    if targets.dtype != torch.long:  # torch's losses take int64 class indices only
+        return None
+    F = torch.nn.functional
+    if _plain(loss_fn, torch.nn.CrossEntropyLoss) and loss_fn.reduction == "mean" and \
+            loss_fn.weight is None:
+        return summed(lambda out, y, reduction: F.cross_entropy(
+            out, y, reduction=reduction, ignore_index=loss_fn.ignore_index,
+            label_smoothing=loss_fn.label_smoothing)), loss_fn.ignore_index
+    if loss_fn is F.cross_entropy:
+        return summed(lambda out, y, reduction: F.cross_entropy(out, y, reduction=reduction)), \
+            -100
+    return None
+
+
+
+class StepMixin(LabelChecks):
+    """The convenience step of DataParallel (see its docstring)."""
+
+    def _row_weights(self):
+        if self.split == "weighted":
+            return self.split_weights
+        if self.split == "auto" and self._speed is not None:
+            return self._speed
+        return None
+
+    @property
+    def _inline(self):
+        """Whether the reducer "dist" record rides behind the gradients (_record_inline)."""
+        return self._replicas[0].flat_grad.dtype in self._record_inline
+
+    def step(self, inputs, targets, loss_fn):
+        """One SGD step of the global batch (inputs, targets): forward, loss_fn(outputs,
+        targets), backward and the update. Returns the loss as a float (blocking=False: a
+        float64 scalar tensor on devices[0]). See DataParallel's docstring."""
+        if self._pending:
+            self._settle(wait=False)
+        self._sync()
+        # A step that raises leaves the buffers (batch-norm statistics) as they were, as it
+        # leaves the weights.
+        saved = [[b.clone() for b in bs] for bs in self._replica_buffers] if self._replica_buffers[0] else None
+        try:
+            loss = self._step_any(inputs, targets, loss_fn)
+        except BaseException:
+            # a flag a failed step raised (or left) must not speak for the next one (after a
+            # sticky CUDA error this cannot run: the original error is the one to see)
+            try:
+                self._clear_label_flags()
+            except Exception:
+                pass
+            if saved is not None:
+                with torch.no_grad():
+                    for bs, copies in zip(self._replica_buffers, saved):
+                        for b, c in zip(bs, copies):
+                            b.copy_(c)
+            raise
+        if saved is not None and self.buffer_mode == "broadcast" and self.reducer == "dist":
+            # Every process takes rank 0's buffers, as DDP broadcasts rank 0's at each step
+            # (the replicas of this process take the model's at the next forward).
+            with torch.no_grad():
+                for b in self._replica_buffers[0]:
+                    self._dist.broadcast(b, src=0, group=self._group)
+        return loss
+
+    def _step_any(self, inputs, targets, loss_fn):
+        if self.reducer != "dist":
+            return self._step(inputs, targets, loss_fn)
+        # Across processes a step that fails on one process (bad input, a bad label, an error
+        # in its forward) must still take part in the step's collectives, or the others would
+        # wait for it and then pair their next collectives with its next step's. So it joins
+        # the exchange with a failure mark, every process raises, and none applies the step.
+        self._dist_count = not self._global_rows or not self._inline
+        self._dist_stage = 0  # 1: the count is done; 2: the exchange has begun
+        try:
+            return self._step(inputs, targets, loss_fn)
+        except Exception:
+            if self._dist_stage < 2:
+                self._fail_exchange()
+            raise
+
+    def _step(self, inputs, targets, loss_fn):
+        if not isinstance(inputs, torch.Tensor) or not isinstance(targets, torch.Tensor):
+            raise TypeError("inputs and targets must be tensors")
+        if inputs.dim() == 0 or targets.dim() == 0:
+            raise ValueError("inputs and targets must have a leading batch dimension")
+        rows = inputs.shape[0]
+        if targets.shape[0] != rows:
+            raise ValueError(f"inputs has {rows} rows but targets has {targets.shape[0]}")
+        if rows == 0:
+            raise ValueError("the batch is empty")
+        if rows < len(self._replicas):
+            raise ValueError(f"the batch has {rows} rows, fewer than the {len(self._replicas)} "
+                             f"replicas")
+        sizes = split_sizes(rows, len(self._replicas), self._row_weights())
+        summed = summed_loss(loss_fn, targets)
+        if summed is None:
+            self._dist_stage = 2  # (the gathered path makes no failure exchange)
+            return self._step_gathered(inputs, targets, loss_fn)
+        self._set.build_modules()
+        parts = scatter_sizes((inputs, targets), self.devices, sizes)
+        # What the loss is a mean over: the rows, or for a cross-entropy loss with class-index
+        # targets the rows that are not ignored. Each replica's loss is its sum over that
+        # denominator of the global batch, so every replica count computes the global mean.
+        # A non-blocking step does not read labels on a GPU: it scales by 1 / every label,
+        # each replica's step_status counts its labels that are not ignored, and the update
+        # rescales the gradient (and the loss) by labels / that count on the device (a factor
+        # of exactly 1 when none is ignored). Not where gradients are float16 (a float16 model,
+        # or float16 autocast): scaled by 1 / more labels than count, they would lose precision
+        # to float16's subnormals before the rescale.
+        kind = self._replicas[0].device.type
+        half = self._replicas[0].flat_grad.dtype == torch.float16 or (
+            torch.is_autocast_enabled(kind) and torch.get_autocast_dtype(kind) == torch.float16)
+        count_on_device = not self.blocking and summed is not None and (
+            targets.device.type != "cpu" or self._count_on_device) and not half
+        if count_on_device:
+            dens = [part[1].numel() for part in parts]
+        else:
+            # Counted in host memory (numpy, no op): no device synchronisation for targets there
+            # (as a DataLoader gives them); for targets on a GPU one copy (a synchronisation)
+            # and, up to 65536 labels, no kernel (more are compared there and copied as a mask,
+            # an eighth of the bytes).
+            y = targets.detach()
+            if y.device.type == "cpu" or y.numel() <= 65536:
+                kept = y.cpu().numpy() != summed[1]
+            else:
+                kept = (y != summed[1]).cpu().numpy()
+            bounds = [0]
+            for n in sizes:
+                bounds.append(bounds[-1] + n)
+            dens = [int(kept[a:b].sum()) for a, b in zip(bounds, bounds[1:])]
+        global_den = sum(dens)
+        # dpcuda's own loss on (batch, classes) logits takes the fused path (see step_replica).
+        fold = isinstance(loss_fn, SoftmaxCrossEntropyLoss)
+        if self.reducer == "dist":
+            # Every process scales its loss by 1 / the global denominator before the backward.
+            # The first step counts it with a collective; later steps take the previous step's
+            # count (the same on every process), the true count travels with the gradients,
+            # and a step whose count changed is rescaled after the exchange (_step_dist).
+            # Half precision models count every step: a gradient scaled for a batch 16 times
+            # smaller can overflow float16 before the rescale. So does the step after one whose
+            # rows were all ignored.
+            if self._dist_count:
+                count = torch.tensor([global_den], dtype=torch.float64,
+                                     device=self._comm_device())
+                self._dist.all_reduce(count, group=self._group)
+                self._dist_stage = 1
+                self._global_rows = int(count.item())
+            global_den = self._global_rows
+        # No row counts (all ignored): the gradients are 0 and the loss NaN, as torch's mean
+        # over no rows (its gradient is 0 too; the update still applies decay and momentum).
+        inv = 1.0 / global_den if global_den > 0 else 0.0
+
+        # The CUDA loss kernel's bad-label flags, read with this step's loss, must say what this
+        # step saw. The status op of a device's only replica clears its flag as it reads it
+        # (so it is clear here unless a step failed, which clears them all); a flag that
+        # several replicas share, or that reducer "dist" reads, is cleared first.
+        shared = self._shared_flag_devices()
+        for device in shared:
+            self._flag_tensor(device).zero_()
+
+        exchange = Exchange(len(self._replicas), self.timeout) if self._sync_bn else None
+
+        def work(index, replica, part, size):
+            def run():
+                if exchange is not None:
+                    with replica_context(exchange, index):
+                        return step_replica()
+                return step_replica()
+
+            def step_replica():
+                replica.release_grads()
+                try:
+                    return forward_backward()
+                finally:
+                    replica.collect_grads()
+
+            def forward_backward():
+                if size == 0 and exchange is None:
+                    return 0.0, 0.0
+                start = time.perf_counter()
+                x, y = part
+                # On CUDA dpcuda's loss kernel flags a bad label on the device and this step
+                # reads the flag with the loss (step_status), instead of the adapter
+                # synchronising on every call to look.
+                defer = replica.device.type == "cuda"
+                previous = _C._defer_label_checks(True) if defer else None
+                try:
+                    out = replica.module(x)
+                    grad = None
+                    if size == 0:  # it takes part in the batch-norm exchanges only
+                        loss = out.sum() * 0.0
+                    elif fold and out.dim() == 2 and out.dtype.is_floating_point:
+                        # dpcuda's loss: the loss and its gradient, both already scaled by
+                        # 1 / the global denominator, from one kernel; the backward starts at
+                        # the logits (no seed, no scale and no loss node on the way back).
+                        losses, grad = torch.ops.dpcuda.loss_grad(
+                            out.detach(), y.long(), inv, float(loss_fn.label_smoothing),
+                            loss_fn.ignore_index, out.requires_grad)
+                        loss = losses  # per row: step_status sums them (no sum kernel)
+                    else:
+                        loss = summed[0](out, y) * inv
+                finally:
+                    if defer:
+                        _C._defer_label_checks(previous)
+                if grad is None:
+                    loss.backward()
+                elif out.requires_grad:
+                    out.backward(grad)
+                else:  # as loss.backward() in torch (no_grad, or nothing to train)
+                    raise RuntimeError("element 0 of tensors does not require grad and does "
+                                       "not have a grad_fn")
+                if replica.device.type == "cuda" and self.split == "auto":
+                    torch.cuda.synchronize(replica.device)
+                self._classes = out.shape[1] if out.dim() >= 2 else None
+                return loss.detach(), time.perf_counter() - start
+            return run
+
+        try:
+            results = _run_all([work(i, r, p, s) for i, (r, p, s)
+                                in enumerate(zip(self._replicas, parts, sizes))], self.devices,
+                               concurrent=exchange is not None,
+                               on_error=exchange.abort if exchange is not None else None)
+        except ValueError as err:
+            # A loss that checks labels as it runs (the CPU kernels, torch's losses) names a
+            # position in its replica's slice: name the position in the caller's batch.
+            found = re.match(r"labels must be class indices in \[0, (\d+)\)", str(err))
+            if found is None:
+                raise
+            self._classes = int(found.group(1))
+            self._raise_label_error(targets, summed)
+            raise
+        if self.split == "auto":
+            self._update_speed(sizes, [t for _, t in results])
+        if self.reducer == "dist":
+            # (per-row losses summed in float64, as step_status sums them for the others)
+            return self._step_dist([l.double().sum() if torch.is_tensor(l) and l.dim() else l
+                                    for l, _ in results], dens, global_den, targets, summed)
+        # Each replica's status record: the loss (its per-row losses summed there), whether its
+        # gradient buffer holds a NaN or an Inf, its device's bad-label flag (one op; one kernel
+        # on CUDA).
+        records = []
+        for (l, _), r, (_, y) in zip(results, self._replicas, parts):
+            flag = self._flag_tensor(r.device)
+            labels = None
+            if count_on_device:
+                labels = y.reshape(-1) if y.dtype == torch.long else y.reshape(-1).long()
+            records.append(torch.ops.dpcuda.step_status(
+                r.flat_grad, torch.as_tensor(l, device=r.device).detach(), flag, r.status_work,
+                flag is not None and r.device not in shared, labels,
+                summed[1]))
+        if not self.blocking:
+            return self._step_async(records, targets, summed, global_den, count_on_device)
+        # One host read per replica of its record.
+        reads = [x.cpu() for x in records]
+        if any(float(x[2]) for x in reads):
+            self._raise_label_error(targets, summed)
+        loss = float(sum(float(x[0]) for x in reads)) if global_den > 0 else math.nan
+
+        if any(float(x[1]) for x in reads):
+            warnings.warn(f"dpcuda DataParallel: step {self.steps} has NaN or Inf gradients; "
+                          f"skipped (weights unchanged)", RuntimeWarning, stacklevel=2)
+            self.skipped_steps += 1
+            self.steps += 1
+            return loss
+        # torch.optim.SGD leaves a parameter that got no gradient alone (no decay, no momentum):
+        # so does the step for one that no replica's forward used.
+        unused = set.intersection(*(r.unused for r in self._replicas))
+        kept = self._keep(unused) if unused else None
+        if self.reducer == "p2p":
+            self._reduce_p2p()
+        else:
+            self._reduce_host()
+        if kept is not None:
+            for dst, src in kept:
+                dst.copy_(src)
+        self._consumed()
+        self.steps += 1
+        return loss
+
+    def _consumed(self):
+        """After a fused update: .grad is None (the update consumed the gradient, which the
+        reduction leaves only partly summed on some replicas; None, never a partial sum)."""
+        for r in self._replicas:
+            r.drop_grads()
+
+    def _step_gathered(self, inputs, targets, loss_fn):
+        """The step for any other loss: loss_fn on the gathered output, as one device computes
+        it; the backward's reduction gives every replica the global gradient (.grad keeps it);
+        then the same SGD update on every replica."""
+        for r in self._replicas:
+            r.drop_grads()
+        out = self(inputs)
+        loss = loss_fn(out, targets)
+        if not isinstance(loss, torch.Tensor):
+            raise TypeError(f"loss_fn must return a tensor, got {type(loss).__name__}")
+        loss.backward()
+        r0 = self._replicas[0]
+        unused = {k for k, i in enumerate(r0.trainable) if r0.params[i].grad is None}
+        if not self._reduces:
+            r0.collect_grads()  # (one replica: the gradients into its flat buffer)
+        value = float(loss.detach().double()) if loss.numel() == 1 else float("nan")
+        if self.blocking:
+            result = value
+        else:
+            result = torch.tensor(value, dtype=torch.float64, device=self.devices[0])
+        if not bool(torch.isfinite(r0.flat_grad).all()):
+            warnings.warn(f"dpcuda DataParallel: step {self.steps} has NaN or Inf gradients; "
+                          f"skipped (weights unchanged)", RuntimeWarning, stacklevel=3)
+            self.skipped_steps += 1
+            self.steps += 1
+            return result
+        kept = self._keep(unused) if unused else None
+        for r in self._replicas:
+            if self.momentum:
+                r.ensure_momentum()
+            torch.ops.dpcuda.reduce_sgd_([r.flat_param], [r.flat_grad],
+                                         [r.momentum] if self.momentum else [],
+                                         *self._sgd_args(), False, "one_shot")
+        if kept is not None:
+            for dst, src in kept:
+                dst.copy_(src)
+        self.steps += 1
+        return result
+
+    def _step_async(self, records, targets, summed, global_den, count_on_device):
+        """The rest of a non-blocking step: the update, which the records skip (and, with the
+        labels counted on the device, rescale) there, and which writes the loss (the records'
+        losses summed in replica order from 0.0, as the blocking step sums its reads) into a
+        device tensor; the records copied to host memory, to be read later."""
+        unused = set.intersection(*(r.unused for r in self._replicas))
+        kept = self._keep(unused) if unused else None
+        # Everything that can fail is made before the update is queued (a step that raises
+        # leaves the weights): the loss, the records' host memory (pinned, behind an event,
+        # from CUDA devices), the events.
+        loss = torch.empty((), dtype=torch.float64, device=self._replicas[0].device)
+        cuda = sorted({r.device for r in self._replicas if r.device.type == "cuda"},
+                      key=str)
+        host = [torch.empty(x.numel(), dtype=torch.float64, pin_memory=bool(cuda))
+                for x in records]
+        events = [torch.cuda.Event() for _ in cuda]
+        self._reduce_p2p(records, float(global_den) if count_on_device else 0.0, loss)
+        if kept is not None:
+            for dst, src in kept:
+                dst.copy_(src)
+        self._consumed()
+        if global_den == 0:
+            loss.fill_(math.nan)  # a mean over no labels, as torch's
+        for h, x in zip(host, records):
+            h.copy_(x, non_blocking=bool(cuda))
+        for event, device in zip(events, cuda):
+            event.record(torch.cuda.current_stream(device))
+        self._pending.append(PendingStep(self.steps, host, events, targets, summed, self._classes))
+        self.steps += 1
+        return loss
+
+    def synchronize(self):
+        """Waits for every step so far and reads what they found (blocking=False): warns for
+        each skipped step, raises for a bad label. Call it before relying on skipped_steps."""
+        self._settle(wait=True)
+
+    def _settle(self, wait):
+        """Reads the records of earlier non-blocking steps, oldest first: those the devices
+        have finished, then, waiting for them, every one (wait) or those more than `lag` steps
+        back. NaN/Inf gradients warn and count; a bad label (that step's update was skipped on
+        the device) raises once every record this call reads is read, the first one's."""
+        error, more = None, []
+        while self._pending:
+            pending = self._pending[0]
+            step = pending.step
+            if not all(e.query() for e in pending.events):
+                if not wait and len(self._pending) < self.lag:
+                    break
+                for e in pending.events:
+                    e.synchronize()
+            self._pending.popleft()
+            rows = [h.numpy() for h in pending.records]  # host memory, read with no op
+            if any(r[2] != 0 for r in rows):
+                if error is None:
+                    self._classes = pending.classes
+                    try:
+                        self._raise_label_error(pending.targets, pending.summed, step)
+                    except ValueError as err:
+                        error = err
+                else:
+                    more.append(step)
+            elif any(r[1] != 0 for r in rows):
+                warnings.warn(f"dpcuda DataParallel: step {step} has NaN or Inf gradients; "
+                              f"skipped (weights unchanged)", RuntimeWarning, stacklevel=3)
+                self.skipped_steps += 1
+        if error is not None:
+            if more:
+                also = ", ".join(map(str, more))
+                raise ValueError(f"{error}; step{'s' if len(more) > 1 else ''} {also} also had "
+                                 f"a bad label (not applied either)")
+            raise error
+
+    def _keep(self, indices):
+        """Copies of the weights and momenta of the given parameters, to put back after the
+        update: (destination, copy) pairs."""
+        spans = [self._replicas[0].spans[i] for i in sorted(indices)]
+        buffers = [t for r in self._replicas for t in (r.flat_param, r.momentum) if t is not None]
+        if self.reducer == "host" and self._host_momentum is not None:
+            buffers.append(self._host_momentum)
+        return [(b[o:o + n], b[o:o + n].clone()) for b in buffers for o, n in spans]
+
+    def _update_speed(self, sizes, seconds):
+        speed = list(self._speed) if self._speed else [None] * len(sizes)
+        for i, (n, t) in enumerate(zip(sizes, seconds)):
+            if n > 0 and t > 0:
+                now = n / t
+                speed[i] = now if speed[i] is None else 0.7 * speed[i] + 0.3 * now
+        known = [s for s in speed if s is not None]
+        if not known:
+            return
+        # A replica that got no rows keeps its old estimate, or a small share to be re-measured.
+        floor = min(known) * 0.25
+        self._speed = [s if s is not None else floor for s in speed]
+
+    def _sgd_args(self):
+        return self.lr, self.momentum, self.weight_decay
+
+    def _reduce_p2p(self, records=(), scaled_by=0.0, loss_out=None):
+        rs = self._replicas
+        torch.ops.dpcuda.reduce_sgd_([r.flat_param for r in rs], [r.flat_grad for r in rs],
+                                     [r.momentum for r in rs] if self.momentum else [],
+                                     *self._sgd_args(), False, self.algorithm, list(records),
+                                     scaled_by, loss_out)
+
+    def _reduce_host(self):
+        # The classic scheme: every gradient to host memory, summed there in replica order,
+        # the update applied to a host copy of the weights, the weights copied to every device.
+        host = [r.flat_grad.to("cpu") for r in self._replicas]
+        total = host[0]
+        for g in host[1:]:
+            total = total + g
+        weights = self._replicas[0].flat_param.detach().to("cpu", copy=True)
+        m = [self._host_momentum] if self.momentum else []
+        torch.ops.dpcuda.reduce_sgd_([weights], [total], m, *self._sgd_args(), False,
+                                     "one_shot")
+        for r in self._replicas:
+            r.flat_param.copy_(weights, non_blocking=False)
