@@ -15,6 +15,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from dpcuda.nn import SoftmaxCrossEntropyLoss
 from dpcuda.parallel import DataParallel
+from dpcuda.parallel import step as step_module
+from dpcuda.parallel.step import PendingStep
 from conftest import make_model
 
 
@@ -102,13 +104,20 @@ class _Flagged:
     def __init__(self, monkeypatch):
         self.flags = {}
         monkeypatch.setattr(DataParallel, "_flag_tensor", staticmethod(self.flag_of))
+        known = step_module.summed_loss
+
+        def summed_loss(loss_fn, targets):  # the flagging loss taken as a known mean loss
+            if loss_fn == self.loss:
+                return (lambda out, y: self.loss(out, y, "sum")), -100
+            return known(loss_fn, targets)
+        monkeypatch.setattr(step_module, "summed_loss", summed_loss)
 
     def flag_of(self, device):
         return self.flags.setdefault(device, torch.zeros(1, dtype=torch.int32))
 
-    def loss(self, out, y):  # a loss whose kernel saw a bad label (and read it clamped)
+    def loss(self, out, y, reduction="mean"):  # its kernel saw a bad label (read it clamped)
         self.flag_of(out.device).fill_(1)
-        return F.cross_entropy(out, y.clamp(0, out.shape[1] - 1))
+        return F.cross_entropy(out, y.clamp(0, out.shape[1] - 1), reduction=reduction)
 
 
 def test_a_bad_label_raises_at_the_next_call_naming_step_and_position(monkeypatch):
@@ -169,15 +178,15 @@ def test_the_host_waits_only_for_the_step_lag_steps_back():
     waited = []
     clear = torch.zeros(4, dtype=torch.float64)
     for step in range(2):
-        dp._pending.append((step, [clear], [_Event(waited, step)], None, None, 5))
+        dp._pending.append(PendingStep(step, [clear], [_Event(waited, step)], None, None, 5))
     dp._settle(wait=False)  # two steps in flight: the older one is waited for, not the newer
     assert waited == [0] and len(dp._pending) == 1
     dp._settle(wait=False)  # one in flight: no wait
     assert waited == [0] and len(dp._pending) == 1
-    dp._pending[0][2][0].done = True  # the device finished it: read with no wait
+    dp._pending[0].events[0].done = True  # the device finished it: read with no wait
     dp._settle(wait=False)
     assert waited == [0] and not dp._pending
-    dp._pending.append((7, [clear], [_Event(waited, 7)], None, None, 5))
+    dp._pending.append(PendingStep(7, [clear], [_Event(waited, 7)], None, None, 5))
     dp.synchronize()  # waits for everything
     assert waited == [0, 7] and not dp._pending
 
@@ -451,8 +460,8 @@ def test_synchronize_reads_every_step_and_raises_the_first_bad_label():
     def record(nan, bad):
         return [torch.tensor([1.0, float(nan), float(bad), 24.0], dtype=torch.float64)]
     for step, (nan, bad) in enumerate([(0, 1), (0, 1), (1, 0)], start=1):
-        dp._pending.append((step, record(nan, bad), [_Event(waited, step)], y,
-                            (None, -100), 5))
+        dp._pending.append(PendingStep(step, record(nan, bad), [_Event(waited, step)], y,
+                                       (None, -100), 5))
     with pytest.warns(RuntimeWarning, match="step 3 has NaN or Inf"):
         with pytest.raises(ValueError, match=r"step 1: .* got 9 at position 3 .*; step 2 also "
                                              r"had a bad label \(not applied either\)"):

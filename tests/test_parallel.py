@@ -213,7 +213,8 @@ def test_data_parallel_algorithms_give_identical_weights(algorithm):
     data = [(x.double(), y) for x, y in batches(5)]
     results = []
     for algo in (algorithm, "two_shot"):
-        dp = DataParallel(model, ["cpu"] * 3, lr=0.05, momentum=0.5, algorithm=algo)
+        dp = DataParallel(copy.deepcopy(model), ["cpu"] * 3, lr=0.05, momentum=0.5,
+                          algorithm=algo)
         for x, y in data:
             dp.step(x, y, F.cross_entropy)
         results.append([p.detach().clone() for p in dp.module.parameters()])
@@ -286,14 +287,14 @@ def test_exception_in_one_replica_leaves_every_replica():
     before = snapshot(dp)
     calls = []
 
-    def loss_fn(out, y):
-        calls.append(out.shape[0])
+    def fail_second(module, inputs, output):  # a forward hook: every replica runs it
+        calls.append(output.shape[0])
         if len(calls) == 2:
             raise RuntimeError("replica failure")
-        return F.cross_entropy(out, y)
 
+    dp.module.register_forward_hook(fail_second)
     with pytest.raises(RuntimeError, match="replica failure"):
-        dp.step(*batches(1)[0], loss_fn)
+        dp.step(*batches(1)[0], F.cross_entropy)
     assert_untouched(dp, before)
 
 
@@ -465,12 +466,13 @@ def test_a_raised_label_flag_stops_the_step_before_the_update(monkeypatch):
     def flag_of(device):
         return flags.setdefault(device, torch.zeros(1, dtype=torch.int32))
 
-    def flagging_loss(out, y):  # a loss whose kernel saw a bad label (as on CUDA)
+    def flagging(module, inputs, out):  # as a loss kernel that saw a bad label (on CUDA)
         flag_of(out.device).fill_(1)
-        return F.cross_entropy(out, y)
     monkeypatch.setattr(DataParallel, "_flag_tensor", staticmethod(flag_of))
+    hook = dp.module.register_forward_hook(flagging)
     with pytest.raises(ValueError, match="not in this step's targets"):
-        dp.step(x, y, flagging_loss)
+        dp.step(x, y, F.cross_entropy)
+    hook.remove()
     for p, b in zip(dp.module.parameters(), before):
         assert torch.equal(p, b)
     # The failed step clears the flags: the next step is not blamed for them.

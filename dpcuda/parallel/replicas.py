@@ -9,11 +9,13 @@ mode, hooks, attributes, submodules replaced after wrapping) is what every repli
 Before each forward, ReplicaSet.sync() brings the replicas' tensors to the model's:
 - a new, removed or replaced parameter or buffer, a changed requires_grad, or a parameter
   whose .data was replaced rebuilds the replicas' tensors;
-- weights that moved (a parameter's version counter changed: an optimizer step, an in-place
-  edit under no_grad, load_state_dict) are copied with one flat copy per replica (the model's
-  trainable parameters are views of one flat buffer);
-- buffers whose version changed on the model or on a replica are copied from the model (DDP's
-  broadcast_buffers: replica 0's buffers win).
+- the weights are copied, with one flat copy per replica for the trainable ones (the model's
+  trainable parameters are views of one flat buffer), unless dpcuda's own update (step())
+  wrote every replica alike and no parameter's version counter moved since; version counters
+  alone miss changes that make no version bump (torch's fused optimizers, writes through
+  .data), so after anything else the copy is made;
+- the buffers are copied every time (DDP's broadcast_buffers: replica 0's win; batch norm's
+  statistics change with no version bump).
 A replica whose own parameters changed outside dpcuda raises: its weights could no longer be
 the model's.
 """
@@ -194,6 +196,7 @@ class ReplicaSet:
         self.model = model
         self._before_build = before_build
         self._pointers = None
+        self._updated = None
         self.devices = devices
         self.record = record
         self.replicas = []
@@ -223,31 +226,35 @@ class ReplicaSet:
                     f"dpcuda DataParallel: the parameters of the replica on {r.device} were "
                     f"changed (added, removed or replaced on the replica, not on the model); "
                     f"make the change on dp.module, which every replica follows")
-            for i, (p, v) in enumerate(zip(r.params, self._replica_versions[id(r)][0])):
+            for i, (p, v) in enumerate(zip(r.params, self._replica_versions[id(r)])):
                 if p._version != v:
                     name = self._param_names().get(id(params[i]), f"parameter {i}")
                     raise ReplicaError(
                         f"dpcuda DataParallel: the replica on {r.device} changed its {name} in "
                         f"place (outside dpcuda), so it no longer holds the model's weights")
-        moved = [i for i, (p, v) in enumerate(zip(params, self._versions[0])) if p._version != v]
-        if moved:
-            trainable = set(r0.trainable)
-            flat = any(i in trainable for i in moved)
-            with torch.no_grad():
-                for r in self.replicas[1:]:
-                    if flat:
-                        r.flat_param.copy_(r0.flat_param, non_blocking=True)
-                    for i in moved:
-                        if i not in trainable:
-                            r.params[i].copy_(params[i], non_blocking=True)
-        for r in self.replicas[1:]:
-            versions = self._replica_versions[id(r)][1]
-            with torch.no_grad():
-                for j, (b, rb) in enumerate(zip(buffers, r.buffers)):
-                    if b._version != self._versions[1][j] or rb._version != versions[j]:
-                        rb.copy_(b, non_blocking=True)
+        # The weights are copied unless dpcuda's own update wrote every replica alike since
+        # the last copy and no parameter's version moved since (mark_updated). Version
+        # counters alone would miss what changes the model with no version bump: torch's fused
+        # optimizers and writes through .data. Buffers are copied every time (batch norm's
+        # statistics change with no version bump).
+        clean = self._updated is not None and self._updated == [p._version for p in params]
+        self._updated = None
+        with torch.no_grad():
+            for r in self.replicas[1:]:
+                if not clean:
+                    r.flat_param.copy_(r0.flat_param, non_blocking=True)
+                    for i, p in enumerate(params):
+                        if not p.requires_grad:
+                            r.params[i].copy_(p, non_blocking=True)
+                for b, rb in zip(buffers, r.buffers):
+                    rb.copy_(b, non_blocking=True)
         self._record_versions(params, buffers)
         return self.replicas
+
+    def mark_updated(self):
+        """dpcuda's own update has just written every replica's weights alike: the next sync
+        may skip the weights' copy if no parameter's version moves until then."""
+        self._updated = [p._version for p in self.model.parameters()]
 
     def _param_names(self):
         return {id(p): name for name, p in self.model.named_parameters()}
@@ -274,14 +281,13 @@ class ReplicaSet:
                     if m is not None:
                         r.momentum[o:o + n].copy_(m.reshape(-1))
         self._structure = key
+        self._updated = None
         self._pointers = [p.data_ptr() for p in params]
         self._record_versions(params, buffers)
 
     def _record_versions(self, params, buffers):
-        self._versions = ([p._version for p in params], [b._version for b in buffers])
         self._replica_versions = {
-            id(r): ([p._version for p in r.params], [b._version for b in r.buffers])
-            for r in self.replicas[1:]}
+            id(r): [p._version for p in r.params] for r in self.replicas[1:]}
 
     def build_modules(self):
         """This forward's module trees: the model for replica 0, shallow replicas for the
@@ -293,9 +299,3 @@ class ReplicaSet:
             bmap = {id(b): q for b, q in zip(r0.buffers, r.buffers)}
             r.set_module(_replicate_tree(self.model, pmap, bmap))
         return [r.module for r in self.replicas]
-
-    def mark_synced(self):
-        """After dpcuda itself wrote every replica alike (the fused update, a load): the
-        current versions are the synced ones."""
-        params, buffers, _ = self._read_structure()
-        self._record_versions(params, buffers)

@@ -344,9 +344,11 @@ class StepMixin(LabelChecks):
 
     def _consumed(self):
         """After a fused update: .grad is None (the update consumed the gradient, which the
-        reduction leaves only partly summed on some replicas; None, never a partial sum)."""
+        reduction leaves only partly summed on some replicas; None, never a partial sum), and
+        the replicas hold the same weights."""
         for r in self._replicas:
             r.drop_grads()
+        self._set.mark_updated()
 
     def _step_gathered(self, inputs, targets, loss_fn):
         """The step for any other loss: loss_fn on the gathered output, as one device computes
@@ -384,6 +386,7 @@ class StepMixin(LabelChecks):
         if kept is not None:
             for dst, src in kept:
                 dst.copy_(src)
+        self._set.mark_updated()
         self.steps += 1
         return result
 
