@@ -69,13 +69,13 @@ class FusedLinear(nn.Module):
     # the weight's and bias's gradients (views of the replica's flat gradient buffer).
     _grads_into = None
 
-    def forward(self, x):
+    def forward(self, input):
         into = self._grads_into
         if into is not None:
             # Once per step: a layer called twice in one forward gets its second call's
             # gradients the usual way, and autograd sums the two into .grad.
             self._grads_into = None
-        return ops.full_forward(x, self.weight, self.bias, self.activation, _grads_into=into)
+        return ops.full_forward(input, self.weight, self.bias, self.activation, _grads_into=into)
 
     def extra_repr(self):
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

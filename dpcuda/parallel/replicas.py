@@ -213,6 +213,7 @@ class ReplicaSet:
 
     def sync(self):
         """Brings every replica to the model's state (module docstring). Returns the replicas."""
+        _refuse(self.model, len(self.devices))
         params, buffers, key = self._read_structure()
         r0 = self.replicas[0] if self.replicas else None
         if key != self._structure or [p.data_ptr() for p in params] != self._pointers:
@@ -260,7 +261,6 @@ class ReplicaSet:
         return {id(p): name for name, p in self.model.named_parameters()}
 
     def _build(self, params, buffers, key):
-        _refuse(self.model, len(self.devices))
         if self.replicas and self._before_build is not None:
             self._before_build()
         old = self.replicas
