@@ -741,8 +741,10 @@ def _eval(args, parser):
                                 cfg.get("classes", 10), cfg.get("seed", 0))
     except data_mod.DataError as err:
         parser.exit(2, f"{parser.prog}: error: {err}\n")
-    # Raw features: the model applies the standardisation its checkpoint saved.
-    x = dataset.x_test * dataset.std + dataset.mean if hasattr(model, "mean") else dataset.x_test
+    # The data set's features are preprocessed already: the checkpoint's network without its
+    # own preprocessing (which takes raw features) evaluates them as training did.
+    model = getattr(model, "model", model)
+    x = dataset.x_test
     features, classes = _model_sizes(model)
     if x.shape[1] != features or dataset.classes > classes:
         parser.exit(2, f"{parser.prog}: error: {name} has {x.shape[1]} features and "

@@ -38,8 +38,11 @@ class Dataset:
     x_test: torch.Tensor
     y_test: torch.Tensor
     classes: int
-    mean: torch.Tensor = None  # the standardisation: x_standardised = (x_raw - mean) / std
+    # The preprocessing of raw features (as the source gives them: the digits' pixels 0-16,
+    # Fashion-MNIST's 0-255): x = (x_raw / divisor - mean) / std.
+    mean: torch.Tensor = None
     std: torch.Tensor = None
+    divisor: float = 1.0
 
     @property
     def features(self):
@@ -124,20 +127,26 @@ def _fashion_mnist(data_dir):
     y_train = torch.from_numpy(arrays["train_labels"].astype(np.int64))
     y_test = torch.from_numpy(arrays["test_labels"].astype(np.int64))
     classes = int(max(y_train.max().item(), y_test.max().item())) + 1
-    return "fashion-mnist", x_train.float() / 255, y_train, x_test.float() / 255, y_test, classes
+    return ("fashion-mnist", x_train.float() / 255, y_train, x_test.float() / 255, y_test,
+            classes, 255.0)
+
+
+# load_digits() gives pixels 0-16; training divides them by this first.
+DIGITS_DIVISOR = 16.0
 
 
 def _digits():
     from sklearn.datasets import load_digits
 
     digits = load_digits()
-    x = torch.tensor(digits.data, dtype=torch.float32) / 16
+    x = torch.tensor(digits.data, dtype=torch.float32) / DIGITS_DIVISOR
     y = torch.tensor(digits.target, dtype=torch.int64)
     # A fixed 80/20 split, the same for every run (seed 0 of its own generator), so accuracies
     # of different runs are measured on the same test images.
     perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
     test = len(x) // 5
-    return "digits", x[perm[test:]], y[perm[test:]], x[perm[:test]], y[perm[:test]], 10
+    return ("digits", x[perm[test:]], y[perm[test:]], x[perm[:test]], y[perm[:test]], 10,
+            DIGITS_DIVISOR)
 
 
 def _synthetic(samples, features, classes, seed):
@@ -155,7 +164,7 @@ def _synthetic(samples, features, classes, seed):
     y = torch.randint(0, classes, (samples,), generator=gen)
     x = centres[y] + torch.randn(samples, features, generator=gen)
     test = max(1, samples // 5)
-    return "synthetic", x[test:], y[test:], x[:test], y[:test], classes
+    return "synthetic", x[test:], y[test:], x[:test], y[:test], classes, 1.0
 
 
 def load(name, data_dir=None, samples=60000, features=784, classes=10, seed=0):
@@ -169,7 +178,7 @@ def load(name, data_dir=None, samples=60000, features=784, classes=10, seed=0):
         parts = _synthetic(samples, features, classes, seed)
     else:
         raise DataError(f"unknown dataset {name!r}; choose one of {', '.join(DATASETS)}")
-    name, x_train, y_train, x_test, y_test, classes = parts
+    name, x_train, y_train, x_test, y_test, classes, divisor = parts
     if x_train.shape[0] == 0 or x_test.shape[0] == 0:
         raise DataError(f"{name}: the {'train' if x_train.shape[0] == 0 else 'test'} split "
                         f"has no samples")
@@ -177,4 +186,4 @@ def load(name, data_dir=None, samples=60000, features=784, classes=10, seed=0):
     std = x_train.std(0).clamp_min(0.1)
     return Dataset(name, ((x_train - mean) / std).contiguous(), y_train.contiguous(),
                    ((x_test - mean) / std).contiguous(), y_test.contiguous(), classes,
-                   mean, std)
+                   mean, std, divisor)

@@ -265,17 +265,19 @@ def _check_resume(path, payload, cfg):
 
 
 class Standardized(torch.nn.Module):
-    """A trained model with its input standardisation: forward(x) = model((x - mean) / std) on
-    raw features, as the data set gave them before training standardised them."""
+    """A trained model with every preprocessing step of its training data: forward(x) =
+    model((x / divisor - mean) / std) on raw features, as the data set's source gives them
+    (the digits' pixels as load_digits() gives them, 0-16)."""
 
-    def __init__(self, model, mean, std):
+    def __init__(self, model, mean, std, divisor=1.0):
         super().__init__()
         self.model = model
+        self.divisor = float(divisor)
         self.register_buffer("mean", mean.detach().clone())
         self.register_buffer("std", std.detach().clone())
 
     def forward(self, x):
-        return self.model((x - self.mean) / self.std)
+        return self.model((x / self.divisor - self.mean) / self.std)
 
 
 def load_checkpoint_model(path, device="cpu"):
@@ -289,7 +291,8 @@ def load_checkpoint_model(path, device="cpu"):
     model.load_state_dict(payload["model_state_dict"])
     norm = payload.get("normalization")
     if norm is not None:
-        model = Standardized(model, norm["mean"], norm["std"])
+        # (checkpoints before the divisor was saved took features already divided)
+        model = Standardized(model, norm["mean"], norm["std"], norm.get("divisor", 1.0))
     return model.to(device).eval()
 
 
@@ -395,7 +398,8 @@ def train(cfg, dataset=None, dist_info=None, announce=None):
         return {"format": CHECKPOINT_FORMAT, "version": CHECKPOINT_VERSION, "model": spec,
                 "model_state_dict": dict(zip(_fused_keys(spec), weights)),
                 "normalization": None if dataset.mean is None else
-                {"mean": dataset.mean.clone(), "std": dataset.std.clone()},
+                {"mean": dataset.mean.clone(), "std": dataset.std.clone(),
+                 "divisor": dataset.divisor},
                 "optimizer": dp.optimizer_state_dict(), "epoch": epoch, "step": step,
                 "order": order, "order_generator": order_gen.get_state(),
                 "torch_rng": torch.get_rng_state(), "history": history,

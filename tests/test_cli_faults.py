@@ -173,7 +173,13 @@ def test_eval_predict_and_the_v2_checkpoint(trained, tmp_path):
     model.load_state_dict(payload["model_state_dict"])
     plain = model.to_sequential()
     digits = data.load("digits")
-    x_raw = digits.x_test * digits.std + digits.mean
+    # The raw features: the test split's rows of load_digits().data, pixels 0-16 as sklearn
+    # gives them (the split is data.py's: seed 0 of its own generator, the first fifth).
+    from sklearn.datasets import load_digits
+    pixels = torch.tensor(load_digits().data, dtype=torch.float32)
+    perm = torch.randperm(len(pixels), generator=torch.Generator().manual_seed(0))
+    x_raw = pixels[perm[:len(pixels) // 5]]
+    assert x_raw.max() == 16
     want = run_json["final"]["test_accuracy"]
     with torch.no_grad():
         acc = (plain(digits.x_test).argmax(1) == digits.y_test).float().mean().item()
