@@ -203,7 +203,8 @@ def _parser():
                         formatter_class=_Formatter)
     pr.add_argument("--checkpoint", type=_path("--checkpoint"), required=True)
     pr.add_argument("--input", type=_path("--input"), required=True,
-                    help=".npy file of raw features, (rows, features)")
+                    help=".npy file of raw features, (rows, features), as the data set gives "
+                         "them (digits: load_digits().data, pixels 0-16)")
     pr.add_argument("--output", type=_path("--output"), required=True,
                     help=".npy file for the int64 classes, (rows,)")
     pr.add_argument("--device", default="cpu")

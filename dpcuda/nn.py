@@ -175,23 +175,31 @@ _ACTIVATION_MODULES = {"relu": nn.ReLU, "gelu": nn.GELU,
 
 
 def _has_hooks(module):
-    """Whether module has forward or forward-pre hooks, which see nn.Linear's own output (the
-    pre-activation) and would see the activation's output after fusing."""
-    return bool(module._forward_hooks or module._forward_pre_hooks)
+    """Whether module has hooks of its own, which fusing would drop or feed another tensor."""
+    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                or module._backward_pre_hooks)
+
+
+_ACTIVATION_TYPES = {nn.ReLU: "relu", nn.SiLU: "silu", nn.Sigmoid: "sigmoid", nn.Tanh: "tanh"}
 
 
 def _activation_name(module):
-    """The fused activation name of an activation module, or None if it has none."""
-    if isinstance(module, nn.ReLU):
-        return "relu"
-    if isinstance(module, nn.GELU):
+    """The fused activation name of an activation module of exactly one of the supported
+    classes (a subclass may compute something else), or None."""
+    if type(module) is nn.GELU:
         return "gelu_tanh" if module.approximate == "tanh" else "gelu"
-    if isinstance(module, nn.SiLU):
-        return "silu"
-    if isinstance(module, nn.Sigmoid):
-        return "sigmoid"
-    if isinstance(module, nn.Tanh):
-        return "tanh"
+    return _ACTIVATION_TYPES.get(type(module))
+
+
+def _why_not_exact(module):
+    """Why an nn.Linear (or an activation) cannot be fused exactly, or None if it can."""
+    from torch.nn.utils import parametrize
+    if parametrize.is_parametrized(module):
+        return "it is parametrized (its weight is computed from other tensors)"
+    if isinstance(module, nn.Linear) and type(module) is not nn.Linear:
+        return f"it is a {type(module).__module__}.{type(module).__qualname__}, not nn.Linear"
+    if _has_hooks(module):
+        return "it has hooks of its own"
     return None
 
 
@@ -201,29 +209,49 @@ def fuse(module):
     the activation by nn.Identity so indices and state_dict keys stay as they were. Returns
     the module; a bare nn.Linear passed in comes back as a FusedLinear with no activation.
 
-    A pair whose nn.Linear or activation has forward hooks is left as it is, with a warning:
-    fused, the hooks would no longer fire (or would see another tensor)."""
+    Only what is exactly torch's is fused: an nn.Linear itself (not a subclass, which may have
+    a forward of its own, as torch.ao's QAT Linear does; not parametrized, as weight_norm makes
+    it; no hooks) followed by an activation of exactly one of those classes with no hooks.
+    Anything else that looks like a candidate is left as it is, with one warning naming it."""
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+    left = []
+    fused = _fuse(module, "", left)
+    if left:
+        warnings.warn("dpcuda.nn.fuse: left unfused (fusing would change what they compute): "
+                      + "; ".join(left), UserWarning, stacklevel=2)
+    return fused
+
+
+def _fuse(module, prefix, left):
     if isinstance(module, nn.Linear):
-        if _has_hooks(module):
-            warnings.warn("dpcuda.nn.fuse: the nn.Linear has forward hooks; left unfused",
-                          UserWarning, stacklevel=2)
+        why = _why_not_exact(module)
+        if why is not None:
+            left.append(f"{prefix or 'the module'}: {why}")
             return module
-        return FusedLinear.from_linear(module)
-    for child in module.children():
+        return FusedLinear.from_linear(module) if not prefix else module
+    for name, child in module.named_children():
         if not isinstance(child, nn.Linear):
-            fuse(child)
+            _fuse(child, f"{prefix}{name}.", left)
     if isinstance(module, nn.Sequential):
         names = list(module._modules.keys())
-        for name, next_name in zip(names[:-1], names[1:]):
-            linear, act = module._modules[name], module._modules[next_name]
+        for name, next_name in zip(names, names[1:] + [None]):
+            linear = module._modules[name]
+            if not isinstance(linear, nn.Linear):
+                continue
+            act = module._modules[next_name] if next_name is not None else None
+            if not isinstance(act, tuple(_ACTIVATION_TYPES) + (nn.GELU,)):
+                continue  # no activation to fuse with
+            why = _why_not_exact(linear)
             activation = _activation_name(act)
-            if isinstance(linear, nn.Linear) and activation is not None:
-                if _has_hooks(linear) or _has_hooks(act):
-                    warnings.warn(f"dpcuda.nn.fuse: {name} ({linear}) or its activation has "
-                                  f"forward hooks; left unfused", UserWarning, stacklevel=2)
-                    continue
+            if why is not None:
+                left.append(f"{prefix}{name}: {why}")
+            elif activation is None:
+                left.append(f"{prefix}{next_name}: it is a {type(act).__qualname__}, not "
+                            f"torch's own activation class")
+            elif _has_hooks(act):
+                left.append(f"{prefix}{next_name}: it has hooks of its own")
+            else:
                 module._modules[name] = FusedLinear.from_linear(linear, activation)
                 module._modules[next_name] = nn.Identity()
     return module

@@ -1,3 +1,5 @@
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -126,7 +128,7 @@ def test_fuse_names_a_bad_argument_and_keeps_hooked_layers():
     seq[0].register_forward_hook(lambda m, i, o: seen.append(o))
     x = torch.randn(5, 4)
     want = seq(x)
-    with pytest.warns(UserWarning, match="forward hooks; left unfused"):
+    with pytest.warns(UserWarning, match="left unfused .*: 0: it has hooks of its own"):
         fuse(seq)
     assert isinstance(seq[0], torch.nn.Linear) and isinstance(seq[2], FusedLinear)
     seen.clear()
@@ -156,3 +158,43 @@ def test_in_place_collectives_trace_and_run_on_meta():
     got = torch.compile(f, fullgraph=True, backend="eager")(a2, b2)
     torch.testing.assert_close(got, want_a * 2)
     torch.testing.assert_close(a2, b2)
+
+
+class _ScaledLinear(torch.nn.Linear):
+    def forward(self, input):
+        return super().forward(input) * 1.5
+
+
+def test_fuse_leaves_what_is_not_exactly_torchs_linear_with_one_warning():
+    # A Linear subclass with its own forward, QAT's fake-quantised Linear, a weight_norm
+    # parametrisation and an activation subclass: each left as it is, all named in one warning,
+    # and the model still computes what it did; the exact pair next to them is fused.
+    from torch.nn.utils.parametrizations import weight_norm
+
+    class MyTanh(torch.nn.Tanh):
+        def forward(self, input):
+            return super().forward(input) * 2
+
+    torch.manual_seed(0)
+    qat = torch.ao.nn.qat.Linear(4, 4, qconfig=torch.ao.quantization.get_default_qat_qconfig())
+    seq = torch.nn.Sequential(_ScaledLinear(4, 4), torch.nn.ReLU(), qat, torch.nn.ReLU(),
+                              weight_norm(torch.nn.Linear(4, 4)), torch.nn.GELU(),
+                              torch.nn.Linear(4, 4), MyTanh(), torch.nn.Linear(4, 3),
+                              torch.nn.Sigmoid())
+    x = torch.randn(6, 4)
+    want = seq(x)
+    keys = sorted(seq.state_dict())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fuse(seq)
+    assert len(caught) == 1
+    text = str(caught[0].message)
+    for part in ("0: it is a", "_ScaledLinear", "2: it is a torch.ao.nn.qat", "4: it is "
+                 "parametrized", "MyTanh, not torch's own activation"):
+        assert part in text, (part, text)
+    assert [type(m).__name__ for m in seq][:8] == [
+        "_ScaledLinear", "ReLU", "Linear", "ReLU", "ParametrizedLinear", "GELU", "Linear",
+        "MyTanh"]
+    assert isinstance(seq[8], FusedLinear) and isinstance(seq[9], torch.nn.Identity)
+    torch.testing.assert_close(seq(x), want)
+    assert sorted(seq.state_dict()) == keys
