@@ -275,3 +275,144 @@ def test_data_parallel_matches_one_device(case):
         for k, v in r.state_dict().items():
             torch.testing.assert_close(v, dp.module.state_dict()[k], rtol=0, atol=0,
                                        equal_nan=True, msg=f"replicas differ at {k}")
+
+
+# ---------------------------------------------------------------------------------------------
+# The conventional loop (#23): DataParallel as a wrapper with a drawn torch optimizer, loss and
+# change made after wrapping, against the same loop on one device.
+
+OPTIMIZERS = {
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, nesterov=True,
+                                      weight_decay=1e-3),
+    "adam": lambda ps: torch.optim.Adam(ps, lr=1e-2, amsgrad=True),
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
+    "adamw_fused": lambda ps: torch.optim.AdamW(ps, lr=1e-2, fused=True),
+    "rmsprop": lambda ps: torch.optim.RMSprop(ps, lr=1e-3, momentum=0.5),
+    "adagrad": lambda ps: torch.optim.Adagrad(ps, lr=1e-2),
+}
+LOSSES = {
+    "ce": lambda out, y: F.cross_entropy(out, y),
+    "ce_weight": lambda out, y: F.cross_entropy(
+        out, y, weight=torch.linspace(0.5, 2.0, out.shape[1], dtype=out.dtype)),
+    "ce_sum": lambda out, y: F.cross_entropy(out, y, reduction="sum"),
+    "nll_ignore": lambda out, y: F.nll_loss(F.log_softmax(out, 1), y, ignore_index=0),
+    "mse": lambda out, y: F.mse_loss(out, F.one_hot(y, out.shape[1]).to(out.dtype)),
+    "smooth": lambda out, y: F.cross_entropy(out, y, label_smoothing=0.2) + out.abs().mean(),
+}
+CHANGES = ["none", "freeze", "unfreeze", "load", "inplace", "eval", "scale_data"]
+
+
+@st.composite
+def loop_cases(draw):
+    replicas = draw(st.integers(1, 4))
+    depth = draw(st.integers(1, 3))
+    return {
+        "widths": draw(st.lists(st.integers(1, 6), min_size=depth + 1, max_size=depth + 1)),
+        "act": draw(st.sampled_from(sorted(ACTS))),
+        "bias": draw(st.booleans()),
+        "between": draw(st.sampled_from([None, "layernorm", "dropout"])),
+        "dtype": draw(st.sampled_from([torch.float32, torch.float64])),
+        "fused": draw(st.booleans()),
+        "replicas": replicas,
+        "batch": draw(st.integers(1, 9)),
+        "weights": draw(st.one_of(st.none(), st.lists(st.integers(0, 3), min_size=replicas,
+                                                      max_size=replicas).filter(any))),
+        "reducer": draw(st.sampled_from(["p2p", "host"])),
+        "algorithm": draw(st.sampled_from(["auto", "one_shot", "two_shot", "ring"])),
+        "optimizer": draw(st.sampled_from(sorted(OPTIMIZERS))),
+        "loss": draw(st.sampled_from(sorted(LOSSES))),
+        "change": draw(st.sampled_from(CHANGES)),
+        "accumulate": draw(st.sampled_from([1, 2])),
+        "clip": draw(st.sampled_from([None, 0.1])),
+        "seed": draw(st.integers(0, 2 ** 16)),
+    }
+
+
+def _change(model, case, step, state):
+    """The drawn change, made to the model (dp.module, or the one-device copy) before step."""
+    layers = [m for m in model.modules() if isinstance(m, (nn.Linear, FusedLinear))]
+    kind = case["change"]
+    if kind == "freeze" and step == 1:
+        layers[0].weight.requires_grad_(False)
+    elif kind == "unfreeze":
+        layers[-1].weight.requires_grad_(step != 1)
+    elif kind == "load" and step == 2:
+        model.load_state_dict(state)
+    elif kind == "inplace" and step == 1:
+        with torch.no_grad():
+            layers[-1].weight.mul_(0.5)
+    elif kind == "eval":
+        model.train(step % 2 == 1)
+    elif kind == "scale_data" and step == 2:
+        layers[0].weight.data.mul_(-1.0)  # through .data: no version bump
+
+
+def _train_loop(net, model, case, steps, state):
+    opt = OPTIMIZERS[case["optimizer"]](list(model.parameters()))
+    losses = []
+    for s, (x, y) in enumerate(steps):
+        _change(model, case, s, state)
+        opt.param_groups[0]["params"] = [p for p in model.parameters() if p.requires_grad]
+        for xs, ys in zip(x.tensor_split(case["accumulate"]), y.tensor_split(case["accumulate"])):
+            if xs.shape[0] == 0:
+                continue
+            loss = LOSSES[case["loss"]](net(xs), ys) / case["accumulate"]
+            loss.backward()
+            losses.append(float(loss.detach()))
+        if case["clip"]:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), case["clip"])
+        opt.step()
+        opt.zero_grad()
+    return losses
+
+
+@SETTINGS
+@given(loop_cases())
+def test_the_conventional_loop_matches_one_device(case):
+    dtype = case["dtype"]
+    model = build(case["widths"], case["act"], case["bias"], case["between"], dtype, False,
+                  case["seed"])
+    if case["between"] == "dropout" and case["change"] == "eval":
+        # (in training mode the replicas draw other masks than one device: dropout is run in
+        # eval mode, which the test then checks every replica follows)
+        case["change"] = "none"
+    if case["fused"]:
+        model = fuse(model)
+    state = copy.deepcopy(build(case["widths"], case["act"], case["bias"], case["between"],
+                                dtype, False, case["seed"] + 1).state_dict())
+    if case["fused"]:
+        state = fuse(build(case["widths"], case["act"], case["bias"], case["between"], dtype,
+                           False, case["seed"] + 1)).state_dict()
+    gen = torch.Generator().manual_seed(case["seed"])
+    classes = case["widths"][-1]
+    steps = [(torch.randn(case["batch"], case["widths"][0], generator=gen, dtype=dtype),
+              torch.randint(0, classes, (case["batch"],), generator=gen)) for _ in range(3)]
+    one = copy.deepcopy(model)
+    dp = DataParallel(model, ["cpu"] * case["replicas"], reducer=case["reducer"],
+                      algorithm=case["algorithm"],
+                      split="weighted" if case["weights"] else "even",
+                      split_weights=case["weights"])
+    if case["between"] == "dropout":
+        model.eval()
+        one.eval()
+    outcomes = []
+    for net, target in ((dp, model), (one, one)):
+        try:
+            outcomes.append(_train_loop(net, target, case, steps, state))
+        except RuntimeError as err:  # e.g. nothing left to train: torch raises too
+            outcomes.append(type(err))
+    got, want = outcomes
+    if not isinstance(want, list) or not isinstance(got, list):
+        assert got == want, (got, want)
+        return
+    tol = TOL[dtype] * 10
+    for g, w in zip(got, want):
+        assert (g != g) == (w != w) and (g != g or abs(g - w) <= tol * (1 + abs(w))), (g, w)
+    ref = one.state_dict()
+    for k, v in model.state_dict().items():
+        assert_agree(v, ref[k], dtype, False, k) if v.is_floating_point() else \
+            torch.testing.assert_close(v, ref[k])
+    for r in dp.replicas[1:]:
+        for k, v in r.state_dict().items():
+            torch.testing.assert_close(v, model.state_dict()[k], rtol=0, atol=0,
+                                       equal_nan=True, msg=f"replicas differ at {k}")
