@@ -682,3 +682,20 @@ def test_bad_label_names_its_position_in_the_callers_batch():
     # (torch's own losses raise their IndexError, which names no position)
     with pytest.raises(ValueError, match="got 7 at position 5"):
         dp.step(torch.randn(8, 4), y, SoftmaxCrossEntropyLoss())
+
+
+def test_a_bad_label_is_a_typed_error_with_its_fields():
+    from dpcuda.parallel import LabelError
+    from dpcuda import _C
+    dp = DataParallel(FusedMLP([4, 8, 3]), ["cpu"] * 3, lr=0.1)
+    y = torch.tensor([0, 1, 2, 0, 1, 2, -1, 9, 2])
+    with pytest.raises(LabelError) as caught:
+        dp.step(torch.randn(9, 4), y, SoftmaxCrossEntropyLoss())
+    err = caught.value
+    assert (err.position, err.label, err.classes, err.ignore_index) == (6, -1, 3, -100)
+    assert isinstance(err, ValueError)
+    # The C++ adapter's record of the fields: taken once, on the thread that raised.
+    with pytest.raises(ValueError):
+        torch.ops.dpcuda.loss_grad(torch.randn(2, 3), torch.tensor([0, 5]), 1.0, 0.0, -100, True)
+    assert _C._take_label_error() == (1, 5, 3, -100)
+    assert _C._take_label_error() is None

@@ -34,7 +34,11 @@ at::ScalarType loss_dtype(const Tensor& logits) {
   return logits.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
 }
 
+// The fields of the last bad label this thread raised for (take_label_error).
+thread_local LabelError t_label_error;
+
 void raise_bad_label(int64_t position, int64_t label, int64_t classes, int64_t ignore_index) {
+  t_label_error = LabelError{true, position, label, classes, ignore_index};
   TORCH_CHECK_VALUE(false, "labels must be class indices in [0, ", classes,
                     ") or ignore_index (", ignore_index, "); got ", label, " at position ",
                     position);
@@ -145,6 +149,12 @@ std::tuple<Tensor, Tensor> loss_grad_cuda(const Tensor& logits, const Tensor& la
 #endif  // DPCUDA_WITH_CUDA
 
 }  // namespace
+
+LabelError take_label_error() {
+  const LabelError error = t_label_error;
+  t_label_error = LabelError{};
+  return error;
+}
 
 bool defer_label_checks(bool defer) {
   const bool previous = t_defer_label_checks;

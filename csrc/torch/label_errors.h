@@ -7,6 +7,21 @@
 
 namespace dpcuda {
 
+// A bad label's fields, as the ValueError that names it was raised: position (in the labels
+// given to the call), label, classes, ignore_index. `raised` is false where none was.
+struct LabelError {
+  bool raised = false;
+  int64_t position = 0;
+  int64_t label = 0;
+  int64_t classes = 0;
+  int64_t ignore_index = 0;
+};
+
+// The fields of the last bad-label ValueError this thread raised since the last call, and
+// forgets them: the error's fields for a caller that caught it (DataParallel's step), with no
+// parsing of its message.
+LabelError take_label_error();
+
 // Turns the adapter's own check (a flag read and a synchronisation per call) off on this thread
 // while `defer` is true; returns the previous setting. The CPU adapter always checks (free).
 bool defer_label_checks(bool defer);

@@ -81,6 +81,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   });
   m.def("_step_status_ints", &dpcuda::step_status_workspace_ints,
         "The int32 elements of step_status's workspace on a CUDA device (0: none needed)");
+  m.def("_take_label_error", []() -> py::object {
+    const dpcuda::LabelError e = dpcuda::take_label_error();
+    if (!e.raised) {
+      return py::none();
+    }
+    return py::make_tuple(e.position, e.label, e.classes, e.ignore_index);
+  }, "The (position, label, classes, ignore_index) of the last bad-label ValueError this thread "
+     "raised since the last call, or None; forgets them");
   m.def("_defer_label_checks", &dpcuda::defer_label_checks,
         "Turns the CUDA loss adapter's own label check off on this thread (the kernel still "
         "flags bad labels); returns the previous setting");

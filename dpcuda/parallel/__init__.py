@@ -11,8 +11,9 @@ convenience step.
 from .data_parallel import BUFFERS, REDUCERS, SPLITS, DataParallel
 from .primitives import (ALGORITHMS, MAX_REPLICAS, _device, _devices, _run_all, all_reduce,
                          gather, parallel_apply, replicate, scatter, split_sizes)
+from .labels import LabelError
 from .replicas import ReplicaError
 
 __all__ = ["replicate", "scatter", "gather", "parallel_apply", "all_reduce", "split_sizes",
-           "DataParallel", "ReplicaError", "REDUCERS", "SPLITS", "ALGORITHMS", "BUFFERS",
+           "DataParallel", "ReplicaError", "LabelError", "REDUCERS", "SPLITS", "ALGORITHMS", "BUFFERS",
            "MAX_REPLICAS"]

@@ -9,6 +9,25 @@ import torch
 from .. import _C
 
 
+class LabelError(ValueError):
+    """A label outside [0, classes) that is not ignore_index, with its fields: position (in
+    the labels the raising call was given), label, classes, ignore_index."""
+
+    def __init__(self, message, position, label, classes, ignore_index):
+        super().__init__(message)
+        self.position, self.label = position, label
+        self.classes, self.ignore_index = classes, ignore_index
+
+
+def typed_label_error(err):
+    """err as a LabelError if dpcuda's loss raised it on this thread for a bad label (the C++
+    adapter records the fields: no parsing of the message), else None."""
+    fields = _C._take_label_error()
+    if fields is None or not isinstance(err, ValueError):
+        return None
+    return LabelError(str(err), *fields)
+
+
 class LabelChecks:
     """The label checks of DataParallel's step (a mixin: it reads the wrapper's replicas)."""
 
@@ -34,19 +53,19 @@ class LabelChecks:
         if step is not None:
             if len(bad):
                 i = int(bad[0])
-                raise ValueError(f"step {step}: labels must be class indices in [0, {classes}) "
+                raise LabelError(f"step {step}: labels must be class indices in [0, {classes}) "
                                  f"or ignore_index ({ignore}); got {int(y[i])} at position {i} "
                                  f"(that step's update was not applied; nothing of this call "
-                                 f"ran)")
+                                 f"ran)", i, int(y[i]), classes, ignore)
             raise ValueError(f"step {step}: a label outside [0, classes) reached dpcuda's CUDA "
                              f"loss kernel (its targets no longer hold it); that step's update "
                              f"was not applied; nothing of this call ran")
         if len(bad):
             i = int(bad[0])
             where = " of this process's batch" if self.reducer == "dist" else ""
-            raise ValueError(f"labels must be class indices in [0, {classes}) or ignore_index "
+            raise LabelError(f"labels must be class indices in [0, {classes}) or ignore_index "
                              f"({ignore}); got {int(y[i])} at position {i}{where} (the step "
-                             f"was not applied)")
+                             f"was not applied)", i, int(y[i]), classes, ignore)
         raise ValueError("a label outside [0, classes) reached dpcuda's CUDA loss kernel since "
                          "the last step (not in this step's targets); the step was not applied")
 

@@ -12,7 +12,6 @@ the reduction.
 
 import dataclasses
 import math
-import re
 import time
 import warnings
 
@@ -21,7 +20,7 @@ import torch
 from .. import _C, ops
 from ..batchnorm import Exchange, replica_context
 from ..nn import SoftmaxCrossEntropyLoss
-from .labels import LabelChecks
+from .labels import LabelChecks, LabelError, typed_label_error
 from .primitives import _run_all, batch_rows, scatter_sizes, split_sizes
 
 
@@ -234,8 +233,14 @@ class StepMixin(LabelChecks):
 
             def step_replica():
                 replica.release_grads()
+                _C._take_label_error()  # (a record an earlier call left must not speak here)
                 try:
                     return forward_backward()
+                except ValueError as err:
+                    typed = typed_label_error(err)
+                    if typed is None:
+                        raise
+                    raise typed from None
                 finally:
                     replica.collect_grads()
 
@@ -285,13 +290,10 @@ class StepMixin(LabelChecks):
                                 in enumerate(zip(self._replicas, parts, sizes))], self.devices,
                                concurrent=exchange is not None,
                                on_error=exchange.abort if exchange is not None else None)
-        except ValueError as err:
-            # A loss that checks labels as it runs (the CPU kernels, torch's losses) names a
-            # position in its replica's slice: name the position in the caller's batch.
-            found = re.match(r"labels must be class indices in \[0, (\d+)\)", str(err))
-            if found is None:
-                raise
-            self._classes = int(found.group(1))
+        except LabelError as err:
+            # dpcuda's CPU loss checks labels as it runs and names a position in its replica's
+            # slice: name the position in the caller's batch.
+            self._classes = err.classes
             self._raise_label_error(targets, summed)
             raise
         if self.split == "auto":
