@@ -478,3 +478,45 @@ def test_no_grad_forward_and_batches_smaller_than_the_replicas():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert dp(x).shape == (2, 4)
+
+
+def test_zero_grad_between_no_sync_passes_starts_the_accumulation_again():
+    model, steps = mlp(), data(3)
+    one = copy.deepcopy(model)
+    dp = DataParallel(model, ["cpu"] * 3)
+    with dp.no_sync():
+        F.cross_entropy(dp(steps[0][0]), steps[0][1]).backward()
+    dp.zero_grad()  # set_to_none: every replica's accumulation is dropped
+    with dp.no_sync():
+        F.cross_entropy(dp(steps[1][0]), steps[1][1]).backward()
+    F.cross_entropy(dp(steps[2][0]), steps[2][1]).backward()
+    for x, y in steps[1:]:
+        F.cross_entropy(one(x), y).backward()
+    for a, b in zip(model.parameters(), one.parameters()):
+        close(a.grad, b.grad, torch.float64)
+    replicas_identical(dp)
+
+
+def test_zero_grad_in_place_after_a_reduction_and_unused_parameters():
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.used, self.unused = nn.Linear(6, 4).double(), nn.Linear(6, 4).double()
+
+        def forward(self, x):
+            return self.used(x)
+    torch.manual_seed(0)
+    model, steps = Net(), data(2)
+    one = copy.deepcopy(model)
+    dp = DataParallel(model, ["cpu"] * 2)
+    for x, y in steps:
+        for net in (dp, one):
+            for p in net.parameters():
+                if p.grad is not None:
+                    p.grad.zero_()  # zero_grad(set_to_none=False)
+            F.cross_entropy(net(x), y).backward()
+        for a, b in zip(model.parameters(), one.parameters()):
+            assert (a.grad is None) == (b.grad is None)
+            if b.grad is not None:
+                close(a.grad, b.grad, torch.float64)
+    assert model.unused.weight.grad is None

@@ -2,14 +2,15 @@
 output ends, every replica's .grad becomes the one-device gradient.
 
 The replicas' outputs pass through _BackwardStart on their way to gather(). Its backward is the
-first of the replicas' part of the graph to run: it takes the model's current gradients (what
-earlier backward passes accumulated, R), sets every replica's .grad to None, and queues
+first of the replicas' part of the graph to run: it leaves the model's .grad as it is (what
+earlier backward passes accumulated, R: the backward adds replica 0's share to it), sets the
+other replicas' .grad to None (they held copies of the last reduced gradient), and queues
 GradReduction.finish on the autograd engine (torch's DDP queues its own final callback the same
-way). finish runs once the whole backward has run: it sums the replicas' fresh gradients in
-replica order with dpcuda's all-reduce (every replica the same bits) and gives every replica
-R + that sum, which is what one device accumulates. Under no_sync() the fresh gradients are
-kept aside instead (each replica's .grad shows R + its own share, as DDP's does) and join the
-next synchronised backward's sum.
+way). finish runs once the whole backward has run: it sums the replicas' gradients in replica
+order with dpcuda's all-reduce (every replica the same bits), so every replica holds R + every
+replica's share, what one device accumulates. Under no_sync() finish does nothing: each
+replica's .grad keeps its own accumulation (DDP's behaviour), and the next synchronised
+backward sums them all.
 """
 
 import threading
@@ -61,10 +62,8 @@ class GradReduction:
         self._reduce = reduce
         self._lock = threading.Lock()
         self._active = False
-        self.sync = True            # False under no_sync()
-        self._base = None           # R: per trainable parameter, the model's gradient or None
-        self._unreduced = None      # per replica, the flat gradients no_sync() kept aside
-        self._shown = None          # the .grad tensors no_sync() set on the model
+        self.sync = True     # False under no_sync()
+        self._local = None   # after a no_sync() pass: the model's .grad tensors and versions
 
     def started(self):
         with self._lock:
@@ -81,30 +80,26 @@ class GradReduction:
     def _start(self):
         rs = self._set.replicas
         r0 = rs[0]
-        model_grads = [r0.params[i].grad for i in r0.trainable]
-        if self._unreduced is not None:
-            # Between no_sync() passes .grad holds what this object set there.
-            if any(g is not s or (g is not None and g._version != v)
-                   for g, (s, v) in zip(model_grads, self._shown)):
-                self._abandon()
+        if self._local is None:
+            # The other replicas hold copies of the last reduced gradient (in the model's .grad).
+            for r in rs[1:]:
+                r.drop_grads()
+            return
+        # After no_sync() passes every replica holds its own accumulation. A model gradient set
+        # to None since (zero_grad) drops the others' too; one changed otherwise cannot be
+        # combined with theirs.
+        for k, i in enumerate(r0.trainable):
+            g, (kept, version) = r0.params[i].grad, self._local[k]
+            if g is None and kept is not None:
+                for r in rs[1:]:
+                    r.params[i].grad = None
+            elif g is not kept or (g is not None and g._version != version):
+                self._local = None
                 raise RuntimeError(
                     "dpcuda DataParallel: a parameter's .grad changed between backward passes "
-                    "under no_sync(); the gradients kept aside there could not be combined "
-                    "with it (zero the gradients and start the accumulation again)")
-        else:
-            base = []
-            for k, g in enumerate(model_grads):
-                # The gradient buffer is overwritten by this pass: a gradient that is a view of
-                # it is kept as a copy.
-                if g is not None and g.data_ptr() == r0.views[k].data_ptr():
-                    g = g.detach().clone()
-                base.append(g)
-            self._base = base
-        for r in rs:
-            r.drop_grads()
-
-    def _abandon(self):
-        self._unreduced = self._shown = self._base = None
+                    "under no_sync(); the other replicas' accumulations could not be combined "
+                    "with it (zero the gradients with zero_grad() and start again)")
+        self._local = None
 
     def _finish(self):
         try:
@@ -118,46 +113,22 @@ class GradReduction:
             for i in r.trainable:
                 g = r.params[i].grad
                 if g is not None and (g.requires_grad or g.is_sparse):
-                    for q in rs:
-                        q.drop_grads()
-                    self._abandon()
                     raise RuntimeError(
                         "dpcuda DataParallel: a backward with create_graph=True or sparse "
                         "gradients cannot be reduced over 2 or more replicas")
-        fresh = []
-        for r in rs:
-            fresh.append([r.params[i].grad is not None for i in r.trainable])
-            r.collect_grads()
-        if self._unreduced is not None:
-            for r, u in zip(rs, self._unreduced):
-                r.flat_grad.add_(u)
-        got = [any(f[k] for f in fresh) or (self._unreduced is not None and self._had[k])
-               for k in range(len(rs[0].trainable))]
         if not self.sync:
-            # Kept aside; each replica's .grad shows R + its own share, as DDP's does.
-            self._unreduced = [r.flat_grad.clone() for r in rs]
-            self._had = got
-            self._show(rs, got, lambda r, k: r.views[k].clone())
-            self._shown = [(g, None if g is None else g._version)
-                           for g in (rs[0].params[i].grad for i in rs[0].trainable)]
+            r0 = rs[0]
+            self._local = [(g, None if g is None else g._version)
+                           for g in (r0.params[i].grad for i in r0.trainable)]
             return
-        self._unreduced = self._shown = None
-        self._reduce([r.flat_grad for r in rs])
-        self._show(rs, got, lambda r, k: r.views[k])
-        self._base = None
-
-    def _show(self, rs, got, value):
-        """Every replica's .grad: R + the gradient where one arrived, R where none did."""
-        base = self._base
+        got = [False] * len(rs[0].trainable)
         for r in rs:
             for k, i in enumerate(r.trainable):
-                p = r.params[i]
-                b = base[k]
+                got[k] = got[k] or r.params[i].grad is not None
+            r.collect_grads()
+        self._reduce([r.flat_grad for r in rs])
+        # A parameter no replica has a gradient for keeps None, as on one device.
+        for r in rs:
+            for k, i in enumerate(r.trainable):
                 if not got[k]:
-                    p.grad = None if b is None else b.to(r.device, copy=r.device != b.device
-                                                         or r is not rs[0])
-                    continue
-                g = value(r, k)
-                if b is not None:
-                    g.add_(b.to(r.device))
-                p.grad = g
+                    r.params[i].grad = None
