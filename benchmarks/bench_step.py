@@ -1,7 +1,9 @@
 """One full data-parallel training step (784 -> 256 -> 10 MLP, softmax cross-entropy, SGD) for
-1, 2 and 4 replicas and each reducer, fused layers (dpcuda.nn.FusedMLP) and plain torch.nn
-layers (and the fused p2p step with blocking=False), against the single-device torch baseline (nn.Sequential + torch.optim.SGD) and, on
-CUDA, torch.nn.DataParallel over the same devices, measured in the same run.
+1, 2 and 4 replicas: DataParallel.step() for each reducer, fused layers (dpcuda.nn.FusedMLP)
+and plain torch.nn layers (and the fused p2p step with blocking=False), and the conventional
+loop (dp(x), loss.backward(), torch.optim.SGD: rows "loop"), against the single-device torch
+baseline (nn.Sequential + torch.optim.SGD) and, on CUDA, torch.nn.DataParallel over the same
+devices, measured in the same run.
 
     python benchmarks/bench_step.py --device cpu --json benchmarks/results/step-cpu.json
 """
@@ -69,6 +71,19 @@ def main(argv=None):
                                           blocking=False)
                         fns["p2p fused nonblocking"] = (
                             lambda nb=nb, loss_fn=loss_fn: nb.step(x, y, loss_fn))
+            for fused in (False, True):
+                # The conventional loop (#23): the user's torch optimizer over dp.parameters(),
+                # zero_grad as the baseline does it.
+                torch.manual_seed(0)
+                model = FusedMLP([784, 256, 10]) if fused else plain_mlp()
+                loop_dp = DataParallel(model, devs)
+                loop_opt = torch.optim.SGD(loop_dp.parameters(), lr=0.2)
+
+                def loop_step(loop_dp=loop_dp, loop_opt=loop_opt):
+                    loop_opt.zero_grad(set_to_none=False)
+                    F.cross_entropy(loop_dp(x), y).backward()
+                    loop_opt.step()
+                fns[f"loop {'fused' if fused else 'plain'}"] = loop_step
             if cuda and R > 1:
                 torch_dp = torch.nn.DataParallel(plain_mlp().to(device))
                 dp_opt = torch.optim.SGD(torch_dp.parameters(), lr=0.2)

@@ -31,14 +31,14 @@ class ReplicaError(RuntimeError):
     """A replica can no longer be kept at the model's state."""
 
 
-def _refuse(model, replicas):
-    """Modules whose result on k >= 2 replicas cannot equal one device's: a clear error."""
-    for name, m in model.named_modules():
-        if isinstance(m, nn.Embedding) and m.sparse:
+def _refuse(name, m, replicas):
+    """A module whose result on k >= 2 replicas cannot equal one device's: a clear error."""
+    if isinstance(m, nn.Embedding):
+        if m.sparse:
             raise ValueError(f"dpcuda DataParallel: {name or 'the model'} is an "
                              f"nn.Embedding(sparse=True); sparse gradients cannot be reduced "
                              f"into the flat gradient buffers (use sparse=False)")
-        if replicas > 1 and isinstance(m, nn.Embedding) and m.max_norm is not None:
+        if replicas > 1 and m.max_norm is not None:
             raise ValueError(f"dpcuda DataParallel: {name or 'the model'} is an "
                              f"nn.Embedding(max_norm={m.max_norm}); its forward renormalises "
                              f"the rows each replica sees, in place, so the replicas' weights "
@@ -197,6 +197,7 @@ class ReplicaSet:
         self._before_build = before_build
         self._pointers = None
         self._updated = None
+        self._module_key = None
         self.devices = devices
         self.record = record
         self.replicas = []
@@ -204,8 +205,20 @@ class ReplicaSet:
         self.sync()
 
     def _read_structure(self):
-        params = list(self.model.parameters())
-        buffers = list(self.model.buffers())
+        """The model's parameters and buffers (in model.parameters() and model.buffers()
+        order) and the key of its structure, in one walk over its modules (which also refuses
+        what cannot be made exact)."""
+        params, buffers, seen = [], [], set()
+        for name, m in self.model.named_modules():
+            _refuse(name, m, len(self.devices))
+            for p in m._parameters.values():
+                if p is not None and id(p) not in seen:
+                    seen.add(id(p))
+                    params.append(p)
+            for b in m._buffers.values():
+                if b is not None and id(b) not in seen:
+                    seen.add(id(b))
+                    buffers.append(b)
         key = (tuple((id(p), tuple(p.shape), p.dtype, p.device, p.requires_grad)
                      for p in params),
                tuple((id(b), tuple(b.shape), b.dtype, b.device) for b in buffers))
@@ -213,7 +226,6 @@ class ReplicaSet:
 
     def sync(self):
         """Brings every replica to the model's state (module docstring). Returns the replicas."""
-        _refuse(self.model, len(self.devices))
         params, buffers, key = self._read_structure()
         r0 = self.replicas[0] if self.replicas else None
         if key != self._structure or [p.data_ptr() for p in params] != self._pointers:
@@ -293,7 +305,9 @@ class ReplicaSet:
         """This forward's module trees: the model for replica 0, shallow replicas for the
         others. Call after sync()."""
         r0 = self.replicas[0]
-        r0.set_module(self.model)
+        if r0.module is not self.model or self._module_key != self._structure:
+            r0.set_module(self.model)
+            self._module_key = self._structure
         for r in self.replicas[1:]:
             pmap = {id(p): q for p, q in zip(r0.params, r.params)}
             bmap = {id(b): q for b, q in zip(r0.buffers, r.buffers)}
