@@ -183,15 +183,6 @@ class DataParallel(nn.Module, StepMixin, DistStepMixin):
         return len(self.devices) > 1 or self.reducer == "dist"
 
     def _sync(self):
-        if len(self.devices) > 1:
-            for name, p in self.module.named_parameters():
-                if p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks", None):
-                    raise ValueError(
-                        f"dpcuda DataParallel: parameter {name!r} has a gradient hook "
-                        f"(register_hook or register_post_accumulate_grad_hook); with "
-                        f"{len(self.devices)} replicas it would see replica 0's share of the "
-                        f"gradient, not the one-device gradient. Remove it, or read the "
-                        f"gradient after backward() (it is then the global one)")
         self._set.sync()
         if self.momentum:
             for r in self._set.replicas:

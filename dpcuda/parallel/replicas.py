@@ -45,6 +45,14 @@ def _refuse(name, m, replicas):
                              f"would differ (use max_norm=None, or one replica)")
 
 
+def _refuse_hook(name, replicas):
+    raise ValueError(
+        f"dpcuda DataParallel: parameter {name!r} has a gradient hook (register_hook or "
+        f"register_post_accumulate_grad_hook); with {replicas} replicas it would see replica "
+        f"0's share of the gradient, not the one-device gradient. Remove it, or read the "
+        f"gradient after backward() (it is then the global one)")
+
+
 class Replica:
     """One replica's tensors on its device.
 
@@ -105,7 +113,8 @@ class Replica:
         ints = _C._step_status_ints() if torch.device(device).type == "cuda" else 0
         self.status_work = torch.zeros(ints, dtype=torch.int32, device=device)
         self.module = None  # the module tree of the last forward
-        self.tree = None    # the ids of its parameters
+        self.tree = None    # its modules' parameter dicts, with the ids they held
+        self.maps = None    # replica 0's tensors (by id) to this replica's
         self.fused = []     # its FusedLinear layers whose backward may write into flat_grad
         self.unused = set()  # the trainable parameters the last backward gave no gradient
 
@@ -114,11 +123,10 @@ class Replica:
             self.momentum = torch.zeros_like(self.flat_param)
 
     def set_module(self, module):
-        """This forward's module tree; finds the fused layers whose backward can write their
-        gradients straight into flat_grad (not a parameter two layers share, whose two
+        """The model's own tree (replica 0); finds the fused layers whose backward can write
+        their gradients straight into flat_grad (not a parameter two layers share, whose two
         gradients would be written to one place)."""
         self.module = module
-        self.tree = [id(p) for p in module.parameters()]
         slot = {id(self.params[i]): k for k, i in enumerate(self.trainable)}
         layers = [m for m in module.modules() if isinstance(m, FusedLinear)]
         own = [(m._parameters.get("weight"), m._parameters.get("bias")) for m in layers]
@@ -170,23 +178,27 @@ class Replica:
 
 
 def _replicate_tree(model, pmap, bmap):
-    """A shallow replica of model's module tree whose parameters and buffers are pmap's and
-    bmap's (keyed by the model tensor's id)."""
+    """A shallow replica of model's module tree (what Module._replicate_for_data_parallel
+    makes, as nn.DataParallel does each forward) whose parameters and buffers are pmap's and
+    bmap's (keyed by the model tensor's id). Returns the root and memo: the replica of each
+    model module, by the module's id."""
     memo = {}
 
     def rep(m):
-        if id(m) in memo:
-            return memo[id(m)]
-        r = m._replicate_for_data_parallel()
+        r = memo.get(id(m))
+        if r is not None:
+            return r
+        r = object.__new__(type(m))
         memo[id(m)] = r
-        for name, p in m._parameters.items():
-            r._parameters[name] = None if p is None else pmap[id(p)]
-        for name, b in m._buffers.items():
-            r._buffers[name] = None if b is None else bmap[id(b)]
-        for name, c in m._modules.items():
-            r._modules[name] = None if c is None else rep(c)
+        d = m.__dict__.copy()
+        d["_parameters"] = {k: None if p is None else pmap[id(p)]
+                            for k, p in m._parameters.items()}
+        d["_buffers"] = {k: None if b is None else bmap[id(b)] for k, b in m._buffers.items()}
+        d["_modules"] = {k: None if c is None else rep(c) for k, c in m._modules.items()}
+        d["_is_replica"] = True
+        r.__dict__ = d
         return r
-    return rep(model)
+    return rep(model), memo
 
 
 class ReplicaSet:
@@ -209,12 +221,15 @@ class ReplicaSet:
         order) and the key of its structure, in one walk over its modules (which also refuses
         what cannot be made exact)."""
         params, buffers, seen = [], [], set()
+        replicas = len(self.devices)
         for name, m in self.model.named_modules():
-            _refuse(name, m, len(self.devices))
-            for p in m._parameters.values():
+            _refuse(name, m, replicas)
+            for key, p in m._parameters.items():
                 if p is not None and id(p) not in seen:
                     seen.add(id(p))
                     params.append(p)
+                    if replicas > 1 and (p._backward_hooks or p._post_accumulate_grad_hooks):
+                        _refuse_hook(f"{name}.{key}" if name else key, replicas)
             for b in m._buffers.values():
                 if b is not None and id(b) not in seen:
                     seen.add(id(b))
@@ -234,7 +249,8 @@ class ReplicaSet:
         if len(self.replicas) == 1:
             return self.replicas
         for r in self.replicas[1:]:
-            if r.module is not None and [id(p) for p in r.module.parameters()] != r.tree:
+            if r.tree is not None and any([id(v) for v in d.values()] != ids
+                                          for d, ids in r.tree):
                 raise ReplicaError(
                     f"dpcuda DataParallel: the parameters of the replica on {r.device} were "
                     f"changed (added, removed or replaced on the replica, not on the model); "
@@ -309,7 +325,16 @@ class ReplicaSet:
             r0.set_module(self.model)
             self._module_key = self._structure
         for r in self.replicas[1:]:
-            pmap = {id(p): q for p, q in zip(r0.params, r.params)}
-            bmap = {id(b): q for b, q in zip(r0.buffers, r.buffers)}
-            r.set_module(_replicate_tree(self.model, pmap, bmap))
+            if r.maps is None:
+                r.maps = ({id(p): q for p, q in zip(r0.params, r.params)},
+                          {id(b): q for b, q in zip(r0.buffers, r.buffers)})
+            r.module, memo = _replicate_tree(self.model, *r.maps)
+            # Its fused layers: replica 0's, in this tree, writing to the same slots.
+            pmap = r.maps[0]
+            r.fused = [(memo[id(m)], slots, tuple(None if q is None else pmap[id(q)]
+                                                  for q in pair))
+                       for m, slots, pair in r0.fused]
+            # What the next sync checks: parameters added or replaced on this replica's tree.
+            r.tree = [(m._parameters, [id(v) for v in m._parameters.values()])
+                      for m in memo.values()]
         return [r.module for r in self.replicas]
