@@ -83,6 +83,18 @@ class DataParallel(nn.Module, StepMixin, DistStepMixin):
     # rows, exact to 2**24) behind the gradients; other dtypes send it in a float64 tensor.
     _record_inline = (torch.float32, torch.float64)
 
+    # The state a step changes: plain attributes, set without nn.Module.__setattr__'s checks
+    # (microseconds a call, several calls a step).
+    _PLAIN = frozenset({"steps", "skipped_steps", "_classes", "_dist_stage", "_dist_count",
+                        "_global_rows", "_speed", "_host_momentum", "_lr", "_momentum",
+                        "_weight_decay"})
+
+    def __setattr__(self, name, value):
+        if name in self._PLAIN:
+            object.__setattr__(self, name, value)
+        else:
+            super().__setattr__(name, value)
+
     def __init__(self, module, devices, reducer="p2p", split="even", lr=0.01, momentum=0.0,
                  weight_decay=0.0, split_weights=None, algorithm="auto", process_group=None,
                  buffers="broadcast", timeout=300.0, blocking=True):

@@ -115,6 +115,8 @@ class Replica:
         self.module = None  # the module tree of the last forward
         self.tree = None    # its modules' parameter dicts, with the ids they held
         self.maps = None    # replica 0's tensors (by id) to this replica's
+        self.memo = None    # (model module, its replica) pairs of the tree
+        self.memo_key = None  # the model structure they were made for
         self.fused = []     # its FusedLinear layers whose backward may write into flat_grad
         self.unused = set()  # the trainable parameters the last backward gave no gradient
 
@@ -153,14 +155,15 @@ class Replica:
             # which the next step overwrites, where torch hands them a tensor of their own.
             into = tuple(self.views[s] if s is not None and not q._backward_hooks else None
                          for s, q in zip(slots, pair))
-            m._grads_into = into if any(t is not None for t in into) else None
+            # (straight into __dict__: nn.Module.__setattr__ costs microseconds a call)
+            m.__dict__["_grads_into"] = into if any(t is not None for t in into) else None
 
     def collect_grads(self):
         """After the backward (or a failure): every gradient in the buffer and .grad the
         buffer's view again. A fused layer's gradient is there already; any other is copied in;
         a parameter that got none (unused by this forward, or a replica without rows) is 0."""
         for m, _, _ in self.fused:
-            m._grads_into = None
+            m.__dict__["_grads_into"] = None
         self.unused = set()
         for k, i in enumerate(self.trainable):
             p, view = self.params[i], self.views[k]
@@ -218,25 +221,35 @@ class ReplicaSet:
 
     def _read_structure(self):
         """The model's parameters and buffers (in model.parameters() and model.buffers()
-        order) and the key of its structure, in one walk over its modules (which also refuses
-        what cannot be made exact)."""
-        params, buffers, seen = [], [], set()
+        order) and the key of its structure, in one walk over its modules (preorder, as
+        named_modules walks them), which also refuses what cannot be made exact."""
+        params, buffers, key, seen = [], [], [], set()
         replicas = len(self.devices)
-        for name, m in self.model.named_modules():
-            _refuse(name, m, replicas)
-            for key, p in m._parameters.items():
+        stack = [self.model]
+        while stack:
+            m = stack.pop()
+            if id(m) in seen:
+                continue
+            seen.add(id(m))
+            key.append(id(m))
+            if isinstance(m, nn.Embedding):
+                _refuse(self._module_name(m), m, replicas)
+            for p in m._parameters.values():
                 if p is not None and id(p) not in seen:
                     seen.add(id(p))
                     params.append(p)
+                    key += (id(p), p.shape, p.requires_grad)
                     if replicas > 1 and (p._backward_hooks or p._post_accumulate_grad_hooks):
-                        _refuse_hook(f"{name}.{key}" if name else key, replicas)
+                        _refuse_hook(self._param_names()[id(p)], replicas)
             for b in m._buffers.values():
                 if b is not None and id(b) not in seen:
                     seen.add(id(b))
                     buffers.append(b)
-        key = (tuple((id(p), tuple(p.shape), p.dtype, p.device, p.requires_grad)
-                     for p in params),
-               tuple((id(b), tuple(b.shape), b.dtype, b.device) for b in buffers))
+                    key += (id(b), b.shape)
+            children = [c for c in m._modules.values() if c is not None]
+            stack.extend(reversed(children))
+        # (a new dtype or device is new storage: sync() compares the data pointers too)
+        key = tuple(key)
         return params, buffers, key
 
     def sync(self):
@@ -283,7 +296,10 @@ class ReplicaSet:
     def mark_updated(self):
         """dpcuda's own update has just written every replica's weights alike: the next sync
         may skip the weights' copy if no parameter's version moves until then."""
-        self._updated = [p._version for p in self.model.parameters()]
+        self._updated = [p._version for p in self.replicas[0].params]
+
+    def _module_name(self, module):
+        return next(name for name, m in self.model.named_modules() if m is module)
 
     def _param_names(self):
         return {id(p): name for name, p in self.model.named_parameters()}
@@ -325,10 +341,23 @@ class ReplicaSet:
             r0.set_module(self.model)
             self._module_key = self._structure
         for r in self.replicas[1:]:
+            if r.memo is not None and r.memo_key == self._structure:
+                # The same modules, parameters and buffers: each replica module takes its
+                # model module's attributes again (training mode, hooks, settings).
+                for m, rm in r.memo:
+                    d = m.__dict__.copy()
+                    own = rm.__dict__
+                    d["_parameters"], d["_buffers"] = own["_parameters"], own["_buffers"]
+                    d["_modules"], d["_is_replica"] = own["_modules"], True
+                    rm.__dict__ = d
+                continue
             if r.maps is None:
                 r.maps = ({id(p): q for p, q in zip(r0.params, r.params)},
                           {id(b): q for b, q in zip(r0.buffers, r.buffers)})
             r.module, memo = _replicate_tree(self.model, *r.maps)
+            modules = {id(m): m for m in self.model.modules()}
+            r.memo = [(modules[k], rm) for k, rm in memo.items()]
+            r.memo_key = self._structure
             # Its fused layers: replica 0's, in this tree, writing to the same slots.
             pmap = r.maps[0]
             r.fused = [(memo[id(m)], slots, tuple(None if q is None else pmap[id(q)]

@@ -21,7 +21,7 @@ from .. import _C, ops
 from ..batchnorm import Exchange, replica_context
 from ..nn import SoftmaxCrossEntropyLoss
 from .labels import LabelChecks, LabelError, typed_label_error
-from .primitives import _run_all, batch_rows, scatter_sizes, split_sizes
+from .primitives import _run_all, split_sizes
 
 
 @dataclasses.dataclass
@@ -161,7 +161,11 @@ class StepMixin(LabelChecks):
             self._dist_stage = 2  # (the gathered path makes no failure exchange)
             return self._step_gathered(inputs, targets, loss_fn)
         self._set.build_modules()
-        parts = scatter_sizes((inputs, targets), self.devices, sizes)
+        parts, start = [], 0
+        for device, n in zip(self.devices, sizes):
+            parts.append((inputs[start:start + n].to(device, non_blocking=True),
+                          targets[start:start + n].to(device, non_blocking=True)))
+            start += n
         # What the loss is a mean over: the rows, or for a cross-entropy loss with class-index
         # targets the rows that are not ignored. Each replica's loss is its sum over that
         # denominator of the global batch, so every replica count computes the global mean.
