@@ -699,3 +699,47 @@ def test_a_bad_label_is_a_typed_error_with_its_fields():
         torch.ops.dpcuda.loss_grad(torch.randn(2, 3), torch.tensor([0, 5]), 1.0, 0.0, -100, True)
     assert _C._take_label_error() == (1, 5, 3, -100)
     assert _C._take_label_error() is None
+
+
+def _dist_loop_worker(rank, world, port, out_dir):
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    try:
+        model = make_model(False, torch.float64)
+        if rank == 1:  # a different start: the wrapper takes rank 0's weights
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(1.0)
+        dp = DataParallel(model, ["cpu", "cpu"], reducer="dist")
+        opt = torch.optim.AdamW(dp.parameters(), lr=1e-2)
+        for x, y in batches(4, rows=24, seed=5):
+            part = slice(0, 12) if rank == 0 else slice(12, None)  # DDP: equal parts
+            loss = F.cross_entropy(dp(x[part].double()), y[part])
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(dp.parameters(), 0.5)
+            opt.step()
+            opt.zero_grad()
+        torch.save(dp.state_dict(), os.path.join(out_dir, f"loop{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_dist_conventional_loop_matches_one_process(tmp_path):
+    # Two processes x two replicas, the user's loop (AdamW, clipping): the local sum, then the
+    # processes' gradients averaged as DDP's, which for equal parts is the global batch's mean.
+    world = 2
+    mp.spawn(_dist_loop_worker, args=(world, _free_port(), str(tmp_path)), nprocs=world,
+             join=True)
+    model = make_model(False, torch.float64)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for x, y in batches(4, rows=24, seed=5):
+        F.cross_entropy(model(x.double()), y).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        opt.step()
+        opt.zero_grad()
+    runs = [torch.load(tmp_path / f"loop{r}.pt") for r in range(world)]
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(runs[0][k], v, atol=1e-12, rtol=1e-10)
+        assert torch.equal(runs[0][k], runs[1][k])

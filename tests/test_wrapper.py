@@ -520,3 +520,21 @@ def test_zero_grad_in_place_after_a_reduction_and_unused_parameters():
             if b.grad is not None:
                 close(a.grad, b.grad, torch.float64)
     assert model.unused.weight.grad is None
+
+
+def test_a_model_moved_off_devices_0_raises_and_a_dtype_change_is_followed():
+    model, (x, y) = mlp(), data(1)[0]
+    dp = DataParallel(model, ["cpu"] * 2)
+    model.to("meta")
+    with pytest.raises(ValueError, match=r"tensor on meta; the model is replica 0 and stays on "
+                                         r"devices\[0\] \(cpu\)"):
+        dp(x)
+    model = mlp()
+    dp = DataParallel(model, ["cpu"] * 2)
+    model.float()
+    one = copy.deepcopy(model)
+    F.cross_entropy(dp(x.float()), y).backward()
+    F.cross_entropy(one(x.float()), y).backward()
+    for a, b in zip(model.parameters(), one.parameters()):
+        assert a.grad.dtype == torch.float32
+        close(a.grad, b.grad, torch.float32)

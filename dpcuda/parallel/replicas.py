@@ -305,6 +305,13 @@ class ReplicaSet:
         return {id(p): name for name, p in self.model.named_parameters()}
 
     def _build(self, params, buffers, key):
+        device = self.devices[0]
+        for t in params + buffers:
+            if t.device != device:
+                raise ValueError(
+                    f"dpcuda DataParallel: the model has a tensor on {t.device}; the model is "
+                    f"replica 0 and stays on devices[0] ({device}): move it back with "
+                    f"dp.module.to({str(device)!r}), or wrap it anew for other devices")
         if self.replicas and self._before_build is not None:
             self._before_build()
         old = self.replicas
