@@ -386,6 +386,9 @@ def train(cfg, dataset=None, dist_info=None, announce=None):
         keys = list(dp.state_dict().keys())
         dp.load_state_dict(dict(zip(keys, resumed["model_state_dict"].values())))
         dp.load_optimizer_state_dict(resumed["optimizer"])
+        # The command line's hyper-parameters win over the checkpoint's (a resume may change
+        # --lr, --momentum or --weight-decay); the momentum buffer is the checkpoint's.
+        dp.lr, dp.momentum, dp.weight_decay = cfg.lr, cfg.momentum, cfg.weight_decay
         order_gen.set_state(resumed["order_generator"])
         torch.set_rng_state(resumed["torch_rng"])
         history = list(resumed["history"])
