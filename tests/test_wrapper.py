@@ -538,3 +538,19 @@ def test_a_model_moved_off_devices_0_raises_and_a_dtype_change_is_followed():
     for a, b in zip(model.parameters(), one.parameters()):
         assert a.grad.dtype == torch.float32
         close(a.grad, b.grad, torch.float32)
+
+
+def test_the_readme_quickstart_runs_as_written():
+    import pathlib
+    import re
+    readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme.split("## Quickstart", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```python\n(.*?)```", section, re.S)
+    assert blocks, "no Python block in the README's quickstart"
+    scope = {}
+    exec(compile(blocks[0], "README.md quickstart", "exec"), scope)
+    dp, model = scope["dp"], scope["model"]
+    assert dp.module is model and all(p.grad is None for p in model.parameters())
+    for rep in dp.replicas[1:]:
+        for a, b in zip(rep.parameters(), model.parameters()):
+            assert torch.equal(a, b)
