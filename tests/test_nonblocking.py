@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from dpcuda.nn import SoftmaxCrossEntropyLoss
 from dpcuda.parallel import DataParallel
 from dpcuda.parallel import step as step_module
-from dpcuda.parallel.step import PendingStep
+from dpcuda.parallel.pending import PendingStep
 from conftest import make_model
 
 

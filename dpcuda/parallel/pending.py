@@ -1,0 +1,99 @@
+"""Non-blocking steps (DataParallel(..., blocking=False)): the update is queued with the
+replicas' status records, which it reads on the device; the records reach host memory behind
+an event and are read later, at a later step() or at synchronize().
+"""
+
+import dataclasses
+import math
+import warnings
+
+import torch
+
+
+@dataclasses.dataclass
+class PendingStep:
+    """A non-blocking step not read yet: its status records (host memory, one per replica),
+    the events after which they hold the devices' values, and what naming a bad label needs."""
+    step: int
+    records: list
+    events: list
+    targets: torch.Tensor
+    summed: object
+    classes: object
+
+
+class PendingSteps:
+    """The non-blocking part of DataParallel's step (a mixin: it reads the wrapper's replicas
+    and its pending deque)."""
+
+    def _step_async(self, records, targets, summed, global_den, count_on_device):
+        """The rest of a non-blocking step: the update, which the records skip (and, with the
+        labels counted on the device, rescale) there, and which writes the loss (the records'
+        losses summed in replica order from 0.0, as the blocking step sums its reads) into a
+        device tensor; the records copied to host memory, to be read later."""
+        unused = set.intersection(*(r.unused for r in self._replicas))
+        kept = self._keep(unused) if unused else None
+        # Everything that can fail is made before the update is queued (a step that raises
+        # leaves the weights): the loss, the records' host memory (pinned, behind an event,
+        # from CUDA devices), the events.
+        loss = torch.empty((), dtype=torch.float64, device=self._replicas[0].device)
+        cuda = sorted({r.device for r in self._replicas if r.device.type == "cuda"},
+                      key=str)
+        host = [torch.empty(x.numel(), dtype=torch.float64, pin_memory=bool(cuda))
+                for x in records]
+        events = [torch.cuda.Event() for _ in cuda]
+        self._reduce_p2p(records, float(global_den) if count_on_device else 0.0, loss)
+        if kept is not None:
+            for dst, src in kept:
+                dst.copy_(src)
+        self._consumed()
+        if global_den == 0:
+            loss.fill_(math.nan)  # a mean over no labels, as torch's
+        for h, x in zip(host, records):
+            h.copy_(x, non_blocking=bool(cuda))
+        for event, device in zip(events, cuda):
+            event.record(torch.cuda.current_stream(device))
+        self._pending.append(PendingStep(self.steps, host, events, targets, summed, self._classes))
+        self.steps += 1
+        return loss
+
+    def synchronize(self):
+        """Waits for every step so far and reads what they found (blocking=False): warns for
+        each skipped step, raises for a bad label. Call it before relying on skipped_steps."""
+        self._settle(wait=True)
+
+    def _settle(self, wait):
+        """Reads the records of earlier non-blocking steps, oldest first: those the devices
+        have finished, then, waiting for them, every one (wait) or those more than `lag` steps
+        back. NaN/Inf gradients warn and count; a bad label (that step's update was skipped on
+        the device) raises once every record this call reads is read, the first one's."""
+        error, more = None, []
+        while self._pending:
+            pending = self._pending[0]
+            step = pending.step
+            if not all(e.query() for e in pending.events):
+                if not wait and len(self._pending) < self.lag:
+                    break
+                for e in pending.events:
+                    e.synchronize()
+            self._pending.popleft()
+            rows = [h.numpy() for h in pending.records]  # host memory, read with no op
+            if any(r[2] != 0 for r in rows):
+                if error is None:
+                    self._classes = pending.classes
+                    try:
+                        self._raise_label_error(pending.targets, pending.summed, step)
+                    except ValueError as err:
+                        error = err
+                else:
+                    more.append(step)
+            elif any(r[1] != 0 for r in rows):
+                warnings.warn(f"dpcuda DataParallel: step {step} has NaN or Inf gradients; "
+                              f"skipped (weights unchanged)", RuntimeWarning, stacklevel=3)
+                self.skipped_steps += 1
+        if error is not None:
+            if more:
+                also = ", ".join(map(str, more))
+                raise ValueError(f"{error}; step{'s' if len(more) > 1 else ''} {also} also had "
+                                 f"a bad label (not applied either)")
+            raise error
