@@ -212,8 +212,11 @@ def fuse(module):
 
     Only what is exactly torch's is fused: an nn.Linear itself (not a subclass, which may have
     a forward of its own, as torch.ao's QAT Linear does; not parametrized, as weight_norm makes
-    it; no hooks) followed by an activation of exactly one of those classes with no hooks.
-    Anything else that looks like a candidate is left as it is, with one warning naming it."""
+    it; no hooks) followed by an activation of exactly one of those classes with no hooks, in
+    an nn.Sequential itself (not a subclass). Anything else that looks like a candidate is left
+    as it is, with one warning naming it. Code that calls a fused pair's nn.Linear directly
+    (seq[0](x) outside the Sequential) gets the activation too: fuse a model only where its
+    Sequentials are run as Sequentials."""
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
     left = []
@@ -234,7 +237,14 @@ def _fuse(module, prefix, left):
     for name, child in module.named_children():
         if not isinstance(child, nn.Linear):
             _fuse(child, f"{prefix}{name}.", left)
-    if isinstance(module, nn.Sequential):
+    if isinstance(module, nn.Sequential) and type(module) is not nn.Sequential:
+        # A subclass may have a forward of its own (a residual around the activation, say).
+        children = list(module._modules.values())
+        if any(isinstance(a, nn.Linear) and _activation_name(b) is not None
+               for a, b in zip(children, children[1:])):
+            left.append(f"{prefix or 'the module'}: it is a {type(module).__qualname__}, an "
+                        f"nn.Sequential subclass whose forward may not run its layers in order")
+    elif isinstance(module, nn.Sequential):
         names = list(module._modules.keys())
         for name, next_name in zip(names, names[1:] + [None]):
             linear = module._modules[name]

@@ -554,3 +554,251 @@ def test_the_readme_quickstart_runs_as_written():
     for rep in dp.replicas[1:]:
         for a, b in zip(rep.parameters(), model.parameters()):
             assert torch.equal(a, b)
+
+
+# ---------------------------------------------------------------------------------------------
+# what a review found (each a silently wrong result before it was fixed)
+
+def test_a_backward_that_fails_does_not_stop_later_reductions():
+    model, (x, y) = mlp(), data(1)[0]
+    dp = DataParallel(model, ["cpu"] * 3)
+
+    class Boom(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):
+            return t.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            raise RuntimeError("boom")
+    with pytest.raises(RuntimeError, match="boom"):
+        F.cross_entropy(Boom.apply(dp(x)), y).backward()
+    dp.zero_grad()
+    one = copy.deepcopy(model)
+    F.cross_entropy(dp(x), y).backward()
+    F.cross_entropy(one(x), y).backward()
+    for a, b in zip(model.parameters(), one.parameters()):
+        close(a.grad, b.grad, torch.float64)
+    replicas_identical(dp)
+
+
+def test_a_rebuild_under_inference_mode_leaves_the_model_trainable():
+    model, (x, y) = mlp(), data(1)[0]
+    dp = DataParallel(model, ["cpu"] * 2)
+    model[0].bias.requires_grad_(False)  # a change: the next forward rebuilds the replicas
+    with torch.inference_mode():
+        dp(x)
+    assert not any(p.is_inference() for p in model.parameters())
+    model[0].bias.requires_grad_(True)
+    one = copy.deepcopy(model)
+    F.cross_entropy(dp(x), y).backward()
+    F.cross_entropy(one(x), y).backward()
+    for a, b in zip(model.parameters(), one.parameters()):
+        close(a.grad, b.grad, torch.float64)
+
+
+def test_weight_edits_between_steps_without_a_version_bump_reach_the_replicas():
+    model, (x, y) = mlp(), data(1)[0]
+    dp = DataParallel(model, ["cpu"] * 2, lr=0.1)
+    dp.step(x, y, F.cross_entropy)
+    model[0].weight.data.mul_(0.5)  # e.g. WGAN's weight clipping through .data
+    with torch.no_grad():
+        close(dp(x), model(x), torch.float64)
+
+
+def test_step_inside_no_sync_raises_and_host_momentum_follows_mixed_losses():
+    model, steps = mlp(), data(4)
+    dp = DataParallel(model, ["cpu"] * 2, reducer="host", lr=0.1, momentum=0.9)
+    with dp.no_sync(), pytest.raises(RuntimeError, match="step\\(\\) inside no_sync"):
+        dp.step(*steps[0], F.cross_entropy)
+    one = copy.deepcopy(model)
+    opt = torch.optim.SGD(one.parameters(), lr=0.1, momentum=0.9)
+    mse = lambda out, y: F.mse_loss(out, F.one_hot(y, 4).double())  # noqa: E731
+    for s, (x, y) in enumerate(steps):
+        loss_fn = F.cross_entropy if s % 2 else mse
+        dp.step(x, y, loss_fn)
+        loss_fn(one(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    same_models(model, one, torch.float64)
+    replicas_identical(dp)
+
+
+def test_autograd_grad_and_backward_inputs():
+    model, (x, y) = mlp(), data(1)[0]
+    dp = DataParallel(model, ["cpu"] * 3)
+    one = copy.deepcopy(model)
+    # The inputs' gradient (a gradient penalty's) is exact; the parameters' would be replica
+    # 0's share: an error.
+    xs, xo = x.clone().requires_grad_(), x.clone().requires_grad_()
+    gx, = torch.autograd.grad(F.cross_entropy(dp(xs), y), xs, create_graph=True)
+    want, = torch.autograd.grad(F.cross_entropy(one(xo), y), xo, create_graph=True)
+    close(gx, want, torch.float64)
+    for ask in (lambda loss: torch.autograd.grad(loss, list(model.parameters())),
+                lambda loss: torch.autograd.grad(loss, [xs, model[0].weight]),
+                lambda loss: loss.backward(inputs=list(model.parameters()))):
+        with pytest.raises(RuntimeError, match="asking for the model's parameters"):
+            ask(F.cross_entropy(dp(xs), y))
+    xs.grad = None
+    F.cross_entropy(dp(xs), y).backward(inputs=[xs])  # the input only: exact
+    close(xs.grad, want, torch.float64)
+
+
+def test_hooks_registered_after_the_forward_are_refused():
+    model, (x, y) = mlp(), data(1)[0]
+    dp = DataParallel(model, ["cpu"] * 2)
+    out = dp(x)
+    model[0].weight.register_hook(lambda g: g * 2)
+    with pytest.raises(RuntimeError, match="gradient hook \\(registered after the forward\\)"):
+        F.cross_entropy(out, y).backward()
+
+
+def test_a_loss_on_activations_a_forward_hook_kept_is_reduced():
+    model, (x, y) = mlp(), data(1)[0]
+    kept = []
+    model[1].register_forward_hook(lambda m, i, o: kept.append(o))
+    one = copy.deepcopy(model)
+    dp = DataParallel(model, ["cpu"] * 3)
+    dp(x)
+    sum(k.pow(2).sum() for k in kept).backward()  # no loss on dp's output at all
+    kept.clear()
+    one(x)
+    sum(k.pow(2).sum() for k in kept).backward()
+    for a, b in zip(model.parameters(), one.parameters()):
+        assert (a.grad is None) == (b.grad is None)
+        if b.grad is not None:
+            close(a.grad, b.grad, torch.float64)
+
+
+def test_changes_that_cannot_be_followed_raise():
+    model, (x, y) = mlp(), data(1)[0]
+    dp = DataParallel(model, ["cpu"] * 2)
+    # a rebuild between no_sync passes
+    with dp.no_sync():
+        F.cross_entropy(dp(x), y).backward()
+    model[1].register_buffer("count", torch.zeros(()))
+    with pytest.raises(RuntimeError, match="between backward passes under no_sync"):
+        dp(x)
+    # an output made before a rebuild
+    model, dp = mlp(), None
+    dp = DataParallel(model, ["cpu"] * 2)
+    first = F.cross_entropy(dp(x), y)
+    model[2].bias.requires_grad_(False)
+    second = F.cross_entropy(dp(x), y)
+    with pytest.raises(RuntimeError, match="after this output's forward"):
+        (first + second).backward()
+    # modules outside _modules, a patched forward, functional_call on the wrapper
+    import types
+    model = mlp()
+    model.layers = [model[0], model[2]]
+    with pytest.raises(ValueError, match="'layers' .* a plain list or tuple of modules"):
+        DataParallel(model, ["cpu"] * 2)(x)
+    model = mlp()
+    model.forward = types.MethodType(lambda self, t: self[2](self[1](self[0](t))), model)
+    with pytest.raises(ValueError, match="'forward' .* a method bound to a module"):
+        DataParallel(model, ["cpu"] * 2)(x)
+    dp = DataParallel(mlp(), ["cpu"] * 2)
+    params = {k: v.detach().clone() for k, v in dp.module.named_parameters()}
+    with pytest.raises(ValueError, match="not an nn.Parameter"):
+        torch.func.functional_call(dp.module, params, (x,)) if False else \
+            torch.func.functional_call(dp, {f"module.{k}": v for k, v in params.items()}, (x,))
+    # per-row lists of different lengths
+    class PerRow(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(6, 4).double()
+
+        def forward(self, t):
+            return list(self.lin(t))
+    with pytest.raises(ValueError, match="different (lengths|structures)"):
+        DataParallel(PerRow(), ["cpu"] * 2)(x[:7])
+    # EmbeddingBag
+    with pytest.raises(ValueError, match=r"nn.EmbeddingBag\(max_norm=1.0\)"):
+        DataParallel(nn.EmbeddingBag(10, 3, max_norm=1.0), ["cpu"] * 2)
+
+
+def test_a_frozen_then_unfrozen_parameter_keeps_its_momentum():
+    model, steps = mlp(), data(4)
+    one = copy.deepcopy(model)
+    opt = torch.optim.SGD(one.parameters(), lr=0.1, momentum=0.9)
+    dp = DataParallel(model, ["cpu"] * 2, lr=0.1, momentum=0.9)
+    for s, (x, y) in enumerate(steps):
+        for m in (model, one):
+            m[0].weight.requires_grad_(s != 1)
+        dp.step(x, y, F.cross_entropy)
+        F.cross_entropy(one(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    same_models(model, one, torch.float64)
+
+
+def test_containers_deepcopy_pickle_class_swaps_and_dataclass_fields():
+    import io
+    model, (x, y) = mlp(), data(1)[0]
+
+    class Holder(nn.Module):
+        def __init__(self, net):
+            super().__init__()
+            self.net = DataParallel(net, ["cpu"] * 2)
+            self.head = nn.Linear(4, 2).double()
+    holder = Holder(model)
+    state = holder.state_dict()
+    assert "net.module.0.weight" in state
+    holder.load_state_dict(state)
+    dp = DataParallel(mlp(), ["cpu"] * 2, lr=0.1, momentum=0.9)
+    dp.step(x, y, F.cross_entropy)
+    twin = copy.deepcopy(dp)
+    buf = io.BytesIO()
+    torch.save(dp, buf)
+    for other in (twin, torch.load(io.BytesIO(buf.getvalue()), weights_only=False)):
+        other.step(x, y, F.cross_entropy)
+        assert other.module is not dp.module
+    dp.step(x, y, F.cross_entropy)
+    same_models(twin.module, dp.module, torch.float64)
+
+    class Twice(nn.Tanh):
+        def forward(self, t):
+            return super().forward(t) * 2
+    model = mlp()
+    dp = DataParallel(model, ["cpu"] * 3)
+    dp(x)
+    model[1].__class__ = Twice
+    with torch.no_grad():
+        close(dp(x), model(x), torch.float64)
+
+    @dataclasses.dataclass
+    class WithDerived:
+        extra: torch.Tensor = dataclasses.field(init=False)
+        logits: torch.Tensor
+
+        def __post_init__(self):
+            self.extra = self.logits.detach() * 0
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(6, 4).double()
+
+        def forward(self, t):
+            return WithDerived(self.lin(t))
+    net = Net()
+    one = copy.deepcopy(net)
+    got = DataParallel(net, ["cpu"] * 3)(x)
+    close(got.logits, one(x).logits, torch.float64)
+    assert got.logits.requires_grad
+
+
+def test_a_gradient_penalty_through_the_wrapper():
+    # WGAN-GP's loss: the gradient with respect to the input (create_graph), its norm's penalty
+    # then backpropagated to the parameters.
+    model, (x, y) = mlp(), data(1)[0]
+    one = copy.deepcopy(model)
+    dp = DataParallel(model, ["cpu"] * 3)
+    for net in (dp, one):
+        xs = x.clone().requires_grad_()
+        out = net(xs)
+        g, = torch.autograd.grad(out.sum(), xs, create_graph=True)
+        (F.cross_entropy(out, y) + (g.norm(dim=1) - 1).pow(2).mean()).backward()
+    for a, b in zip(model.parameters(), one.parameters()):
+        close(a.grad, b.grad, torch.float64)
+    replicas_identical(dp)

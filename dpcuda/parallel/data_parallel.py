@@ -151,7 +151,9 @@ class DataParallel(nn.Module, StepMixin, DistStepMixin):
         self._host_momentum = None
         self._set = ReplicaSet(module, self.devices, 3 if reducer == "dist" else 0,
                                before_build=self._save_host_momentum)
-        self._reduction = GradReduction(self._set, self._reduce_grads)
+        self._reduction = GradReduction(self._set, self._reduce_grads,
+                                        every_param=reducer == "dist")
+        self._set.on_accumulate = self._reduction.started
         if reducer == "dist":
             # Every process starts from rank 0's weights and buffers.
             with torch.no_grad():
@@ -205,7 +207,14 @@ class DataParallel(nn.Module, StepMixin, DistStepMixin):
 
     def _save_host_momentum(self):
         """Before the replicas are rebuilt: the host reducer's momentum back into replica 0's
-        buffer, which the rebuild carries over."""
+        buffer, which the rebuild carries over. Refused between no_sync() passes: the new
+        replicas would not hold the gradients the old ones kept aside."""
+        if self._reduction._local is not None:
+            raise RuntimeError(
+                "dpcuda DataParallel: the model changed (its parameters, buffers or "
+                "requires_grad) between backward passes under no_sync(); the replicas' "
+                "accumulated gradients cannot follow it (make the change before the "
+                "accumulation, or after the synchronised backward)")
         if self._host_momentum is not None:
             m = self._set.replicas[0].momentum
             if m is not None and m is not self._host_momentum:
@@ -236,7 +245,7 @@ class DataParallel(nn.Module, StepMixin, DistStepMixin):
         outputs = _run_all([lambda i=i: modules[i](*parts[i][0], **parts[i][1]) for i in active],
                            [self.devices[i] for i in active])
         if torch.is_grad_enabled():
-            outputs = mark_outputs(outputs, self._reduction)
+            outputs = mark_outputs(outputs, self._reduction, self._set.generation)
         return gather(outputs, self.devices[0])
 
     @contextlib.contextmanager
@@ -274,11 +283,16 @@ class DataParallel(nn.Module, StepMixin, DistStepMixin):
 
     # -- state -------------------------------------------------------------------------------
 
-    def state_dict(self, *args, **kwargs):
+    def state_dict(self, *args, destination=None, prefix="", keep_vars=False):
         """The model's state_dict (its own keys, with no "module." prefix). Reads every pending
-        non-blocking step first (synchronize())."""
+        non-blocking step first (synchronize()). Inside another module's state_dict (a prefix
+        or a destination given) the wrapper is an ordinary submodule, with "module." in its
+        keys, so that the container loads its own state_dict."""
         self._settle(wait=True)
-        return self.module.state_dict(*args, **kwargs)
+        if args or destination is not None or prefix:
+            return super().state_dict(*args, destination=destination, prefix=prefix,
+                                      keep_vars=keep_vars)
+        return self.module.state_dict(keep_vars=keep_vars)
 
     def load_state_dict(self, state_dict, strict=True, assign=False):
         """Loads into the model (the replicas take it at the next forward); on error nothing

@@ -74,7 +74,6 @@ class DistStepMixin:
             m = [r.momentum] if self.momentum else []
             torch.ops.dpcuda.reduce_sgd_([r.flat_param], [r.flat_grad], m, *self._sgd_args(),
                                          False, "one_shot")
-        self._set.mark_updated()
         self.steps += 1
         return loss
 

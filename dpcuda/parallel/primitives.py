@@ -110,8 +110,10 @@ def _leaves(obj):
     if isinstance(obj, torch.Tensor):
         yield obj
     elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        # (the fields its constructor takes, as _map and _gather rebuild it)
         for f in dataclasses.fields(obj):
-            yield from _leaves(getattr(obj, f.name))
+            if f.init:
+                yield from _leaves(getattr(obj, f.name))
     elif isinstance(obj, dict):
         for v in obj.values():
             yield from _leaves(v)
@@ -189,6 +191,11 @@ def _gather(outputs, device):
         return dataclasses.replace(first, **{
             f.name: _gather([getattr(o, f.name) for o in outputs], device)
             for f in dataclasses.fields(first) if f.init})
+    if isinstance(first, (dict, list, tuple)) and any(
+            type(o) is not type(first) or len(o) != len(first) for o in outputs):
+        raise ValueError(f"dpcuda.parallel.gather: the replicas returned {type(first).__name__}s "
+                         f"of different lengths ({[len(o) for o in outputs]}): an entry per "
+                         f"row cannot be gathered; return the rows as one tensor")
     if isinstance(first, dict):
         return type(first)((k, _gather([o[k] for o in outputs], device)) for k in first)
     if isinstance(first, tuple) and hasattr(first, "_fields"):

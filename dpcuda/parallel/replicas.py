@@ -10,18 +10,19 @@ Before each forward, ReplicaSet.sync() brings the replicas' tensors to the model
 - a new, removed or replaced parameter or buffer, a changed requires_grad, or a parameter
   whose .data was replaced rebuilds the replicas' tensors;
 - the weights are copied, with one flat copy per replica for the trainable ones (the model's
-  trainable parameters are views of one flat buffer), unless dpcuda's own update (step())
-  wrote every replica alike and no parameter's version counter moved since; version counters
-  alone miss changes that make no version bump (torch's fused optimizers, writes through
-  .data), so after anything else the copy is made;
-- the buffers are copied every time (DDP's broadcast_buffers: replica 0's win; batch norm's
-  statistics change with no version bump).
+  trainable parameters are views of one flat buffer), and the buffers (DDP's
+  broadcast_buffers: replica 0's win). Every forward: version counters would miss changes
+  that make no version bump (torch's fused optimizers, writes through .data, batch norm's
+  statistics).
 A replica whose own parameters changed outside dpcuda raises: its weights could no longer be
 the model's.
 """
 
+import types
+
 import torch
 from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 from .. import _C
 from ..nn import FusedLinear
@@ -33,14 +34,15 @@ class ReplicaError(RuntimeError):
 
 def _refuse(name, m, replicas):
     """A module whose result on k >= 2 replicas cannot equal one device's: a clear error."""
-    if isinstance(m, nn.Embedding):
+    if isinstance(m, (nn.Embedding, nn.EmbeddingBag)):
+        kind = type(m).__name__
         if m.sparse:
             raise ValueError(f"dpcuda DataParallel: {name or 'the model'} is an "
-                             f"nn.Embedding(sparse=True); sparse gradients cannot be reduced "
+                             f"nn.{kind}(sparse=True); sparse gradients cannot be reduced "
                              f"into the flat gradient buffers (use sparse=False)")
         if replicas > 1 and m.max_norm is not None:
             raise ValueError(f"dpcuda DataParallel: {name or 'the model'} is an "
-                             f"nn.Embedding(max_norm={m.max_norm}); its forward renormalises "
+                             f"nn.{kind}(max_norm={m.max_norm}); its forward renormalises "
                              f"the rows each replica sees, in place, so the replicas' weights "
                              f"would differ (use max_norm=None, or one replica)")
 
@@ -72,6 +74,7 @@ class Replica:
         if not dtype.is_floating_point:
             raise TypeError(f"parameters must be floating point, got {dtype}")
         trainable = [i for i, p in enumerate(params) if p.requires_grad]
+        self.frozen = [i for i, p in enumerate(params) if not p.requires_grad]
         total = sum(params[i].numel() for i in trainable)
         self.flat_param = torch.empty(total, dtype=dtype, device=device)
         self.exchange = torch.zeros(total + record, dtype=dtype, device=device)
@@ -117,8 +120,20 @@ class Replica:
         self.maps = None    # replica 0's tensors (by id) to this replica's
         self.memo = None    # (model module, its replica) pairs of the tree
         self.memo_key = None  # the model structure they were made for
+        self._acc = None    # accumulators()
         self.fused = []     # its FusedLinear layers whose backward may write into flat_grad
         self.unused = set()  # the trainable parameters the last backward gave no gradient
+
+    def accumulators(self):
+        """The AccumulateGrad nodes of the trainable parameters (kept: hooks on them stay)."""
+        if self._acc is None:
+            self._acc = [accumulator(self.params[i]) for i in self.trainable]
+        return self._acc
+
+    def __getstate__(self):  # (copy.deepcopy, pickle: no autograd nodes; made again lazily)
+        state = dict(self.__dict__)
+        state["_acc"] = None
+        return state
 
     def ensure_momentum(self):
         if self.momentum is None:
@@ -180,6 +195,33 @@ class Replica:
             self.params[i].grad = None
 
 
+def accumulator(t):
+    """The AccumulateGrad node of leaf t (the caller keeps it alive, so it stays t's)."""
+    with torch.enable_grad(), torch.inference_mode(False):
+        return t.view_as(t).grad_fn.next_functions[0][0]
+
+
+def _check_attributes(m):
+    """A module attribute outside _parameters/_buffers/_modules that points at modules (a
+    plain list of layers, a bound method such as a patched forward) would make a replica run
+    the model's own modules: refused."""
+    for k, v in m.__dict__.items():
+        if k[0] == "_" and k in ("_parameters", "_buffers", "_modules"):
+            continue
+        if isinstance(v, types.MethodType) and isinstance(v.__self__, nn.Module):
+            what = "a method bound to a module"
+        elif isinstance(v, nn.Module):
+            what = "a module outside its submodules"
+        elif isinstance(v, (list, tuple)) and any(isinstance(x, nn.Module) for x in v):
+            what = "a plain list or tuple of modules (use nn.ModuleList)"
+        elif isinstance(v, dict) and any(isinstance(x, nn.Module) for x in v.values()):
+            what = "a plain dict of modules (use nn.ModuleDict)"
+        else:
+            continue
+        raise ValueError(f"dpcuda DataParallel: attribute {k!r} of a {type(m).__name__} holds "
+                         f"{what}; every replica would run the model's own modules with it")
+
+
 def _replicate_tree(model, pmap, bmap):
     """A shallow replica of model's module tree (what Module._replicate_for_data_parallel
     makes, as nn.DataParallel does each forward) whose parameters and buffers are pmap's and
@@ -193,6 +235,7 @@ def _replicate_tree(model, pmap, bmap):
             return r
         r = object.__new__(type(m))
         memo[id(m)] = r
+        _check_attributes(m)
         d = m.__dict__.copy()
         d["_parameters"] = {k: None if p is None else pmap[id(p)]
                             for k, p in m._parameters.items()}
@@ -211,13 +254,29 @@ class ReplicaSet:
         self.model = model
         self._before_build = before_build
         self._pointers = None
-        self._updated = None
         self._module_key = None
+        self.on_accumulate = None  # called before a replica >= 1 accumulates a gradient
+        self.generation = 0  # how many times the replicas were built
+        # SGD momentum of parameters that are frozen now, kept for when they train again (as
+        # torch.optim.SGD keeps its state while a parameter has no gradient).
+        self._parked = WeakIdKeyDictionary()
         self.devices = devices
         self.record = record
         self.replicas = []
         self._structure = None
         self.sync()
+
+    def __getstate__(self):  # (pickle: the parked momenta as pairs)
+        state = dict(self.__dict__)
+        state["_parked"] = list(self._parked.items())
+        return state
+
+    def __setstate__(self, state):
+        parked = state.pop("_parked")
+        self.__dict__.update(state)
+        self._parked = WeakIdKeyDictionary()
+        for k, v in parked:
+            self._parked[k] = v
 
     def _read_structure(self):
         """The model's parameters and buffers (in model.parameters() and model.buffers()
@@ -231,11 +290,17 @@ class ReplicaSet:
             if id(m) in seen:
                 continue
             seen.add(id(m))
-            key.append(id(m))
-            if isinstance(m, nn.Embedding):
+            key += (id(m), type(m))
+            if isinstance(m, (nn.Embedding, nn.EmbeddingBag)):
                 _refuse(self._module_name(m), m, replicas)
             for p in m._parameters.values():
                 if p is not None and id(p) not in seen:
+                    if not isinstance(p, nn.Parameter):
+                        raise ValueError(
+                            f"dpcuda DataParallel: the model's {self._param_names_of(m, p)} is "
+                            f"a plain tensor, not an nn.Parameter (torch.func.functional_call "
+                            f"on the wrapper?); call functional_call on dp.module, or register "
+                            f"it as an nn.Parameter")
                     seen.add(id(p))
                     params.append(p)
                     key += (id(p), p.shape, p.requires_grad)
@@ -253,7 +318,13 @@ class ReplicaSet:
         return params, buffers, key
 
     def sync(self):
-        """Brings every replica to the model's state (module docstring). Returns the replicas."""
+        """Brings every replica to the model's state (module docstring). Returns the replicas.
+        Runs outside inference mode (the buffers it makes and the versions it reads must be
+        those of normal tensors), whatever the caller's mode."""
+        with torch.inference_mode(False), torch.no_grad():
+            return self._sync()
+
+    def _sync(self):
         params, buffers, key = self._read_structure()
         r0 = self.replicas[0] if self.replicas else None
         if key != self._structure or [p.data_ptr() for p in params] != self._pointers:
@@ -274,29 +345,22 @@ class ReplicaSet:
                     raise ReplicaError(
                         f"dpcuda DataParallel: the replica on {r.device} changed its {name} in "
                         f"place (outside dpcuda), so it no longer holds the model's weights")
-        # The weights are copied unless dpcuda's own update wrote every replica alike since
-        # the last copy and no parameter's version moved since (mark_updated). Version
-        # counters alone would miss what changes the model with no version bump: torch's fused
-        # optimizers and writes through .data. Buffers are copied every time (batch norm's
-        # statistics change with no version bump).
-        clean = self._updated is not None and self._updated == [p._version for p in params]
-        self._updated = None
-        with torch.no_grad():
-            for r in self.replicas[1:]:
-                if not clean:
-                    r.flat_param.copy_(r0.flat_param, non_blocking=True)
-                    for i, p in enumerate(params):
-                        if not p.requires_grad:
-                            r.params[i].copy_(p, non_blocking=True)
-                for b, rb in zip(buffers, r.buffers):
-                    rb.copy_(b, non_blocking=True)
+        # Every forward copies the weights and buffers: version counters would miss what
+        # changes them with no version bump (torch's fused optimizers, writes through .data,
+        # batch norm's statistics), and a missed change is a silently wrong model.
+        for r in self.replicas[1:]:
+            r.flat_param.copy_(r0.flat_param, non_blocking=True)
+            for i in r.frozen:
+                r.params[i].copy_(params[i], non_blocking=True)
+            for b, rb in zip(buffers, r.buffers):
+                rb.copy_(b, non_blocking=True)
         self._record_versions(params, buffers)
         return self.replicas
 
-    def mark_updated(self):
-        """dpcuda's own update has just written every replica's weights alike: the next sync
-        may skip the weights' copy if no parameter's version moves until then."""
-        self._updated = [p._version for p in self.replicas[0].params]
+    def _param_names_of(self, module, tensor):
+        prefix = self._module_name(module)
+        key = next(k for k, v in module._parameters.items() if v is tensor)
+        return f"{prefix}.{key}" if prefix else key
 
     def _module_name(self, module):
         return next(name for name, m in self.model.named_modules() if m is module)
@@ -317,22 +381,26 @@ class ReplicaSet:
         old = self.replicas
         old_momentum = None
         if old and old[0].momentum is not None:
-            old_momentum = {id(old[0].params[i]): old[0].momentum[o:o + n]
-                            for i, (o, n) in zip(old[0].trainable, old[0].spans)}
+            for i, (o, n) in zip(old[0].trainable, old[0].spans):
+                self._parked[old[0].params[i]] = old[0].momentum[o:o + n].clone()
+            old_momentum = True
         self.replicas = [Replica(params, buffers, self.devices[0], False, self.record)]
         self.replicas += [Replica(params, buffers, d, True, self.record)
                           for d in self.devices[1:]]
         if old_momentum is not None:
-            # The SGD momentum of the parameters that stay trainable carries over; a parameter
-            # that became trainable starts with none (zeros), as torch.optim.SGD's lazy state.
+            # The SGD momentum of every parameter that trains carries over (also one frozen for
+            # a while); one that never trained starts with none (zeros), as torch.optim.SGD's
+            # lazy state.
             for r in self.replicas:
                 r.ensure_momentum()
                 for i, (o, n) in zip(r.trainable, r.spans):
-                    m = old_momentum.get(id(params[i]))
-                    if m is not None:
+                    m = self._parked.get(params[i])
+                    if m is not None and m.numel() == n:
                         r.momentum[o:o + n].copy_(m.reshape(-1))
+            for i in self.replicas[0].trainable:
+                self._parked.pop(params[i], None)
         self._structure = key
-        self._updated = None
+        self.generation += 1
         self._pointers = [p.data_ptr() for p in params]
         self._record_versions(params, buffers)
 
@@ -348,10 +416,17 @@ class ReplicaSet:
             r0.set_module(self.model)
             self._module_key = self._structure
         for r in self.replicas[1:]:
+            if r._acc is None and self.on_accumulate is not None:
+                # A backward that reaches this replica's parameters starts the reduction, also
+                # one that did not come through dp's output.
+                start = self.on_accumulate
+                for node in r.accumulators():
+                    node.register_prehook(lambda grads, start=start: start())
             if r.memo is not None and r.memo_key == self._structure:
                 # The same modules, parameters and buffers: each replica module takes its
                 # model module's attributes again (training mode, hooks, settings).
                 for m, rm in r.memo:
+                    _check_attributes(m)
                     d = m.__dict__.copy()
                     own = rm.__dict__
                     d["_parameters"], d["_buffers"] = own["_parameters"], own["_buffers"]

@@ -87,6 +87,9 @@ class StepMixin(LabelChecks, PendingSteps):
         float64 scalar tensor on devices[0]). See DataParallel's docstring."""
         if self._pending:
             self._settle(wait=False)
+        if not self._reduction.sync:
+            raise RuntimeError("dpcuda DataParallel: step() inside no_sync(): a step applies "
+                               "its update at once, with nothing to defer")
         self._sync()
         # A step that raises leaves the buffers (batch-norm statistics) as they were, as it
         # leaves the weights.
@@ -277,6 +280,7 @@ class StepMixin(LabelChecks, PendingSteps):
                 return loss.detach(), time.perf_counter() - start
             return run
 
+        self._reduction.enabled = False  # (this path reduces by itself)
         try:
             results = _run_all([work(i, r, p, s) for i, (r, p, s)
                                 in enumerate(zip(self._replicas, parts, sizes))], self.devices,
@@ -288,6 +292,8 @@ class StepMixin(LabelChecks, PendingSteps):
             self._classes = err.classes
             self._raise_label_error(targets, summed)
             raise
+        finally:
+            self._reduction.enabled = True
         if self.split == "auto":
             self._update_speed(sizes, [t for _, t in results])
         if self.reducer == "dist":
@@ -342,12 +348,17 @@ class StepMixin(LabelChecks, PendingSteps):
         the replicas hold the same weights."""
         for r in self._replicas:
             r.drop_grads()
-        self._set.mark_updated()
 
     def _step_gathered(self, inputs, targets, loss_fn):
         """The step for any other loss: loss_fn on the gathered output, as one device computes
         it; the backward's reduction gives every replica the global gradient (.grad keeps it);
         then the same SGD update on every replica."""
+        if self._sync_bn:
+            raise ValueError(f"buffers='sync' works with the cross-entropy losses step() "
+                             f"computes per replica (exactly nn.CrossEntropyLoss, "
+                             f"F.cross_entropy or dpcuda's SoftmaxCrossEntropyLoss, mean, no "
+                             f"class weights); loss_fn {loss_fn!r} is computed on the gathered "
+                             f"output, whose backward runs the replicas one after another")
         for r in self._replicas:
             r.drop_grads()
         out = self(inputs)
@@ -371,16 +382,16 @@ class StepMixin(LabelChecks, PendingSteps):
             self.steps += 1
             return result
         kept = self._keep(unused) if unused else None
-        for r in self._replicas:
-            if self.momentum:
-                r.ensure_momentum()
+        if self.reducer == "host":
+            # (the host's weights and momentum, as the fused host step updates them)
+            self._update_host(self._replicas[0].flat_grad.to("cpu"))
+        for r in self._replicas if self.reducer != "host" else ():
             torch.ops.dpcuda.reduce_sgd_([r.flat_param], [r.flat_grad],
                                          [r.momentum] if self.momentum else [],
                                          *self._sgd_args(), False, "one_shot")
         if kept is not None:
             for dst, src in kept:
                 dst.copy_(src)
-        self._set.mark_updated()
         self.steps += 1
         return result
 
@@ -423,6 +434,11 @@ class StepMixin(LabelChecks, PendingSteps):
         total = host[0]
         for g in host[1:]:
             total = total + g
+        self._update_host(total)
+
+    def _update_host(self, total):
+        """The host reducer's update of the summed gradient (host memory): on a host copy of
+        the weights, with the host's momentum; the weights then copied to every replica."""
         weights = self._replicas[0].flat_param.detach().to("cpu", copy=True)
         m = [self._host_momentum] if self.momentum else []
         torch.ops.dpcuda.reduce_sgd_([weights], [total], m, *self._sgd_args(), False,
