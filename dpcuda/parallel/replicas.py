@@ -201,12 +201,17 @@ def accumulator(t):
         return t.view_as(t).grad_fn.next_functions[0][0]
 
 
+# torch's own Module attributes, and the types of plain settings: skipped by the check below.
+_MODULE_ATTRIBUTES = frozenset(vars(nn.Module()))
+_PLAIN_TYPES = (bool, int, float, str, type(None), torch.dtype, torch.device, torch.Size)
+
+
 def _check_attributes(m):
     """A module attribute outside _parameters/_buffers/_modules that points at modules (a
     plain list of layers, a bound method such as a patched forward) would make a replica run
     the model's own modules: refused."""
     for k, v in m.__dict__.items():
-        if k[0] == "_" and k in ("_parameters", "_buffers", "_modules"):
+        if k in _MODULE_ATTRIBUTES or type(v) in _PLAIN_TYPES:
             continue
         if isinstance(v, types.MethodType) and isinstance(v.__self__, nn.Module):
             what = "a method bound to a module"
@@ -295,7 +300,7 @@ class ReplicaSet:
                 _refuse(self._module_name(m), m, replicas)
             for p in m._parameters.values():
                 if p is not None and id(p) not in seen:
-                    if not isinstance(p, nn.Parameter):
+                    if type(p) is not nn.Parameter and not isinstance(p, nn.Parameter):
                         raise ValueError(
                             f"dpcuda DataParallel: the model's {self._param_names_of(m, p)} is "
                             f"a plain tensor, not an nn.Parameter (torch.func.functional_call "
