@@ -722,6 +722,7 @@ def _dist_loop_worker(rank, world, port, out_dir):
             opt.step()
             opt.zero_grad()
         torch.save(dp.state_dict(), os.path.join(out_dir, f"loop{rank}.pt"))
+        dist.barrier()  # neither process tears the group down while the other still uses it
     finally:
         dist.destroy_process_group()
 
