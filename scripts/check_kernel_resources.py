@@ -7,8 +7,8 @@ or local memory, or on more than 48 KiB of static shared memory. Prints the tabl
 Local memory is where by-value parameter arrays indexed at run time, or locals whose address
 escapes, end up: slow on a GPU and invisible in the emulation, so it is checked here.
 
-It also checks the SGD kernels' floating-point rule (csrc/kernels/common.cuh, mul_rn/add_rn):
-no product in them may be contracted into an FMA, so that CPU and CUDA updates give the same
+It also checks the floating-point rule of the SGD kernels (csrc/kernels/common.cuh, mul_rn/add_rn)
+and of the optimizer kernels (csrc/kernels/optim/update.h, rn::): no product in them may be contracted into an FMA, so that CPU and CUDA updates give the same
 bits. In their PTX there must be no fma and no mul.f32/f64 without a rounding modifier (which
 ptxas may fuse with an add). The detector is first shown to fire on a kernel written with plain
 operators.
@@ -84,9 +84,10 @@ def demangle(names):
     return short
 
 
-# The kernels whose arithmetic must follow the no-contraction rule, by source and name.
-NO_FMA_SOURCE = os.path.join("csrc", "kernels", "all_reduce", "all_reduce.cu")
-NO_FMA_KERNELS = re.compile(r"sgd")
+# The kernels whose arithmetic must follow the no-contraction rule, by source and name: the
+# fused SGD of the all-reduce and dpcuda.optim's update (csrc/kernels/optim/update.h's rn::).
+NO_FMA_SOURCES = [(os.path.join("csrc", "kernels", "all_reduce", "all_reduce.cu"), r"sgd"),
+                  (os.path.join("csrc", "kernels", "optim", "optim.cu"), r"optim_kernel")]
 # Any fma or mad, and any mul without an explicit rounding mode (.rn/.rz/.rm/.rp), predicated
 # or not, with or without .ftz/.sat.
 CONTRACTIBLE = re.compile(r"^\s*(@!?%\w+\s+)?(fma|mad)(\.\w+)*\.f(32|64)\b|"
@@ -100,9 +101,9 @@ __global__ void sgd_plain(const float* g, float* p, float lr, int n) {
 """
 
 
-def contractible_ops(nvcc, source, arch, include=True):
-    """{entry name: [contractible PTX instructions]} of the entries of source matching
-    NO_FMA_KERNELS."""
+def contractible_ops(nvcc, source, arch, pattern, include=True):
+    """{entry name: [contractible PTX instructions]} of the entries of source whose name
+    matches pattern."""
     with tempfile.TemporaryDirectory() as tmp:
         ptx = os.path.join(tmp, "out.ptx")
         cmd = [nvcc, "-std=c++17", "--expt-relaxed-constexpr", "-O3", "-ptx",
@@ -117,7 +118,7 @@ def contractible_ops(nvcc, source, arch, include=True):
             for line in f:
                 m = re.search(r"\.entry\s+(\S+?)\(", line)
                 if m:
-                    entry = m.group(1) if NO_FMA_KERNELS.search(m.group(1)) else None
+                    entry = m.group(1) if re.search(pattern, m.group(1)) else None
                     if entry:
                         found.setdefault(entry, [])
                 elif entry and CONTRACTIBLE.match(line):
@@ -131,19 +132,27 @@ def check_no_contraction(nvcc, arch):
         broken = os.path.join(tmp, "broken_sgd.cu")
         with open(broken, "w") as f:
             f.write(BROKEN_SNIPPET)
-        seen = contractible_ops(nvcc, broken, arch, include=False)
+        seen = contractible_ops(nvcc, broken, arch, r"sgd", include=False)
     if not any(seen.values()):
         print("no-FMA check: the detector missed the FMA of a plain p - lr * g kernel")
         return 1
-    found = contractible_ops(nvcc, os.path.join(ROOT, NO_FMA_SOURCE), arch)
+    found, missing = {}, []
+    for source, pattern in NO_FMA_SOURCES:
+        entries = contractible_ops(nvcc, os.path.join(ROOT, source), arch, pattern)
+        if not entries:
+            missing.append(source)
+        found.update(entries)
     bad = {k: v for k, v in found.items() if v}
     for name, ops in bad.items():
         print(f"no-FMA check: {demangle([name])[0]}: {len(ops)} contractible "
               f"({', '.join(sorted(set(ops)))})")
-    print(f"no-FMA check (compute_{arch}): {len(found)} SGD kernels, {len(bad)} with a product "
+    for source in missing:
+        print(f"no-FMA check: no kernel of {source} found to check")
+    print(f"no-FMA check (compute_{arch}): {len(found)} SGD and optimizer kernels, {len(bad)} "
+          f"with a product "
           f"that may become an FMA (the detector fires on a plain kernel: "
           f"{sum(len(v) for v in seen.values())} found there)")
-    return 1 if bad or not found else 0
+    return 1 if bad or missing else 0
 
 
 def main():

@@ -68,6 +68,12 @@ TORCH_LIBRARY(dpcuda, m) {
   m.def("reduce_sgd_(Tensor(a!)[] params, Tensor(b!)[] grads, Tensor(c!)[] momentum_buffers,"
         " float lr, float momentum, float weight_decay, bool mean, str algorithm,"
         " Tensor[]? status=None, float scaled_by=0.0, Tensor(d!)? loss_out=None) -> ()");
+  // dpcuda.optim's update of params on one device (CPU or one CUDA device; one kernel per 24
+  // tensors there): optimizer "sgd" (state1: momentum buffers, or none) or "adam" (state1:
+  // exp_avg, state2: exp_avg_sq, state3: max_exp_avg_sq or none), with the hyperparameters read
+  // from `hyper` (float64, csrc/kernels/optim/update.h's layout) on the params' device.
+  m.def("optim_update_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] state1,"
+        " Tensor(c!)[] state2, Tensor(d!)[] state3, Tensor hyper, str optimizer) -> ()");
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

@@ -87,7 +87,7 @@ class DataParallel(nn.Module, StepMixin, DistStepMixin):
     # (microseconds a call, several calls a step).
     _PLAIN = frozenset({"steps", "skipped_steps", "_classes", "_dist_stage", "_dist_count",
                         "_global_rows", "_speed", "_host_momentum", "_lr", "_momentum",
-                        "_weight_decay"})
+                        "_weight_decay", "_optimizer"})
 
     def __setattr__(self, name, value):
         if name in self._PLAIN:
@@ -161,6 +161,7 @@ class DataParallel(nn.Module, StepMixin, DistStepMixin):
                     self._dist.broadcast(t, src=0, group=self._group)
         self.steps = 0
         self.skipped_steps = 0
+        self._optimizer = None  # step()'s optimizer, during the step
         self.blocking = blocking
         self._pending = collections.deque()  # the non-blocking steps not read yet (PendingStep)
 

@@ -68,6 +68,13 @@ class DistStepMixin:
             self.skipped_steps += 1
             self.steps += 1
             return loss
+        if self._optimizer is not None:
+            # As DDP: every parameter has a gradient (0 where no process used it).
+            if rs[0].flat_grad.data_ptr() != comm.data_ptr():
+                rs[0].flat_grad.copy_(comm)
+            self._update_by_optimizer(set())
+            self.steps += 1
+            return loss
         for r in rs:
             if r.flat_grad.data_ptr() != comm.data_ptr():
                 r.flat_grad.copy_(comm)

@@ -81,19 +81,30 @@ class StepMixin(LabelChecks, PendingSteps):
         """Whether the reducer "dist" record rides behind the gradients (_record_inline)."""
         return self._replicas[0].flat_grad.dtype in self._record_inline
 
-    def step(self, inputs, targets, loss_fn):
-        """One SGD step of the global batch (inputs, targets): forward, loss_fn(outputs,
+    def step(self, inputs, targets, loss_fn, optimizer=None):
+        """One step of the global batch (inputs, targets): forward, loss_fn(outputs,
         targets), backward and the update. Returns the loss as a float (blocking=False: a
-        float64 scalar tensor on devices[0]). See DataParallel's docstring."""
+        float64 scalar tensor on devices[0]). See DataParallel's docstring.
+
+        optimizer: None (the wrapper's SGD, lr/momentum/weight_decay, fused into the
+        reduction), or a torch.optim.Optimizer over the model's parameters (dpcuda.optim's or
+        torch's; its param_groups, schedulers and state as usual): the gradients are reduced,
+        the model's .grad holds the global gradient (None for a parameter no replica used),
+        and optimizer.step() updates the model, whose weights the other replicas take at the
+        next forward. A step with NaN or Inf gradients is skipped (optimizer.step() is not
+        called) either way."""
         if self._pending:
             self._settle(wait=False)
         if not self._reduction.sync:
             raise RuntimeError("dpcuda DataParallel: step() inside no_sync(): a step applies "
                                "its update at once, with nothing to defer")
+        if optimizer is not None:
+            self._check_optimizer(optimizer)
         self._sync()
         # A step that raises leaves the buffers (batch-norm statistics) as they were, as it
         # leaves the weights.
         saved = [[b.clone() for b in bs] for bs in self._replica_buffers] if self._replica_buffers[0] else None
+        self._optimizer = optimizer
         try:
             loss = self._step_any(inputs, targets, loss_fn)
         except BaseException:
@@ -109,6 +120,8 @@ class StepMixin(LabelChecks, PendingSteps):
                         for b, c in zip(bs, copies):
                             b.copy_(c)
             raise
+        finally:
+            self._optimizer = None
         if saved is not None and self.buffer_mode == "broadcast" and self.reducer == "dist":
             # Every process takes rank 0's buffers, as DDP broadcasts rank 0's at each step
             # (the replicas of this process take the model's at the next forward).
@@ -315,6 +328,7 @@ class StepMixin(LabelChecks, PendingSteps):
                 summed[1]))
         if not self.blocking:
             return self._step_async(records, targets, summed, global_den, count_on_device)
+        # (blocking=False with an optimizer is refused by _check_optimizer)
         # One host read per replica of its record.
         reads = [x.cpu() for x in records]
         if any(float(x[2]) for x in reads):
@@ -330,6 +344,10 @@ class StepMixin(LabelChecks, PendingSteps):
         # torch.optim.SGD leaves a parameter that got no gradient alone (no decay, no momentum):
         # so does the step for one that no replica's forward used.
         unused = set.intersection(*(r.unused for r in self._replicas))
+        if self._optimizer is not None:
+            self._reduce_then_update(unused)
+            self.steps += 1
+            return loss
         kept = self._keep(unused) if unused else None
         if self.reducer == "p2p":
             self._reduce_p2p()
@@ -381,6 +399,10 @@ class StepMixin(LabelChecks, PendingSteps):
             self.skipped_steps += 1
             self.steps += 1
             return result
+        if self._optimizer is not None:
+            self._update_by_optimizer(unused)
+            self.steps += 1
+            return result
         kept = self._keep(unused) if unused else None
         if self.reducer == "host":
             # (the host's weights and momentum, as the fused host step updates them)
@@ -394,6 +416,46 @@ class StepMixin(LabelChecks, PendingSteps):
                 dst.copy_(src)
         self.steps += 1
         return result
+
+    def _check_optimizer(self, optimizer):
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer (dpcuda.optim's or "
+                            f"torch's), got {type(optimizer).__name__}")
+        if not self.blocking:
+            raise ValueError("dpcuda DataParallel: step(optimizer=...) needs blocking=True "
+                             "(the non-blocking step fuses the wrapper's SGD into the "
+                             "reduction, where the device decides to skip it)")
+        own = {id(p) for p in self.module.parameters()}
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if id(p) not in own:
+                    raise ValueError("dpcuda DataParallel: the optimizer holds a tensor that is "
+                                     "not a parameter of dp.module; make it over "
+                                     "dp.parameters()")
+
+    def _reduce_then_update(self, unused):
+        """The update by the step's optimizer: the replicas' gradients summed in replica order
+        (dpcuda's all-reduce, or the host's sum), the model's .grad the global gradient (None
+        for a parameter no replica used, as one device leaves it), the other replicas' .grad
+        None, then optimizer.step() on the model."""
+        rs = self._replicas
+        if len(rs) > 1:
+            if self.reducer == "p2p":
+                torch.ops.dpcuda.all_reduce_([r.flat_grad for r in rs], "sum", self.algorithm)
+            else:
+                total = rs[0].flat_grad.to("cpu", copy=True)
+                for r in rs[1:]:
+                    total += r.flat_grad.to("cpu")
+                rs[0].flat_grad.copy_(total)
+        self._update_by_optimizer(unused)
+
+    def _update_by_optimizer(self, unused):
+        r0 = self._replicas[0]
+        for k, i in enumerate(r0.trainable):
+            r0.params[i].grad = None if k in unused else r0.views[k]
+        for r in self._replicas[1:]:
+            r.drop_grads()
+        self._optimizer.step()
 
     def _keep(self, indices):
         """Copies of the weights and momenta of the given parameters, to put back after the

@@ -1,0 +1,75 @@
+#include "optim.h"
+
+#include "target.h"
+
+namespace dpcuda {
+namespace cpu {
+namespace {
+
+// The formulas branch on the flags once per element; with the flags fixed for the whole loop
+// the compiler hoists them, and the loops vectorise. Inlined into optim_update, so that each of
+// its clones (target.h) compiles them for its own instruction set.
+template <typename T>
+inline __attribute__((always_inline)) void sgd_loop(const optim::Hyper<T>& h, OptimTensor<T> t, int64_t begin, int64_t end) {
+  T* __restrict__ p = t.param;
+  const T* __restrict__ g = t.grad;
+  T* __restrict__ buf = t.state1;
+  if (h.has(optim::kUseMomentum)) {
+    for (int64_t i = begin; i < end; ++i) {
+      T b = h.has(optim::kFirst) ? T(0) : buf[i];
+      p[i] = optim::sgd(g[i], p[i], b, h);
+      buf[i] = b;
+    }
+  } else {
+    for (int64_t i = begin; i < end; ++i) {
+      T unused = T(0);
+      p[i] = optim::sgd(g[i], p[i], unused, h);
+    }
+  }
+}
+
+template <typename T>
+inline __attribute__((always_inline)) void adam_loop(const optim::Hyper<T>& h, OptimTensor<T> t, int64_t begin, int64_t end) {
+  T* __restrict__ p = t.param;
+  const T* __restrict__ g = t.grad;
+  T* __restrict__ m = t.state1;
+  T* __restrict__ v = t.state2;
+  T* __restrict__ vmax = t.state3;
+  if (h.has(optim::kAmsgrad)) {
+    for (int64_t i = begin; i < end; ++i) {
+      T mi = m[i], vi = v[i], wi = vmax[i];
+      p[i] = optim::adam(g[i], p[i], mi, vi, wi, h);
+      m[i] = mi;
+      v[i] = vi;
+      vmax[i] = wi;
+    }
+  } else {
+    for (int64_t i = begin; i < end; ++i) {
+      T mi = m[i], vi = v[i], unused = T(0);
+      p[i] = optim::adam(g[i], p[i], mi, vi, unused, h);
+      m[i] = mi;
+      v[i] = vi;
+    }
+  }
+}
+
+}  // namespace
+
+template <typename T>
+DPCUDA_CPU_CLONES void optim_update(optim::Kind kind, const double* hyper, OptimTensor<T> t,
+                                    int64_t begin, int64_t end) {
+  const optim::Hyper<T> h(hyper);
+  if (kind == optim::Kind::kSgd) {
+    sgd_loop<T>(h, t, begin, end);
+  } else {
+    adam_loop<T>(h, t, begin, end);
+  }
+}
+
+template void optim_update<float>(optim::Kind, const double*, OptimTensor<float>, int64_t,
+                                  int64_t);
+template void optim_update<double>(optim::Kind, const double*, OptimTensor<double>, int64_t,
+                                   int64_t);
+
+}  // namespace cpu
+}  // namespace dpcuda

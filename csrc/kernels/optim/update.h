@@ -1,0 +1,166 @@
+// The element formulas of dpcuda's optimizers (dpcuda.optim: SGD, Adam, AdamW), shared by the
+// CUDA kernels (optim.cu) and the CPU kernels (csrc/cpu/optim.cpp), so both backends compute the
+// same bits: every product, quotient, sum and square root is rounded on its own, in the order
+// torch.optim's single-tensor code writes it (no FMA: nvcc through the _rn intrinsics, the CPU
+// build through -ffp-contract=off). Torch-free: plain C++ that nvcc and g++ both accept.
+//
+// The hyperparameters are read from memory (a float64 array of kHyper values, on the device
+// that runs the update), so that a schedule changes them without a new kernel or a host read.
+// The host computes the derived scalars in float64 as torch's Python does (1 - beta1,
+// lr / bias_correction1, ...); the kernels round each to the accumulation type (float for
+// float, half and bfloat16 storage; double for float64), as torch rounds a Scalar argument.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "../transcendental.h"
+
+namespace dpcuda {
+namespace optim {
+
+// The order is part of the ABI between dpcuda/optim.py and the kernels.
+enum class Kind : int { kSgd = 0, kAdam = 1 };
+
+// The slots of the hyperparameter array.
+enum Slot : int {
+  kLr = 0,              // SGD: the step is p - lr * d
+  kWeightDecay = 1,     // SGD and Adam (L2): g + weight_decay * p
+  kMomentum = 2,        // SGD
+  kOneMinusDampening = 3,
+  kOneMinusBeta1 = 4,   // Adam: exp_avg.lerp_(g, 1 - beta1)
+  kBeta2 = 5,           // Adam: exp_avg_sq * beta2 + (1 - beta2) * g * g
+  kOneMinusBeta2 = 6,
+  kEps = 7,
+  kNegStepSize = 8,     // Adam: -lr / (1 - beta1^step)
+  kBias2Sqrt = 9,       // Adam: sqrt(1 - beta2^step)
+  kDecay = 10,          // AdamW: p * (1 - lr * weight_decay)
+  kFlags = 11,          // the Flag bits, as a float64 integer
+  kHyper = 16,          // the array's length (the rest is reserved)
+};
+
+enum Flag : int {
+  kMaximize = 1,
+  kNesterov = 2,       // SGD
+  kAmsgrad = 4,        // Adam: the denominator from max(max_exp_avg_sq, exp_avg_sq)
+  kFirst = 8,          // SGD: the momentum buffer starts as the (decayed) gradient
+  kDecoupled = 16,     // AdamW: decay the weights, not the gradient
+  kUseMomentum = 32,   // SGD: momentum != 0 (a momentum buffer is given)
+};
+
+// The formulas: emulated device code and the CPU kernels each have their own copy (see
+// transcendental.h), while the enums above are one type for both.
+DPCUDA_MATH_BEGIN
+
+// Rounded one operation at a time (CUDA's _rn intrinsics on the device; IEEE operations on
+// the host, compiled without contraction).
+namespace rn {
+#if defined(__CUDA_ARCH__)
+DPCUDA_HD float mul(float a, float b) { return __fmul_rn(a, b); }
+DPCUDA_HD double mul(double a, double b) { return __dmul_rn(a, b); }
+DPCUDA_HD float add(float a, float b) { return __fadd_rn(a, b); }
+DPCUDA_HD double add(double a, double b) { return __dadd_rn(a, b); }
+DPCUDA_HD float sub(float a, float b) { return __fsub_rn(a, b); }
+DPCUDA_HD double sub(double a, double b) { return __dsub_rn(a, b); }
+DPCUDA_HD float div(float a, float b) { return __fdiv_rn(a, b); }
+DPCUDA_HD double div(double a, double b) { return __ddiv_rn(a, b); }
+DPCUDA_HD float sqrt(float a) { return __fsqrt_rn(a); }
+DPCUDA_HD double sqrt(double a) { return __dsqrt_rn(a); }
+#else
+DPCUDA_HD float mul(float a, float b) { return a * b; }
+DPCUDA_HD double mul(double a, double b) { return a * b; }
+DPCUDA_HD float add(float a, float b) { return a + b; }
+DPCUDA_HD double add(double a, double b) { return a + b; }
+DPCUDA_HD float sub(float a, float b) { return a - b; }
+DPCUDA_HD double sub(double a, double b) { return a - b; }
+DPCUDA_HD float div(float a, float b) { return a / b; }
+DPCUDA_HD double div(double a, double b) { return a / b; }
+DPCUDA_HD float sqrt(float a) { return std::sqrt(a); }
+DPCUDA_HD double sqrt(double a) { return std::sqrt(a); }
+#endif
+}  // namespace rn
+
+// torch.maximum: NaN when either is NaN.
+template <typename A>
+DPCUDA_HD A max_nan(A a, A b) {
+  return (a != a || a > b) ? a : b;
+}
+
+// The hyperparameters in the accumulation type A, read once per thread.
+template <typename A>
+struct Hyper {
+  A lr, weight_decay, momentum, one_minus_dampening, one_minus_beta1, beta1_complement,
+      beta2, one_minus_beta2, eps, neg_step_size, bias2_sqrt, decay;
+  int flags;
+
+  DPCUDA_HD explicit Hyper(const double* h)
+      : lr(static_cast<A>(h[kLr])),
+        weight_decay(static_cast<A>(h[kWeightDecay])),
+        momentum(static_cast<A>(h[kMomentum])),
+        one_minus_dampening(static_cast<A>(h[kOneMinusDampening])),
+        one_minus_beta1(static_cast<A>(h[kOneMinusBeta1])),
+        // torch's lerp with a weight of 0.5 or more: end - (end - self) * (1 - weight), with
+        // 1 - weight computed in the accumulation type.
+        beta1_complement(rn::sub(A(1), static_cast<A>(h[kOneMinusBeta1]))),
+        beta2(static_cast<A>(h[kBeta2])),
+        one_minus_beta2(static_cast<A>(h[kOneMinusBeta2])),
+        eps(static_cast<A>(h[kEps])),
+        neg_step_size(static_cast<A>(h[kNegStepSize])),
+        bias2_sqrt(static_cast<A>(h[kBias2Sqrt])),
+        decay(static_cast<A>(h[kDecay])),
+        flags(static_cast<int>(h[kFlags])) {}
+
+  DPCUDA_HD bool has(int flag) const { return (flags & flag) != 0; }
+};
+
+// torch.optim.SGD (single-tensor form), one element: returns the new parameter; `buf` holds
+// the momentum buffer and receives the new one (with kUseMomentum).
+//   d = maximize ? -g : g;  d = d + weight_decay * p
+//   buf = first ? d : buf * momentum + (1 - dampening) * d
+//   d = nesterov ? d + momentum * buf : buf;  p = p + (-lr) * d
+template <typename A>
+DPCUDA_HD A sgd(A g, A p, A& buf, const Hyper<A>& h) {
+  A d = h.has(kMaximize) ? -g : g;
+  if (h.weight_decay != A(0)) d = rn::add(d, rn::mul(h.weight_decay, p));
+  if (h.has(kUseMomentum)) {
+    buf = h.has(kFirst) ? d
+                        : rn::add(rn::mul(buf, h.momentum), rn::mul(h.one_minus_dampening, d));
+    d = h.has(kNesterov) ? rn::add(d, rn::mul(h.momentum, buf)) : buf;
+  }
+  return rn::add(p, rn::mul(-h.lr, d));
+}
+
+// torch.optim.Adam / AdamW (single-tensor form), one element: returns the new parameter;
+// m, v and vmax (with kAmsgrad) hold exp_avg, exp_avg_sq and max_exp_avg_sq and receive the
+// new values.
+//   g = maximize ? -g : g
+//   AdamW: p = p * (1 - lr * weight_decay);   Adam: g = g + weight_decay * p
+//   m = lerp(m, g, 1 - beta1);  v = v * beta2 + ((1 - beta2) * g) * g
+//   vmax = max(vmax, v);  denom = sqrt(amsgrad ? vmax : v) / sqrt(1 - beta2^step) + eps
+//   p = p + (-lr / (1 - beta1^step)) * (m / denom)
+template <typename A>
+DPCUDA_HD A adam(A g, A p, A& m, A& v, A& vmax, const Hyper<A>& h) {
+  if (h.has(kMaximize)) g = -g;
+  if (h.weight_decay != A(0)) {
+    if (h.has(kDecoupled)) {
+      p = rn::mul(p, h.decay);
+    } else {
+      g = rn::add(g, rn::mul(h.weight_decay, p));
+    }
+  }
+  const A diff = rn::sub(g, m);
+  m = h.one_minus_beta1 < A(0.5) ? rn::add(m, rn::mul(h.one_minus_beta1, diff))
+                                 : rn::sub(g, rn::mul(diff, h.beta1_complement));
+  v = rn::add(rn::mul(v, h.beta2), rn::mul(rn::mul(h.one_minus_beta2, g), g));
+  A second = v;
+  if (h.has(kAmsgrad)) {
+    vmax = max_nan(vmax, v);
+    second = vmax;
+  }
+  const A denom = rn::add(rn::div(rn::sqrt(second), h.bias2_sqrt), h.eps);
+  return rn::add(p, rn::mul(h.neg_step_size, rn::div(m, denom)));
+}
+
+DPCUDA_MATH_END
+}  // namespace optim
+}  // namespace dpcuda

@@ -1,0 +1,213 @@
+// ATen adapter of dpcuda's optimizer update (dpcuda::optim_update_): argument checks, dtype
+// dispatch and the pointers. The element formulas are csrc/kernels/optim/update.h, shared by the
+// CPU loops (csrc/cpu/optim.h, threads over pieces of every tensor) and the CUDA kernel
+// (csrc/kernels/optim: one launch per kOptimMaxTensors tensors, on the current stream), so both
+// give the same bits. The hyperparameters are a float64 tensor of optim::kHyper values on the
+// tensors' device, which the kernels read: dpcuda/optim.py writes it before each update.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <string>
+#include <vector>
+
+#include "../cpu/optim.h"
+#include "checks.h"
+
+#ifdef DPCUDA_WITH_CUDA
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include "../kernels/optim/optim.h"
+#include "cuda_types.h"
+#include "kernel_image.h"
+#endif
+
+namespace dpcuda {
+namespace {
+
+using at::Tensor;
+
+optim::Kind parse_optimizer(c10::string_view name) {
+  if (name == "sgd") return optim::Kind::kSgd;
+  TORCH_CHECK_VALUE(name == "adam", "optimizer must be sgd or adam (adamw is adam with the ",
+                    "decoupled flag); got '", std::string(name), "'");
+  return optim::Kind::kAdam;
+}
+
+// The state lists the optimizer takes: SGD state1 (momentum buffers) or none; Adam state1
+// (exp_avg) and state2 (exp_avg_sq), and state3 (max_exp_avg_sq) or none.
+struct Lists {
+  std::vector<Tensor> params, grads, state1, state2, state3;
+};
+
+void check_list(const std::vector<Tensor>& ts, const char* name, const Lists& l, bool used) {
+  if (!used) {
+    TORCH_CHECK_VALUE(ts.empty(), name, " must be empty for this optimizer, got ", ts.size(),
+                      " tensors");
+    return;
+  }
+  TORCH_CHECK_VALUE(ts.size() == l.params.size(), name, " holds ", ts.size(),
+                    " tensors but params holds ", l.params.size());
+  for (size_t i = 0; i < ts.size(); ++i) {
+    const Tensor& t = ts[i];
+    const Tensor& p = l.params[i];
+    TORCH_CHECK_TYPE(t.scalar_type() == p.scalar_type(), name, "[", i, "] has dtype ",
+                     t.scalar_type(), " but params[", i, "] has ", p.scalar_type());
+    TORCH_CHECK_VALUE(t.sizes() == p.sizes(), name, "[", i, "] has shape ", t.sizes(),
+                      " but params[", i, "] has ", p.sizes());
+    TORCH_CHECK_VALUE(t.device() == p.device(), name, "[", i, "] is on ", t.device(),
+                      " but params[", i, "] is on ", p.device());
+    TORCH_CHECK_VALUE(t.is_contiguous(), name, "[", i, "] must be contiguous");
+    TORCH_CHECK_VALUE(!t.is_same(p), name, "[", i, "] is params[", i, "] itself");
+  }
+}
+
+Lists check_args(at::TensorList params, at::TensorList grads, at::TensorList state1,
+                 at::TensorList state2, at::TensorList state3, const Tensor& hyper,
+                 optim::Kind kind) {
+  Lists l{params.vec(), grads.vec(), state1.vec(), state2.vec(), state3.vec()};
+  TORCH_CHECK_VALUE(!l.params.empty(), "params must hold at least one tensor");
+  const Tensor& p0 = l.params[0];
+  for (size_t i = 0; i < l.params.size(); ++i) {
+    const Tensor& p = l.params[i];
+    TORCH_CHECK_TYPE(p.scalar_type() == p0.scalar_type(), "params[", i, "] has dtype ",
+                     p.scalar_type(), " but params[0] has ", p0.scalar_type());
+    TORCH_CHECK_VALUE(p.device() == p0.device(), "params[", i, "] is on ", p.device(),
+                      " but params[0] is on ", p0.device(), "; one call updates one device");
+    TORCH_CHECK_VALUE(p.is_contiguous(), "params[", i, "] must be contiguous");
+  }
+  check_list(l.grads, "grads", l, true);
+  const bool adam = kind == optim::Kind::kAdam;
+  check_list(l.state1, "state1", l, adam || !l.state1.empty());
+  check_list(l.state2, "state2", l, adam);
+  check_list(l.state3, "state3", l, adam && !l.state3.empty());
+  TORCH_CHECK_VALUE(hyper.scalar_type() == at::kDouble && hyper.dim() == 1 &&
+                        hyper.numel() == optim::kHyper && hyper.is_contiguous(),
+                    "hyper must be a contiguous float64 tensor of ", int(optim::kHyper),
+                    " values, got ", hyper.scalar_type(), " of shape ", hyper.sizes());
+  TORCH_CHECK_VALUE(hyper.device() == p0.device(), "hyper is on ", hyper.device(),
+                    " but params are on ", p0.device());
+  return l;
+}
+
+// ---------------------------------------------------------------------------------------------
+// CPU
+
+// Elements per unit of work handed to a thread.
+constexpr int64_t kPiece = 1 << 15;
+
+template <typename T>
+T* ptr_or_null(const std::vector<Tensor>& ts, size_t i) {
+  return ts.empty() ? nullptr : ts[i].data_ptr<T>();
+}
+
+template <typename T>
+void update_cpu(optim::Kind kind, const double* hyper, const Lists& l) {
+  // (tensor, begin, end) pieces of every tensor, spread over torch's threads.
+  struct Piece {
+    size_t tensor;
+    int64_t begin, end;
+  };
+  std::vector<Piece> pieces;
+  for (size_t i = 0; i < l.params.size(); ++i) {
+    const int64_t n = l.params[i].numel();
+    for (int64_t b = 0; b < n; b += kPiece) pieces.push_back({i, b, std::min(n, b + kPiece)});
+  }
+  at::parallel_for(0, static_cast<int64_t>(pieces.size()), 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t w = lo; w < hi; ++w) {
+      const Piece& pc = pieces[w];
+      const cpu::OptimTensor<T> t{l.params[pc.tensor].template data_ptr<T>(),
+                                  l.grads[pc.tensor].template data_ptr<T>(),
+                                  ptr_or_null<T>(l.state1, pc.tensor),
+                                  ptr_or_null<T>(l.state2, pc.tensor),
+                                  ptr_or_null<T>(l.state3, pc.tensor)};
+      cpu::optim_update<T>(kind, hyper, t, pc.begin, pc.end);
+    }
+  });
+}
+
+std::vector<Tensor> as_float(const std::vector<Tensor>& ts) {
+  std::vector<Tensor> f;
+  for (const Tensor& t : ts) f.push_back(t.to(at::kFloat));
+  return f;
+}
+
+void optim_update_cpu(at::TensorList params, at::TensorList grads, at::TensorList state1,
+                      at::TensorList state2, at::TensorList state3, const Tensor& hyper,
+                      c10::string_view optimizer) {
+  const optim::Kind kind = parse_optimizer(optimizer);
+  const Lists l = check_args(params, grads, state1, state2, state3, hyper, kind);
+  const double* h = hyper.data_ptr<double>();
+  if (is_half_type(l.params[0])) {
+    // bfloat16/half: the float loops on float copies, each stored value rounded once, as the
+    // CUDA kernel computes them in float.
+    Lists f{as_float(l.params), as_float(l.grads), as_float(l.state1), as_float(l.state2),
+            as_float(l.state3)};
+    update_cpu<float>(kind, h, f);
+    for (size_t i = 0; i < l.params.size(); ++i) l.params[i].copy_(f.params[i]);
+    for (size_t i = 0; i < l.state1.size(); ++i) l.state1[i].copy_(f.state1[i]);
+    for (size_t i = 0; i < l.state2.size(); ++i) l.state2[i].copy_(f.state2[i]);
+    for (size_t i = 0; i < l.state3.size(); ++i) l.state3[i].copy_(f.state3[i]);
+    return;
+  }
+  check_cpu_dtype(l.params[0], "params");
+  AT_DISPATCH_FLOATING_TYPES(l.params[0].scalar_type(), "optim_update_cpu", [&] {
+    update_cpu<scalar_t>(kind, h, l);
+  });
+}
+
+// ---------------------------------------------------------------------------------------------
+// CUDA
+
+#ifdef DPCUDA_WITH_CUDA
+template <typename T>
+using CT = typename CudaType<T>::type;
+
+template <typename T>
+CT<T>* cuda_ptr(const std::vector<Tensor>& ts, size_t i) {
+  return ts.empty() ? nullptr : reinterpret_cast<CT<T>*>(ts[i].data_ptr<T>());
+}
+
+void optim_update_cuda(at::TensorList params, at::TensorList grads, at::TensorList state1,
+                       at::TensorList state2, at::TensorList state3, const Tensor& hyper,
+                       c10::string_view optimizer) {
+  const optim::Kind kind = parse_optimizer(optimizer);
+  const Lists l = check_args(params, grads, state1, state2, state3, hyper, kind);
+  check_cuda_dtype(l.params[0], "params");
+  const c10::cuda::CUDAGuard guard(l.params[0].device());
+  check_kernel_image(l.params[0].device().index());
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, l.params[0].scalar_type(),
+                                  "optim_update_cuda", [&] {
+    // One launch per kOptimMaxTensors tensors, in order, on one stream.
+    for (size_t start = 0; start < l.params.size(); start += cuda::kOptimMaxTensors) {
+      cuda::OptimTable<CT<scalar_t>> table{};
+      const size_t stop = std::min(l.params.size(), start + cuda::kOptimMaxTensors);
+      for (size_t i = start; i < stop; ++i) {
+        const int k = static_cast<int>(i - start);
+        table.param[k] = cuda_ptr<scalar_t>(l.params, i);
+        table.grad[k] = cuda_ptr<scalar_t>(l.grads, i);
+        table.state1[k] = cuda_ptr<scalar_t>(l.state1, i);
+        table.state2[k] = cuda_ptr<scalar_t>(l.state2, i);
+        table.state3[k] = cuda_ptr<scalar_t>(l.state3, i);
+        table.n[k] = l.params[i].numel();
+      }
+      table.count = static_cast<int>(stop - start);
+      check_cuda(cuda::optim_update<CT<scalar_t>>(kind, hyper.data_ptr<double>(), table, stream),
+                 "optim_update");
+    }
+  });
+}
+#endif  // DPCUDA_WITH_CUDA
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(dpcuda, CPU, m) { m.impl("optim_update_", &optim_update_cpu); }
+
+#ifdef DPCUDA_WITH_CUDA
+TORCH_LIBRARY_IMPL(dpcuda, CUDA, m) { m.impl("optim_update_", &optim_update_cuda); }
+#endif
+
+}  // namespace dpcuda

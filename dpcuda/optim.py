@@ -1,0 +1,288 @@
+"""dpcuda's optimizers: SGD, Adam and AdamW, drop-in for torch.optim's.
+
+Each is a torch.optim.Optimizer with torch's constructor signature, param_groups and
+state_dict format (a state_dict loads into the torch optimizer of the same name and back), so
+every torch.optim.lr_scheduler drives it, and GradScaler, clip_grad_norm_ and checkpoints work
+as with torch's. The update of a parameter group is one fused multi-tensor operation per device
+and dtype (dpcuda::optim_update_: one kernel for up to 24 tensors on CUDA), computed in the
+order torch.optim's single-tensor code writes it, each product, quotient and sum rounded on its
+own, so the CPU and a GPU give the same bits. The hyperparameters travel to the device in a
+small float64 tensor the kernel reads (a schedule changes them without a new kernel).
+
+    opt = dpcuda.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-2, total_steps=1000)
+    loss_fn(model(x), y).backward(); opt.step(); sched.step(); opt.zero_grad()
+
+Against torch.optim on the same device, the results agree within rounding (torch's CPU
+kernels contract some products into fused multiply-adds); see tests/test_optim.py for the
+tolerances.
+"""
+
+import torch
+from torch.optim import Optimizer
+
+__all__ = ["SGD", "Adam", "AdamW"]
+
+# The hyperparameter array's slots and flag bits (csrc/kernels/optim/update.h).
+_HYPER = 16
+(_LR, _WEIGHT_DECAY, _MOMENTUM, _ONE_MINUS_DAMPENING, _ONE_MINUS_BETA1, _BETA2,
+ _ONE_MINUS_BETA2, _EPS, _NEG_STEP_SIZE, _BIAS2_SQRT, _DECAY, _FLAGS) = range(12)
+_MAXIMIZE, _NESTEROV, _AMSGRAD, _FIRST, _DECOUPLED, _USE_MOMENTUM = 1, 2, 4, 8, 16, 32
+
+
+def _value(x):
+    """A hyperparameter as a Python float (a one-element tensor is read once)."""
+    return float(x.item()) if torch.is_tensor(x) else float(x)
+
+
+class _FusedOptimizer(Optimizer):
+    """The step shared by dpcuda's optimizers: each parameter group's parameters that have a
+    gradient, bucketed by device, dtype and what the hyperparameters of their update are
+    (Adam's step count; whether SGD's momentum buffer starts), one fused update per bucket."""
+
+    _op = None  # the kernel family: "sgd" or "adam"
+
+    def __init__(self, params, defaults):
+        if defaults.get("differentiable"):
+            raise ValueError(f"dpcuda.optim.{type(self).__name__} does not support "
+                             f"differentiable=True (use torch.optim's)")
+        if defaults.get("capturable"):
+            raise ValueError(f"dpcuda.optim.{type(self).__name__} does not support "
+                             f"capturable=True yet (its step count is read on the host)")
+        super().__init__(params, defaults)
+        self._hyper = {}
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self._hyper = {}
+
+    def _hyper_tensor(self, index, device, values):
+        """The group's hyperparameters on `device`: a float64 tensor the kernel reads, written
+        in stream order (a non-blocking copy; the host never waits for the device)."""
+        key = (index, device)
+        h = self._hyper.get(key)
+        if h is None:
+            h = torch.empty(_HYPER, dtype=torch.float64, device=device)
+            self._hyper[key] = h
+        h.copy_(torch.tensor(values, dtype=torch.float64), non_blocking=True)
+        return h
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One update of every parameter that has a gradient; returns closure's loss (the
+        closure, when given, runs with grad enabled first, as in torch.optim)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for index, group in enumerate(self.param_groups):
+            buckets = {}
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise RuntimeError(f"dpcuda.optim.{type(self).__name__} does not support "
+                                       f"sparse gradients")
+                key, tensors, commit = self._prepare(p, group)
+                buckets.setdefault((p.device, p.dtype) + key, []).append((tensors, commit))
+            for key, entries in buckets.items():
+                self._update(index, group, key[0], key[2:], entries)
+        return loss
+
+    def _update(self, index, group, device, key, entries):
+        hyper = self._hyper_tensor(index, device, self._values(group, *key))
+        lists = [[], [], [], [], []]
+        write_back = []
+        for entry, _ in entries:
+            for i, t in enumerate(entry):
+                if t is None:
+                    continue
+                if torch.is_complex(t):
+                    # As torch.optim: a complex parameter updates as its real view.
+                    t = torch.view_as_real(t)
+                if not t.is_contiguous():
+                    c = t.contiguous()
+                    if i != 1:  # (the gradient is only read)
+                        write_back.append((t, c))
+                    t = c
+                lists[i].append(t)
+        torch.ops.dpcuda.optim_update_(*lists, hyper, self._op)
+        for t, c in write_back:
+            t.copy_(c)
+        # The state changes that say an update happened (a momentum buffer begun, a step
+        # counted) only once it has: an update that raised leaves the state as it was.
+        for _, commit in entries:
+            if commit is not None:
+                commit()
+
+    def _state_like(self, p):
+        return torch.zeros_like(p, memory_format=torch.contiguous_format)
+
+
+class SGD(_FusedOptimizer):
+    """torch.optim.SGD's update (momentum, dampening, Nesterov, weight decay, maximize), fused:
+    one kernel per device and dtype for a parameter group. Same arguments, param_groups and
+    state_dict (state "momentum_buffer" when momentum is not 0) as torch.optim.SGD."""
+
+    _op = "sgd"
+
+    def __init__(self, params, lr=1e-3, momentum=0, dampening=0, weight_decay=0,
+                 nesterov=False, *, maximize=False, foreach=None, differentiable=False,
+                 fused=None):
+        if torch.is_tensor(lr) and lr.numel() != 1:
+            raise ValueError("Tensor lr must be 1-element")
+        if lr < 0.0:
+            raise ValueError(f"Invalid learning rate: {lr}")
+        if momentum < 0.0:
+            raise ValueError(f"Invalid momentum value: {momentum}")
+        if weight_decay < 0.0:
+            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+        if nesterov and (momentum <= 0 or dampening != 0):
+            raise ValueError("Nesterov momentum requires a momentum and zero dampening")
+        defaults = {"lr": lr, "momentum": momentum, "dampening": dampening,
+                    "weight_decay": weight_decay, "nesterov": nesterov, "maximize": maximize,
+                    "foreach": foreach, "differentiable": differentiable, "fused": fused}
+        super().__init__(params, defaults)
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        for group in self.param_groups:
+            group.setdefault("nesterov", False)
+            group.setdefault("maximize", False)
+            group.setdefault("foreach", None)
+            group.setdefault("differentiable", False)
+            group.setdefault("fused", False)
+
+    def _prepare(self, p, group):
+        if group["momentum"] == 0:
+            return (False,), (p, p.grad, None, None, None), None
+        state = self.state[p]
+        buf = state.get("momentum_buffer")
+        if buf is not None:
+            return (False,), (p, p.grad, buf, None, None), None
+        # torch starts the buffer as a copy of the (decayed) gradient: the kernel writes it.
+        buf = self._state_like(p)
+        return (True,), (p, p.grad, buf, None, None), \
+            lambda: state.__setitem__("momentum_buffer", buf)
+
+    def _values(self, group, first):
+        h = [0.0] * _HYPER
+        momentum = _value(group["momentum"])
+        h[_LR] = _value(group["lr"])
+        h[_WEIGHT_DECAY] = _value(group["weight_decay"])
+        h[_MOMENTUM] = momentum
+        h[_ONE_MINUS_DAMPENING] = 1.0 - _value(group["dampening"])
+        flags = _MAXIMIZE if group["maximize"] else 0
+        if momentum != 0:
+            flags |= _USE_MOMENTUM | (_NESTEROV if group["nesterov"] else 0)
+            flags |= _FIRST if first else 0
+        h[_FLAGS] = float(flags)
+        return h
+
+
+class Adam(_FusedOptimizer):
+    """torch.optim.Adam's update (weight decay as L2 or decoupled, amsgrad, maximize), fused:
+    one kernel per device and dtype for a parameter group. Same arguments, param_groups and
+    state_dict (state "step", "exp_avg", "exp_avg_sq" and, with amsgrad, "max_exp_avg_sq") as
+    torch.optim.Adam. The step count lives on the host (a float32 CPU tensor, torch's default),
+    where the bias corrections are computed as torch computes them."""
+
+    _op = "adam"
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0,
+                 amsgrad=False, *, foreach=None, maximize=False, capturable=False,
+                 differentiable=False, fused=None, decoupled_weight_decay=False):
+        if torch.is_tensor(lr) and lr.numel() != 1:
+            raise ValueError("Tensor lr must be 1-element")
+        if not 0.0 <= lr:
+            raise ValueError(f"Invalid learning rate: {lr}")
+        if not 0.0 <= eps:
+            raise ValueError(f"Invalid epsilon value: {eps}")
+        if not 0.0 <= betas[0] < 1.0:
+            raise ValueError(f"Invalid beta parameter at index 0: {betas[0]}")
+        if not 0.0 <= betas[1] < 1.0:
+            raise ValueError(f"Invalid beta parameter at index 1: {betas[1]}")
+        if not 0.0 <= weight_decay:
+            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+        betas = tuple(_value(b) for b in betas)
+        defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay,
+                    "amsgrad": amsgrad, "maximize": maximize, "foreach": foreach,
+                    "capturable": capturable, "differentiable": differentiable, "fused": fused,
+                    "decoupled_weight_decay": decoupled_weight_decay}
+        super().__init__(params, defaults)
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        for group in self.param_groups:
+            group.setdefault("amsgrad", False)
+            group.setdefault("maximize", False)
+            group.setdefault("foreach", None)
+            group.setdefault("capturable", False)
+            group.setdefault("differentiable", False)
+            group.setdefault("decoupled_weight_decay", False)
+            group.setdefault("fused", None)
+
+    def load_state_dict(self, state_dict):
+        """torch.optim's load, then every step count brought to the host as a float32 tensor
+        (a state_dict of torch's fused or capturable Adam holds it on the device)."""
+        super().load_state_dict(state_dict)
+        for state in self.state.values():
+            step = state.get("step")
+            if step is not None:
+                state["step"] = torch.tensor(_value(step), dtype=torch.float32)
+
+    def _prepare(self, p, group):
+        state = self.state[p]
+        if len(state) == 0:
+            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            state["exp_avg"] = self._state_like(p)
+            state["exp_avg_sq"] = self._state_like(p)
+        vmax = None
+        if group["amsgrad"]:
+            # (also where amsgrad was switched on after the state began: the maximum starts
+            # at zero)
+            vmax = state.setdefault("max_exp_avg_sq", self._state_like(p))
+        step = state["step"]
+        return (_value(step) + 1,), (p, p.grad, state["exp_avg"], state["exp_avg_sq"], vmax), \
+            lambda: step.add_(1)
+
+    def _values(self, group, step):
+        h = [0.0] * _HYPER
+        beta1, beta2 = (_value(b) for b in group["betas"])
+        lr = _value(group["lr"])
+        weight_decay = _value(group["weight_decay"])
+        # torch.optim's scalars, in float64 as its Python computes them.
+        bias_correction1 = 1 - beta1 ** step
+        bias_correction2 = 1 - beta2 ** step
+        h[_LR] = lr
+        h[_WEIGHT_DECAY] = weight_decay
+        h[_ONE_MINUS_BETA1] = 1 - beta1
+        h[_BETA2] = beta2
+        h[_ONE_MINUS_BETA2] = 1 - beta2
+        h[_EPS] = _value(group["eps"])
+        h[_NEG_STEP_SIZE] = -(lr / bias_correction1)
+        h[_BIAS2_SQRT] = bias_correction2 ** 0.5
+        h[_DECAY] = 1 - lr * weight_decay
+        flags = _MAXIMIZE if group["maximize"] else 0
+        flags |= _AMSGRAD if group["amsgrad"] else 0
+        flags |= _DECOUPLED if group["decoupled_weight_decay"] else 0
+        h[_FLAGS] = float(flags)
+        return h
+
+
+class AdamW(Adam):
+    """torch.optim.AdamW: Adam with decoupled weight decay (default 1e-2), fused. Same
+    arguments, param_groups and state_dict as torch.optim.AdamW."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
+                 amsgrad=False, *, maximize=False, foreach=None, capturable=False,
+                 differentiable=False, fused=None):
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, foreach=foreach,
+                         maximize=maximize, capturable=capturable,
+                         differentiable=differentiable, fused=fused,
+                         decoupled_weight_decay=True)
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        for group in self.param_groups:
+            group["decoupled_weight_decay"] = True
