@@ -25,6 +25,7 @@ import torch
 from . import data as data_mod
 from .parallel import REDUCERS, SPLITS
 from .reference import ACTIVATIONS
+from .train_step import OPTIMIZERS, SCHEDULES
 
 __all__ = ["main"]
 
@@ -41,7 +42,7 @@ class _Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaults
     have one)."""
 
     def _get_help_string(self, action):
-        if action.default in (None, False) or action.help is None:
+        if action.default is None or action.default is False or action.help is None:
             return action.help
         return super()._get_help_string(action)
 
@@ -90,6 +91,44 @@ def _positive_int(name):
             raise argparse.ArgumentTypeError(f"{name} must be a positive integer, got {text!r}")
         if value <= 0:
             raise argparse.ArgumentTypeError(f"{name} must be a positive integer, got {text!r}")
+        return value
+    return parse
+
+
+def _widths(text):
+    parts = text.split(",")
+    try:
+        values = [int(v) for v in parts]
+    except ValueError:
+        values = []
+    if not values or any(v <= 0 for v in values):
+        raise argparse.ArgumentTypeError(f"--hidden must be comma-separated positive integers "
+                                         f"(the hidden layers' widths), got {text!r}")
+    return values
+
+
+def _non_negative_int(name):
+    def parse(text):
+        try:
+            value = int(text)
+        except ValueError:
+            value = -1
+        if value < 0:
+            raise argparse.ArgumentTypeError(f"{name} must be a non-negative integer, got "
+                                             f"{text!r}")
+        return value
+    return parse
+
+
+def _positive_float(name):
+    def parse(text):
+        try:
+            value = float(text)
+        except ValueError:
+            value = -1.0
+        if not math.isfinite(value) or value <= 0:
+            raise argparse.ArgumentTypeError(f"{name} must be a positive finite number, got "
+                                             f"{text!r}")
         return value
     return parse
 
@@ -150,8 +189,8 @@ def _add_model_and_data(p, epochs_default):
                    help="SGD weight decay")
     p.add_argument("--epochs", type=_positive_int("--epochs"), default=epochs_default,
                    help="passes over the training split")
-    p.add_argument("--hidden", type=_positive_int("--hidden"), default=256,
-                   help="width of the hidden layer")
+    p.add_argument("--hidden", type=_widths, default="256",
+                   help="comma-separated widths of the hidden layers, e.g. 256,128")
     p.add_argument("--activation", choices=[a for a in ACTIVATIONS if a != "none"],
                    default="relu", help="activation of the hidden layer")
     p.add_argument("--split", choices=SPLITS, default="even",
@@ -176,6 +215,18 @@ def _parser():
     t.add_argument("--reducer", choices=REDUCERS, default="p2p",
                    help="dist: across processes with torch.distributed, under torchrun")
     t.add_argument("--no-fused", action="store_true", help="plain torch.nn layers")
+    t.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd",
+                   help="sgd: with nothing below, DataParallel's SGD fused into the reduction; "
+                        "otherwise dpcuda.optim's SGD, Adam or AdamW (--momentum is SGD's)")
+    t.add_argument("--lr-schedule", choices=SCHEDULES, default="constant",
+                   help="learning rate over the run: constant, cosine (to 0) or onecycle (peak "
+                        "--lr)")
+    t.add_argument("--warmup-steps", type=_non_negative_int("--warmup-steps"), default=0,
+                   help="optimizer steps of linear warm-up to --lr")
+    t.add_argument("--clip-grad-norm", type=_positive_float("--clip-grad-norm"), default=None,
+                   help="clip the gradients' global 2-norm to this (clip_grad_norm_)")
+    t.add_argument("--accumulate", type=_positive_int("--accumulate"), default=1,
+                   help="micro-batches per global batch (gradient accumulation)")
     t.add_argument("--checkpoint", type=_path("--checkpoint"), default=None,
                    help="save a checkpoint here every epoch (and on Ctrl-C or SIGTERM)")
     t.add_argument("--resume", type=_path("--resume"), default=None,
@@ -314,6 +365,24 @@ def _config(args, devices, **over):
                   progress=not args.no_progress, split_weights=_split_weights(args, devices))
     values.update(over)
     return TrainConfig(**values)
+
+
+def _optimizer_text(cfg):
+    """The run's update, for the announcement line."""
+    from .train_step import uses_optimizer
+    if not uses_optimizer(cfg):
+        return f"SGD lr {cfg.lr} momentum {cfg.momentum} (fused into the reduction)"
+    text = f"dpcuda.optim {dict(sgd='SGD', adam='Adam', adamw='AdamW')[cfg.optimizer]} lr {cfg.lr}"
+    if cfg.optimizer == "sgd":
+        text += f" momentum {cfg.momentum}"
+    text += f", {cfg.lr_schedule} schedule"
+    if cfg.warmup_steps:
+        text += f" after {cfg.warmup_steps} warm-up steps"
+    if cfg.clip_grad_norm is not None:
+        text += f", clip {cfg.clip_grad_norm}"
+    if cfg.accumulate > 1:
+        text += f", {cfg.accumulate} micro-batches"
+    return text
 
 
 def _env(devices):
@@ -465,7 +534,7 @@ def _replicas_text(devices, processes=1):
 
 def _train(args, parser):
     from .train import (CheckpointError, Diverged, Interrupted, OutputError, WriteError,
-                        check_output_path, train)
+                        _model_spec, check_output_path, describe, train)
     _data_args(args, parser)
     world = int(os.environ.get("WORLD_SIZE", "1") or 1)
     if world > 1 and args.reducer != "dist":
@@ -495,6 +564,9 @@ def _train(args, parser):
         if args.json and lead_process:
             check_output_path(args.json, "--json")
         cfg = _config(args, devices, reducer=args.reducer, fused=not args.no_fused,
+                      optimizer=args.optimizer, lr_schedule=args.lr_schedule,
+                      warmup_steps=args.warmup_steps, clip_grad_norm=args.clip_grad_norm,
+                      accumulate=args.accumulate,
                       checkpoint=args.checkpoint, resume=args.resume,
                       max_bad_steps=args.max_bad_steps, timeout=args.timeout)
     except ValueError as err:
@@ -527,11 +599,11 @@ def _train(args, parser):
             if lead:
                 print(f"dpcuda train: {dataset.name} ({dataset.x_train.shape[0]} train, "
                       f"{dataset.x_test.shape[0]} test, {dataset.features} features), MLP "
-                      f"{dataset.features}-{cfg.hidden}-{dataset.classes} {cfg.activation}, "
+                      f"{describe(_model_spec(cfg, dataset))} {cfg.activation}, "
                       f"{'fused' if cfg.fused else 'plain torch'} layers, "
                       f"{_replicas_text(cfg.devices, dist_info[1] if dist_info else 1)}, "
-                      f"reducer {cfg.reducer}, batch {cfg.batch_size}, lr {cfg.lr}, momentum "
-                      f"{cfg.momentum}", flush=True)
+                      f"reducer {cfg.reducer}, batch {cfg.batch_size}, {_optimizer_text(cfg)}",
+                      flush=True)
 
         result = train(cfg, dataset, dist_info, announce=announce)
     except (ValueError, CheckpointError, OutputError, data_mod.DataError) as err:

@@ -20,21 +20,29 @@ import torch.nn.functional as F
 from . import data as data_mod
 from .nn import FusedMLP, SoftmaxCrossEntropyLoss
 from .parallel import DataParallel
+from .train_step import OptimizerStep, make_optimizer, make_scheduler, uses_optimizer
 
 __all__ = ["TrainConfig", "CheckpointError", "OutputError", "WriteError", "Diverged",
            "Interrupted", "build_model", "train", "save_checkpoint", "load_checkpoint",
            "load_checkpoint_model", "check_output_path", "CHECKPOINT_FORMAT"]
 
 CHECKPOINT_FORMAT = "dpcuda-checkpoint"
-CHECKPOINT_VERSION = 2
-_READABLE_VERSIONS = (1, 2)  # version 1: the weights as an unnamed list, no normalisation
+CHECKPOINT_VERSION = 3
+# version 1: the weights as an unnamed list, no normalisation; version 2: the wrapper's SGD
+# state only; version 3: "optimizer" in torch.optim's format when a dpcuda.optim optimizer ran
+# ("optimizer_kind" says which), and the learning-rate schedule's state.
+_READABLE_VERSIONS = (1, 2, 3)
 
 # What a resumed run must share with its checkpoint (config key: option): these set the model or
 # the order of the data. The rest (lr, momentum, replicas, devices, reducer, epochs upwards, ...)
 # may change. samples, features and classes matter for the synthetic data set only.
 _SAME_ON_RESUME = {"dataset": "--dataset", "seed": "--seed", "batch_size": "--batch-size",
                    "activation": "--activation", "hidden": "--hidden", "samples": "--samples",
-                   "features": "--features", "classes": "--classes"}
+                   "features": "--features", "classes": "--classes",
+                   "optimizer": "--optimizer", "lr_schedule": "--lr-schedule",
+                   "warmup_steps": "--warmup-steps"}
+# What the run's defaults were before a setting existed (a checkpoint written before it).
+_OLD_DEFAULTS = {"optimizer": "sgd", "lr_schedule": "constant", "warmup_steps": 0}
 _SYNTHETIC_ONLY = ("samples", "features", "classes")
 
 _ACTIVATION_MODULES = {
@@ -83,8 +91,13 @@ class TrainConfig:
     momentum: float = 0.9
     weight_decay: float = 0.0
     epochs: int = 10
-    hidden: int = 256
+    hidden: list = field(default_factory=lambda: [256])  # the hidden layers' widths
     activation: str = "relu"
+    optimizer: str = "sgd"  # sgd, adam, adamw (dpcuda.train_step)
+    lr_schedule: str = "constant"  # constant, cosine, onecycle
+    warmup_steps: int = 0
+    clip_grad_norm: float = None
+    accumulate: int = 1  # micro-batches per global batch
     reducer: str = "p2p"
     split: str = "even"
     split_weights: list = None
@@ -103,22 +116,40 @@ class TrainConfig:
     timeout: float = 300.0  # seconds any wait on another process or replica may take
 
 
+def hidden_widths(hidden):
+    """The hidden layers' widths as a list (checkpoints before version 3 hold one int)."""
+    return [int(hidden)] if isinstance(hidden, int) else [int(h) for h in hidden]
+
+
+def widths(spec):
+    return [spec["features"], *hidden_widths(spec["hidden"]), spec["classes"]]
+
+
+def describe(spec):
+    return "-".join(map(str, widths(spec)))
+
+
 def build_model(features, hidden, classes, activation, fused, seed):
-    """The 2-layer MLP: FusedMLP when fused, else nn.Sequential(Linear, act, Linear); both
-    draw the same initial weights for a seed."""
+    """The MLP (features, *hidden, classes): FusedMLP when fused, else nn.Sequential(Linear,
+    act, ..., Linear); both draw the same initial weights for a seed."""
     torch.manual_seed(seed)
+    sizes = [features, *hidden_widths(hidden), classes]
     if fused:
-        return FusedMLP([features, hidden, classes], activation=activation)
-    return torch.nn.Sequential(torch.nn.Linear(features, hidden),
-                               _ACTIVATION_MODULES[activation](),
-                               torch.nn.Linear(hidden, classes))
+        return FusedMLP(sizes, activation=activation)
+    layers = []
+    for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:])):
+        layers.append(torch.nn.Linear(a, b))
+        if i + 2 < len(sizes):
+            layers.append(_ACTIVATION_MODULES[activation]())
+    return torch.nn.Sequential(*layers)
 
 
 # ---------------------------------------------------------------------------------------------
 # checkpoints
 
 def _model_spec(cfg, dataset):
-    return {"features": dataset.features, "hidden": cfg.hidden, "classes": dataset.classes,
+    return {"features": dataset.features, "hidden": hidden_widths(cfg.hidden),
+            "classes": dataset.classes,
             "activation": cfg.activation}
 
 
@@ -182,8 +213,7 @@ def check_output_path(path, option, need_bytes=0):
 
 
 def _fused_keys(spec):
-    model = FusedMLP([spec["features"], spec["hidden"], spec["classes"]],
-                     activation=spec["activation"], device="meta")
+    model = FusedMLP(widths(spec), activation=spec["activation"], device="meta")
     return list(model.state_dict().keys())
 
 
@@ -219,25 +249,33 @@ def load_checkpoint(path, spec=None, option="--resume"):
         payload["model_state_dict"] = dict(zip(keys, payload["parameters"]))
         payload["normalization"] = None
     # The weights must fit the model the checkpoint describes.
-    want = FusedMLP([model["features"], model["hidden"], model["classes"]],
-                    activation=model["activation"], device="meta").state_dict()
+    try:
+        want = FusedMLP(widths(model), activation=model["activation"],
+                        device="meta").state_dict()
+    except (TypeError, ValueError):
+        raise CheckpointError(f"{option} {path}: the checkpoint does not describe its "
+                              f"model") from None
     have = payload.get("model_state_dict")
     if not isinstance(have, dict) or list(have) != list(want) or any(
             not isinstance(have[k], torch.Tensor) or have[k].shape != want[k].shape
             for k in want):
         raise CheckpointError(f"{option} {path}: its weights do not fit the "
-                              f"{model['features']}-{model['hidden']}-{model['classes']} MLP "
-                              f"it describes")
+                              f"{describe(model)} MLP it describes")
     return payload
 
 
 def _check_spec(path, payload, spec, option="--resume"):
-    if payload.get("model") != spec:
-        have = payload.get("model") or {}
+    have = payload.get("model")
+    try:
+        same = dict(have, hidden=hidden_widths(have["hidden"])) == \
+            dict(spec, hidden=hidden_widths(spec["hidden"]))
+        shown = f"{describe(have)} {have.get('activation')}"
+    except (TypeError, ValueError, KeyError):
+        same, shown = False, "an undescribed"
+    if not same:
         raise CheckpointError(
-            f"{option} {path}: checkpoint is of a {have.get('features')}-{have.get('hidden')}-"
-            f"{have.get('classes')} {have.get('activation')} MLP, this run builds a "
-            f"{spec['features']}-{spec['hidden']}-{spec['classes']} {spec['activation']} MLP")
+            f"{option} {path}: checkpoint is of a {shown} MLP, this run builds a "
+            f"{describe(spec)} {spec['activation']} MLP")
 
 
 def _check_resume(path, payload, cfg):
@@ -247,15 +285,27 @@ def _check_resume(path, payload, cfg):
         if key in _SYNTHETIC_ONLY and (cfg.dataset != "synthetic" or
                                        saved.get("dataset") != "synthetic"):
             continue
-        if key in saved and saved[key] != getattr(cfg, key):
-            diffs.append(f"{option} {getattr(cfg, key)} (checkpoint: {saved[key]})")
+        have, want = saved.get(key, _OLD_DEFAULTS.get(key)), getattr(cfg, key)
+        if key == "hidden" and have is not None:
+            have, want = hidden_widths(have), hidden_widths(want)
+        if have is not None and have != want:
+            shown = (lambda v: ",".join(map(str, v))) if key == "hidden" else str
+            diffs.append(f"{option} {shown(want)} (checkpoint: {shown(have)})")
+    if cfg.lr_schedule != "constant":
+        # The schedule spans the run: its length and peak are the checkpoint's.
+        for key, option in (("epochs", "--epochs"), ("lr", "--lr"), ("accumulate",
+                                                                     "--accumulate")):
+            if key in saved and saved[key] != getattr(cfg, key):
+                diffs.append(f"{option} {getattr(cfg, key)} (checkpoint: {saved[key]}; "
+                             f"--lr-schedule {cfg.lr_schedule} spans the run)")
     if cfg.dataset == "fashion-mnist" and saved.get("dataset") == "fashion-mnist" and \
             saved.get("data_dir") and cfg.data_dir and \
             os.path.realpath(saved["data_dir"]) != os.path.realpath(cfg.data_dir):
         diffs.append(f"--data-dir {cfg.data_dir} (checkpoint: {saved['data_dir']})")
     if diffs:
         raise CheckpointError(f"--resume {path}: this run differs from the checkpoint's in what "
-                              f"sets the model or the data order: {'; '.join(diffs)}")
+                              f"sets the model, its optimizer or the data order: "
+                              f"{'; '.join(diffs)}")
     epoch, step = int(payload["epoch"]), int(payload["step"])
     needed = epoch + (1 if step else 0)
     if cfg.epochs < needed:
@@ -286,8 +336,7 @@ def load_checkpoint_model(path, device="cpu"):
     the standardisation, give the bare FusedMLP (it takes standardised features)."""
     payload = load_checkpoint(path, option="--checkpoint")
     spec = payload["model"]
-    model = FusedMLP([spec["features"], spec["hidden"], spec["classes"]],
-                     activation=spec["activation"])
+    model = FusedMLP(widths(spec), activation=spec["activation"])
     model.load_state_dict(payload["model_state_dict"])
     norm = payload.get("normalization")
     if norm is not None:
@@ -367,7 +416,8 @@ def train(cfg, dataset=None, dist_info=None, announce=None):
         n_params = sum(p.numel() for p in build_model(dataset.features, cfg.hidden,
                                                       dataset.classes, cfg.activation, True,
                                                       cfg.seed).parameters())
-        need = (n_params * 4 * (2 if cfg.momentum else 1) + n_train * 8
+        states = 2 if cfg.optimizer != "sgd" else (1 if cfg.momentum else 0)
+        need = (n_params * 4 * (1 + states) + n_train * 8
                 + dataset.features * 8) * 11 // 10 + (1 << 20)
         check_output_path(cfg.checkpoint, "--checkpoint", need)
 
@@ -377,6 +427,12 @@ def train(cfg, dataset=None, dist_info=None, announce=None):
     dp = DataParallel(model, cfg.devices, reducer=cfg.reducer, split=cfg.split, lr=cfg.lr,
                       momentum=cfg.momentum, weight_decay=cfg.weight_decay,
                       split_weights=cfg.split_weights, timeout=cfg.timeout)
+    steps_per_epoch = math.ceil(n_train / cfg.batch_size)
+    opt = sched = optimizer_step = None
+    if uses_optimizer(cfg):
+        opt = make_optimizer(cfg, dp.parameters())
+        sched = make_scheduler(cfg, opt, cfg.epochs * steps_per_epoch)
+        optimizer_step = OptimizerStep(dp, opt, sched, loss_fn, cfg, world)
     order_gen = torch.Generator().manual_seed(cfg.seed)
     history, start_epoch, start_step, order = [], 0, 0, None
     partial = {"loss_sum": 0.0, "samples": 0, "seconds": 0.0}
@@ -385,10 +441,34 @@ def train(cfg, dataset=None, dist_info=None, announce=None):
         # nn.Sequential(Linear, act, Linear)'s.
         keys = list(dp.state_dict().keys())
         dp.load_state_dict(dict(zip(keys, resumed["model_state_dict"].values())))
-        dp.load_optimizer_state_dict(resumed["optimizer"])
-        # The command line's hyper-parameters win over the checkpoint's (a resume may change
-        # --lr, --momentum or --weight-decay); the momentum buffer is the checkpoint's.
-        dp.lr, dp.momentum, dp.weight_decay = cfg.lr, cfg.momentum, cfg.weight_decay
+        kind = resumed.get("optimizer_kind", "DataParallel")
+        if (kind == "dpcuda.optim") != (opt is not None):
+            raise CheckpointError(
+                f"--resume {cfg.resume}: the checkpoint's optimizer state is "
+                f"{'a dpcuda.optim' if kind == 'dpcuda.optim' else 'the wrapper SGD'}'s, this "
+                f"run uses {'a dpcuda.optim optimizer' if opt is not None else 'the wrapper SGD'}"
+                f" (--optimizer, --lr-schedule, --warmup-steps, --clip-grad-norm and "
+                f"--accumulate choose it)")
+        if opt is None:
+            dp.load_optimizer_state_dict(resumed["optimizer"])
+            # The command line's hyper-parameters win over the checkpoint's (a resume may
+            # change --lr, --momentum or --weight-decay); the momentum buffer is the
+            # checkpoint's.
+            dp.lr, dp.momentum, dp.weight_decay = cfg.lr, cfg.momentum, cfg.weight_decay
+        else:
+            opt.load_state_dict(resumed["optimizer"])
+            sched.load_state_dict(resumed["scheduler"])
+            # The command line's hyper-parameters win here too (a constant schedule's --lr; a
+            # schedule that spans the run keeps its --lr, _check_resume said).
+            for group, base in zip(opt.param_groups, sched.base_lrs):
+                group["weight_decay"] = cfg.weight_decay
+                if cfg.optimizer == "sgd":
+                    group["momentum"] = cfg.momentum
+                if cfg.lr_schedule == "constant":
+                    group["lr"] = group["lr"] / base * cfg.lr if base else cfg.lr
+            if cfg.lr_schedule == "constant":
+                sched.base_lrs = [cfg.lr] * len(sched.base_lrs)
+                sched._last_lr = [g["lr"] for g in opt.param_groups]
         order_gen.set_state(resumed["order_generator"])
         torch.set_rng_state(resumed["torch_rng"])
         history = list(resumed["history"])
@@ -403,7 +483,10 @@ def train(cfg, dataset=None, dist_info=None, announce=None):
                 "normalization": None if dataset.mean is None else
                 {"mean": dataset.mean.clone(), "std": dataset.std.clone(),
                  "divisor": dataset.divisor},
-                "optimizer": dp.optimizer_state_dict(), "epoch": epoch, "step": step,
+                "optimizer_kind": "dpcuda.optim" if opt is not None else "DataParallel",
+                "optimizer": opt.state_dict() if opt is not None else dp.optimizer_state_dict(),
+                "scheduler": sched.state_dict() if sched is not None else None,
+                "epoch": epoch, "step": step,
                 "order": order, "order_generator": order_gen.get_state(),
                 "torch_rng": torch.get_rng_state(), "history": history,
                 "partial": dict(partial), "config": asdict(cfg)}
@@ -414,7 +497,6 @@ def train(cfg, dataset=None, dist_info=None, announce=None):
 
     if announce is not None:
         announce()
-    steps_per_epoch = math.ceil(n_train / cfg.batch_size)
     result = {"config": asdict(cfg), "replicas": replicas, "devices": list(cfg.devices),
               "dataset": {"name": dataset.name, "train": n_train,
                           "test": dataset.x_test.shape[0], "features": dataset.features,
@@ -447,7 +529,11 @@ def train(cfg, dataset=None, dist_info=None, announce=None):
                     # Counted here (bad_steps, the divergence guard), not warned step by step.
                     warnings.filterwarnings("ignore", message="dpcuda DataParallel: step .* "
                                                               "NaN or Inf")
-                    loss = dp.step(dataset.x_train[idx], dataset.y_train[idx], loss_fn)
+                    if optimizer_step is None:
+                        loss = dp.step(dataset.x_train[idx], dataset.y_train[idx], loss_fn)
+                    else:
+                        loss, _ = optimizer_step(dataset.x_train[idx], dataset.y_train[idx],
+                                                 rows)
                 if dp.skipped_steps > skipped:
                     bad_steps += 1
                     partial["skipped_steps"] = partial.get("skipped_steps", 0) + 1
