@@ -135,7 +135,7 @@ def test_signal_to_the_cli_saves_mid_epoch_and_resumes(tmp_path, sig, status):
     assert proc.returncode == status, err
     assert f"stopped by {sig.name} at epoch 2" in err and "Traceback" not in err
     saved = load_checkpoint(str(ck))
-    assert saved["epoch"] == 1 and saved["step"] >= 1 and saved["version"] == 2
+    assert saved["epoch"] == 1 and saved["step"] >= 1 and saved["version"] == 3
     proc = run_cli("train", *common, "--checkpoint", str(ck), "--resume", "auto",
                    "--json", str(tmp_path / "resumed.json"))
     assert proc.returncode == 0, proc.stderr

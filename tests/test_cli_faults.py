@@ -60,7 +60,7 @@ def test_existing_checkpoint_is_not_overwritten(trained, tmp_path):
     copy.write_bytes(before)
     proc = run("train", *QUICK, "--hidden", "16", "--checkpoint", str(copy), "--overwrite")
     assert proc.returncode == 0, proc.stderr
-    assert load_checkpoint(str(copy))["model"]["hidden"] == 16
+    assert load_checkpoint(str(copy))["model"]["hidden"] == [16]
 
 
 @pytest.mark.parametrize("args, message", [
@@ -163,11 +163,12 @@ def test_torchrun_without_dist_is_refused():
 def test_eval_predict_and_the_v2_checkpoint(trained, tmp_path):
     ck, run_json = trained
     payload = load_checkpoint(str(ck))
-    assert payload["version"] == 2
+    assert payload["version"] == 3
     assert list(payload["model_state_dict"]) == ["layers.0.weight", "layers.0.bias",
                                                  "layers.1.weight", "layers.1.bias"]
-    assert payload["config"]["hidden"] == 32 and "momentum_buffer" in str(payload["optimizer"]) \
-        or payload["optimizer"] is not None
+    assert payload["config"]["hidden"] == [32] and payload["model"]["hidden"] == [32]
+    assert payload["optimizer_kind"] == "DataParallel"
+    assert payload["optimizer"]["momentum_buffer"].numel() == 64 * 32 + 32 + 32 * 10 + 10
     # FusedMLP loads the weights; nn.Sequential through to_sequential's mapping
     model = FusedMLP([64, 32, 10])
     model.load_state_dict(payload["model_state_dict"])
@@ -222,7 +223,7 @@ def test_version_1_checkpoints_still_resume(trained, tmp_path):
     v1["version"] = 7
     save_checkpoint(str(old), v1)
     one_line_error(run("train", *QUICK, "--resume", str(old)), 2,
-                   "checkpoint version 7 is not supported (this dpcuda reads versions 1, 2)")
+                   "checkpoint version 7 is not supported (this dpcuda reads versions 1, 2, 3)")
 
 
 @pytest.mark.parametrize("args, message", [
