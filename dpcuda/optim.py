@@ -64,7 +64,11 @@ class _FusedOptimizer(Optimizer):
         if h is None:
             h = torch.empty(_HYPER, dtype=torch.float64, device=device)
             self._hyper[key] = h
-        h.copy_(torch.tensor(values, dtype=torch.float64), non_blocking=True)
+        if h.device.type == "cpu":
+            # (the CPU op runs synchronously: the last update has read the values)
+            h.numpy()[:] = values
+        else:
+            h.copy_(torch.tensor(values, dtype=torch.float64), non_blocking=True)
         return h
 
     @torch.no_grad()
@@ -97,7 +101,7 @@ class _FusedOptimizer(Optimizer):
             for i, t in enumerate(entry):
                 if t is None:
                     continue
-                if torch.is_complex(t):
+                if t.is_complex():
                     # As torch.optim: a complex parameter updates as its real view.
                     t = torch.view_as_real(t)
                 if not t.is_contiguous():
@@ -111,7 +115,10 @@ class _FusedOptimizer(Optimizer):
             t.copy_(c)
         # The state changes that say an update happened (a momentum buffer begun, a step
         # counted) only once it has: an update that raised leaves the state as it was.
-        for _, commit in entries:
+        self._commit([commit for _, commit in entries])
+
+    def _commit(self, commits):
+        for commit in commits:
             if commit is not None:
                 commit()
 
@@ -244,7 +251,11 @@ class Adam(_FusedOptimizer):
             vmax = state.setdefault("max_exp_avg_sq", self._state_like(p))
         step = state["step"]
         return (_value(step) + 1,), (p, p.grad, state["exp_avg"], state["exp_avg_sq"], vmax), \
-            lambda: step.add_(1)
+            step
+
+    def _commit(self, steps):
+        # Every step count of the update, in one op.
+        torch._foreach_add_(steps, 1)
 
     def _values(self, group, step):
         h = [0.0] * _HYPER

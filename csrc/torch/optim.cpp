@@ -95,35 +95,31 @@ Lists check_args(at::TensorList params, at::TensorList grads, at::TensorList sta
 // ---------------------------------------------------------------------------------------------
 // CPU
 
-// Elements per unit of work handed to a thread.
-constexpr int64_t kPiece = 1 << 15;
+// The fewest elements a thread is handed (a smaller update runs on one thread).
+constexpr int64_t kGrain = 1 << 14;
 
 template <typename T>
 T* ptr_or_null(const std::vector<Tensor>& ts, size_t i) {
-  return ts.empty() ? nullptr : ts[i].data_ptr<T>();
+  return ts.empty() ? nullptr : ts[i].template data_ptr<T>();
 }
 
 template <typename T>
 void update_cpu(optim::Kind kind, const double* hyper, const Lists& l) {
-  // (tensor, begin, end) pieces of every tensor, spread over torch's threads.
-  struct Piece {
-    size_t tensor;
-    int64_t begin, end;
-  };
-  std::vector<Piece> pieces;
-  for (size_t i = 0; i < l.params.size(); ++i) {
-    const int64_t n = l.params[i].numel();
-    for (int64_t b = 0; b < n; b += kPiece) pieces.push_back({i, b, std::min(n, b + kPiece)});
-  }
-  at::parallel_for(0, static_cast<int64_t>(pieces.size()), 1, [&](int64_t lo, int64_t hi) {
-    for (int64_t w = lo; w < hi; ++w) {
-      const Piece& pc = pieces[w];
-      const cpu::OptimTensor<T> t{l.params[pc.tensor].template data_ptr<T>(),
-                                  l.grads[pc.tensor].template data_ptr<T>(),
-                                  ptr_or_null<T>(l.state1, pc.tensor),
-                                  ptr_or_null<T>(l.state2, pc.tensor),
-                                  ptr_or_null<T>(l.state3, pc.tensor)};
-      cpu::optim_update<T>(kind, hyper, t, pc.begin, pc.end);
+  // The tensors' elements as one index space [0, total), split evenly over torch's threads
+  // (whatever the tensors' sizes, each thread gets its share); each thread updates the parts
+  // of the tensors its range covers.
+  std::vector<int64_t> start{0};
+  for (const Tensor& p : l.params) start.push_back(start.back() + p.numel());
+  at::parallel_for(0, start.back(), kGrain, [&](int64_t lo, int64_t hi) {
+    size_t i = std::upper_bound(start.begin(), start.end(), lo) - start.begin() - 1;
+    for (; i < l.params.size() && start[i] < hi; ++i) {
+      const int64_t b = std::max(lo, start[i]) - start[i];
+      const int64_t e = std::min(hi, start[i + 1]) - start[i];
+      if (e <= b) continue;
+      const cpu::OptimTensor<T> t{l.params[i].template data_ptr<T>(),
+                                  l.grads[i].template data_ptr<T>(), ptr_or_null<T>(l.state1, i),
+                                  ptr_or_null<T>(l.state2, i), ptr_or_null<T>(l.state3, i)};
+      cpu::optim_update<T>(kind, hyper, t, b, e);
     }
   });
 }
