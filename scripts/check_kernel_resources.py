@@ -86,7 +86,7 @@ def demangle(names):
 
 # The kernels whose arithmetic must follow the no-contraction rule, by source and name: the
 # fused SGD of the all-reduce and dpcuda.optim's update (csrc/kernels/optim/update.h's rn::).
-NO_FMA_SOURCES = [(os.path.join("csrc", "kernels", "all_reduce", "all_reduce.cu"), r"sgd"),
+NO_FMA_SOURCES = [(os.path.join("csrc", "kernels", "all_reduce", "all_reduce.cu"), r"sgd|update"),
                   (os.path.join("csrc", "kernels", "optim", "optim.cu"), r"optim_kernel")]
 # Any fma or mad, and any mul without an explicit rounding mode (.rn/.rz/.rm/.rp), predicated
 # or not, with or without .ftz/.sat.

@@ -229,6 +229,65 @@ void reduce_sgd(T* const* params, T* const* grads, T* const* momenta, int R, int
   });
 }
 
+template <typename T>
+DPCUDA_CPU_CLONES void reduce_update_range(const T* const* grads, int ngrads, T* const* params,
+                                           int nparams, T* s1, T* s2, T* s3,
+                                           int64_t state_offset, int64_t begin, int64_t end,
+                                           bool mean, optim::Kind kind, const double* hyper) {
+  T g[kBlock], p[kBlock];
+  for (int64_t base = begin; base < end; base += kBlock) {
+    const int64_t len = std::min(kBlock, end - base);
+    sum_block(grads, ngrads, base, len, mean, g);
+    std::memcpy(p, params[0] + base, static_cast<size_t>(len) * sizeof(T));
+    const int64_t at = base - state_offset;
+    // The update's own loop (csrc/cpu/optim.cpp), on this block: the bits of optim_update.
+    optim_update<T>(kind, hyper, {p, g, s1 ? s1 + at : nullptr, s2 ? s2 + at : nullptr,
+                                  s3 ? s3 + at : nullptr}, 0, len);
+    for (int o = 0; o < nparams; ++o) {
+      std::memcpy(params[o] + base, p, static_cast<size_t>(len) * sizeof(T));
+    }
+  }
+}
+
+template <typename T>
+void reduce_update(T* const* params, T* const* grads, ShardedState<T> state, int R, int64_t n,
+                   bool mean, bool reduced, AllReduceAlgorithm algorithm, optim::Kind kind,
+                   const UpdateSegment* segments, int nsegments, const double* const* hyper,
+                   T* scratch, const ParallelFor& parallel) {
+  if (n == 0) return;
+  const bool fused = !reduced && algorithm == AllReduceAlgorithm::kTwoShot;
+  if (!reduced && !fused) all_reduce<T>(grads, R, n, mean, algorithm, scratch, parallel);
+  std::vector<const T*> g(grads, grads + R);
+  // (shard, begin, end, segment) pieces: each within one shard and one segment.
+  struct Piece {
+    int shard;
+    int64_t begin, end;
+    int segment;
+  };
+  std::vector<Piece> pieces;
+  for (int k = 0; k < R; ++k) {
+    int64_t b, e;
+    shard_range(n, R, k, 16 / sizeof(T), &b, &e);
+    for (int s = 0; s < nsegments; ++s) {
+      const int64_t lo = std::max(b, segments[s].begin), hi = std::min(e, segments[s].end);
+      for (int64_t x = lo; x < hi; x += kPiece) pieces.push_back({k, x, std::min(hi, x + kPiece), s});
+    }
+  }
+  parallel(0, static_cast<int64_t>(pieces.size()), [&](int64_t lo, int64_t hi) {
+    for (int64_t w = lo; w < hi; ++w) {
+      const Piece& pc = pieces[w];
+      int64_t b, e;
+      shard_range(n, R, pc.shard, 16 / sizeof(T), &b, &e);
+      auto shard_of = [&](T* const* s) { return s ? s[pc.shard] : nullptr; };
+      // Fused: the sum of every replica's gradient; else the owner's already reduced copy.
+      const T* const* in = fused ? g.data() : (reduced ? g.data() : g.data() + pc.shard);
+      reduce_update_range<T>(in, fused ? R : 1, params, R, shard_of(state.state1),
+                             shard_of(state.state2), shard_of(state.state3), b, pc.begin,
+                             pc.end, fused && mean, kind, hyper[segments[pc.segment].group]);
+    }
+  });
+}
+
 #define DPCUDA_INSTANTIATE(T)                                                                  \
   template void all_reduce<T>(T* const*, int, int64_t, bool, AllReduceAlgorithm, T*,          \
                               const ParallelFor&);                                             \
@@ -238,7 +297,13 @@ void reduce_sgd(T* const* params, T* const* grads, T* const* momenta, int R, int
   template void chain_accumulate<T>(const T*, T*, int64_t, int64_t, int);                      \
   template void reduce_sgd_range<T>(const T* const*, int, T* const*, int, T* const*, int,      \
                                     int64_t, int64_t, bool, Sgd);                              \
-  template void sgd_range<T>(const T*, T*, T*, int64_t, int64_t, Sgd);
+  template void sgd_range<T>(const T*, T*, T*, int64_t, int64_t, Sgd);                       \
+  template void reduce_update_range<T>(const T* const*, int, T* const*, int, T*, T*, T*,      \
+                                       int64_t, int64_t, int64_t, bool, optim::Kind,          \
+                                       const double*);                                        \
+  template void reduce_update<T>(T* const*, T* const*, ShardedState<T>, int, int64_t, bool,   \
+                                 bool, AllReduceAlgorithm, optim::Kind, const UpdateSegment*,  \
+                                 int, const double* const*, T*, const ParallelFor&);
 
 DPCUDA_INSTANTIATE(float)
 DPCUDA_INSTANTIATE(double)

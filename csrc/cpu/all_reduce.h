@@ -12,6 +12,7 @@
 #include <functional>
 
 #include "../kernels/all_reduce/algorithm.h"
+#include "optim.h"
 
 namespace dpcuda {
 namespace cpu {
@@ -82,6 +83,45 @@ template <typename T>
 void reduce_sgd(T* const* params, T* const* grads, T* const* momenta, int replicas, int64_t n,
                 bool mean, AllReduceAlgorithm algorithm, Sgd sgd, T* scratch,
                 const ParallelFor& parallel);
+
+// A range of the flat buffers whose update has one parameter group's hyperparameters
+// (hyper[group]: optim::kHyper float64 values).
+struct UpdateSegment {
+  int64_t begin, end;
+  int group;
+};
+
+// The optimizer state of the fused reduce-update: state1..3 (optim.h's OptimTensor roles; null
+// where the optimizer has none) hold one pointer per replica, to replica k's shard of the state:
+// the elements shard_range(n, R, k, 16 / sizeof(T)) gives, and nothing else (ZeRO-1: each
+// replica keeps the state of the shard it owns).
+template <typename T>
+struct ShardedState {
+  T* const* state1;
+  T* const* state2;
+  T* const* state3;
+};
+
+// Elements [begin, end) of the reduction fused with an optimizer's update: g = fixed-order sum
+// (or mean) of grads[0..ngrads); the update of `kind` (csrc/kernels/optim/update.h, the element
+// formula dpcuda.optim runs) on params[0]'s values and the state (s1..s3, null where unused,
+// element i at s[i - state_offset]); the new parameter written to every params[0..nparams).
+template <typename T>
+void reduce_update_range(const T* const* grads, int ngrads, T* const* params, int nparams,
+                         T* s1, T* s2, T* s3, int64_t state_offset, int64_t begin, int64_t end,
+                         bool mean, optim::Kind kind, const double* hyper);
+
+// The reduction of grads fused with the update: every params[r] ends with the same updated
+// values; replica k's state shard is updated by shard k's owner alone. two_shot: each shard is
+// reduced and updated in one pass (grads untouched); one_shot and ring: the gradients are
+// all-reduced in place first, then each shard updated from its owner's copy. reduced: the
+// gradients are already reduced (every grads[r] holds the same values): no reduction, each
+// shard updated from grads[0]. segments cover [0, n) in order; hyper[g] is group g's array.
+template <typename T>
+void reduce_update(T* const* params, T* const* grads, ShardedState<T> state, int replicas,
+                   int64_t n, bool mean, bool reduced, AllReduceAlgorithm algorithm,
+                   optim::Kind kind, const UpdateSegment* segments, int nsegments,
+                   const double* const* hyper, T* scratch, const ParallelFor& parallel);
 
 }  // namespace cpu
 }  // namespace dpcuda

@@ -58,7 +58,7 @@ inline __attribute__((always_inline)) void adam_loop(const optim::Hyper<T>& h, O
 template <typename T>
 DPCUDA_CPU_CLONES void optim_update(optim::Kind kind, const double* hyper, OptimTensor<T> t,
                                     int64_t begin, int64_t end) {
-  const optim::Hyper<T> h(hyper);
+  const optim::Hyper<T> h(hyper, t.state1 != nullptr, t.state3 != nullptr);
   if (kind == optim::Kind::kSgd) {
     sgd_loop<T>(h, t, begin, end);
   } else {

@@ -300,6 +300,160 @@ void reduce_sgd_cpu(at::TensorList params, at::TensorList grads, at::TensorList 
 }
 
 // ---------------------------------------------------------------------------------------------
+// The reduction fused with dpcuda.optim's update (reduce_update_)
+
+// The two_shot shard of replica k (the elements whose state replica k keeps).
+int64_t shard_size(int64_t n, int replicas, int k, int64_t elem_size) {
+  int64_t b, e;
+  cpu::shard_range(n, replicas, k, 16 / elem_size, &b, &e);
+  return e - b;
+}
+
+struct UpdateArgs {
+  optim::Kind kind;
+  std::vector<cpu::UpdateSegment> segments;
+  int groups;
+};
+
+// params and grads: one full buffer per replica; stateX: empty or one shard per replica (the
+// two_shot split's, on the replica's device); hyper: groups * R float64 arrays, hyper[g * R + r]
+// on replica r's device; segments: (begin, end, group) triples covering [0, n) in order.
+UpdateArgs check_update_args(const std::vector<Tensor>& p, const std::vector<Tensor>& g,
+                             const std::vector<Tensor>& s1, const std::vector<Tensor>& s2,
+                             const std::vector<Tensor>& s3, const std::vector<Tensor>& hyper,
+                             at::IntArrayRef segments, c10::string_view optimizer) {
+  UpdateArgs out;
+  TORCH_CHECK_VALUE(optimizer == "sgd" || optimizer == "adam", "optimizer must be sgd or adam ",
+                    "(adamw is adam with the decoupled flag); got '", std::string(optimizer),
+                    "'");
+  out.kind = optimizer == "sgd" ? optim::Kind::kSgd : optim::Kind::kAdam;
+  check_replicas(p, "params", nullptr);
+  check_replicas(g, "grads", &p[0]);
+  const int R = static_cast<int>(p.size());
+  TORCH_CHECK_VALUE(g.size() == p.size(), "grads holds ", g.size(), " tensors but params holds ",
+                    p.size());
+  for (int r = 0; r < R; ++r) {
+    TORCH_CHECK_VALUE(g[r].device() == p[r].device(), "grads[", r, "] is on ", g[r].device(),
+                      " but params[", r, "] is on ", p[r].device());
+  }
+  const int64_t n = p[0].numel();
+  const bool adam = out.kind == optim::Kind::kAdam;
+  auto check_state = [&](const std::vector<Tensor>& s, const char* name, bool required) {
+    if (s.empty()) {
+      TORCH_CHECK_VALUE(!required, name, " must hold one shard per replica for this optimizer");
+      return;
+    }
+    TORCH_CHECK_VALUE(static_cast<int>(s.size()) == R, name, " holds ", s.size(),
+                      " shards but there are ", R, " replicas");
+    for (int r = 0; r < R; ++r) {
+      const int64_t want = shard_size(n, R, r, p[0].element_size());
+      TORCH_CHECK_TYPE(s[r].scalar_type() == p[0].scalar_type(), name, "[", r, "] has dtype ",
+                       s[r].scalar_type(), ", expected ", p[0].scalar_type());
+      TORCH_CHECK_VALUE(s[r].numel() == want && s[r].is_contiguous(), name, "[", r,
+                        "] must be replica ", r, "'s shard: ", want,
+                        " contiguous elements, got ", s[r].numel());
+      TORCH_CHECK_VALUE(s[r].device() == p[r].device(), name, "[", r, "] is on ",
+                        s[r].device(), " but params[", r, "] is on ", p[r].device());
+    }
+  };
+  check_state(s1, "state1", adam);
+  check_state(s2, "state2", adam);
+  check_state(s3, "state3", false);
+  TORCH_CHECK_VALUE(adam || s2.empty(), "state2 must be empty for sgd");
+  TORCH_CHECK_VALUE(adam || s3.empty(), "state3 must be empty for sgd");
+  TORCH_CHECK_VALUE(!hyper.empty() && hyper.size() % R == 0, "hyper must hold groups x ", R,
+                    " float64 arrays (one per group and replica), got ", hyper.size());
+  out.groups = static_cast<int>(hyper.size() / R);
+  for (size_t i = 0; i < hyper.size(); ++i) {
+    const Tensor& h = hyper[i];
+    const size_t r = i % R;
+    TORCH_CHECK_VALUE(h.scalar_type() == at::kDouble && h.dim() == 1 &&
+                          h.numel() == optim::kHyper && h.is_contiguous(),
+                      "hyper[", i, "] must be a contiguous float64 tensor of ",
+                      int(optim::kHyper), " values");
+    TORCH_CHECK_VALUE(h.device() == p[r].device(), "hyper[", i, "] is on ", h.device(),
+                      " but params[", r, "] is on ", p[r].device());
+  }
+  TORCH_CHECK_VALUE(segments.size() % 3 == 0 && !segments.empty(),
+                    "segments must be (begin, end, group) triples, got ", segments.size(),
+                    " values");
+  int64_t covered = 0;
+  for (size_t i = 0; i < segments.size(); i += 3) {
+    const int64_t b = segments[i], e = segments[i + 1], grp = segments[i + 2];
+    TORCH_CHECK_VALUE(b == covered && e >= b && grp >= 0 && grp < out.groups, "segments[",
+                      i / 3, "] = (", b, ", ", e, ", ", grp, ") does not continue [0, ",
+                      covered, ") with a group below ", out.groups);
+    out.segments.push_back({b, e, static_cast<int>(grp)});
+    covered = e;
+  }
+  TORCH_CHECK_VALUE(covered == n, "segments cover [0, ", covered, ") but the buffers have ", n,
+                    " elements");
+  return out;
+}
+
+void reduce_update_cpu(at::TensorList params, at::TensorList grads, at::TensorList state1,
+                       at::TensorList state2, at::TensorList state3, at::TensorList hyper,
+                       at::IntArrayRef segments, c10::string_view optimizer, bool mean,
+                       c10::string_view algorithm) {
+  const std::vector<Tensor> p = params.vec(), g = grads.vec(), s1 = state1.vec(),
+                            s2 = state2.vec(), s3 = state3.vec(), h = hyper.vec();
+  const UpdateArgs a = check_update_args(p, g, s1, s2, s3, h, segments, optimizer);
+  const int R = static_cast<int>(p.size());
+  const int64_t n = p[0].numel();
+  std::vector<const double*> hp;
+  for (int grp = 0; grp < a.groups; ++grp) hp.push_back(h[grp * R].data_ptr<double>());
+  if (is_half_type(p[0])) {
+    // bfloat16/half: the gradients all-reduced as all_reduce_ does it (float accumulation, one
+    // rounding), then the update in float on float copies of replica 0's weights and the whole
+    // state (one shard: the float buffers' split differs from the half ones'), each stored
+    // value rounded once, as the CUDA kernels compute it.
+    all_reduce_cpu(g, mean ? "mean" : "sum", algorithm);
+    auto whole = [](const std::vector<Tensor>& s) {
+      return s.empty() ? std::vector<Tensor>() : std::vector<Tensor>{at::cat(s).to(at::kFloat)};
+    };
+    std::vector<Tensor> fp{p[0].to(at::kFloat)}, fg{g[0].to(at::kFloat)}, f1 = whole(s1),
+                        f2 = whole(s2), f3 = whole(s3);
+    auto ptr = [](std::vector<Tensor>& s) { return s.empty() ? nullptr : s[0].data_ptr<float>(); };
+    float* a1 = ptr(f1);
+    float* a2 = ptr(f2);
+    float* a3 = ptr(f3);
+    float* pp = fp[0].data_ptr<float>();
+    float* gp = fg[0].data_ptr<float>();
+    cpu::reduce_update<float>(&pp, &gp, {f1.empty() ? nullptr : &a1, f2.empty() ? nullptr : &a2,
+                                         f3.empty() ? nullptr : &a3},
+                              1, n, false, true, Algorithm::kTwoShot, a.kind, a.segments.data(),
+                              static_cast<int>(a.segments.size()), hp.data(), nullptr,
+                              torch_threads());
+    for (int r = 0; r < R; ++r) p[r].copy_(fp[0]);
+    auto split_back = [&](const std::vector<Tensor>& s, const std::vector<Tensor>& f) {
+      int64_t at = 0;
+      for (const Tensor& shard : s) {
+        shard.copy_(f[0].narrow(0, at, shard.numel()));
+        at += shard.numel();
+      }
+    };
+    if (!s1.empty()) split_back(s1, f1);
+    if (!s2.empty()) split_back(s2, f2);
+    if (!s3.empty()) split_back(s3, f3);
+    return;
+  }
+  check_cpu_dtype(p[0], "params");
+  const Algorithm algo = parse_algorithm(algorithm, p[0].nbytes(), R, true);
+  const Tensor scratch = cpu_scratch(algo, g);
+  AT_DISPATCH_FLOATING_TYPES(p[0].scalar_type(), "reduce_update_cpu", [&] {
+    std::vector<scalar_t*> a1 = pointers<scalar_t>(s1), a2 = pointers<scalar_t>(s2),
+                           a3 = pointers<scalar_t>(s3);
+    cpu::reduce_update<scalar_t>(pointers<scalar_t>(p).data(), pointers<scalar_t>(g).data(),
+                                 {a1.empty() ? nullptr : a1.data(),
+                                  a2.empty() ? nullptr : a2.data(),
+                                  a3.empty() ? nullptr : a3.data()},
+                                 R, n, mean, false, algo, a.kind, a.segments.data(),
+                                 static_cast<int>(a.segments.size()), hp.data(),
+                                 scratch.data_ptr<scalar_t>(), torch_threads());
+  });
+}
+
+// ---------------------------------------------------------------------------------------------
 // CUDA
 
 #ifdef DPCUDA_WITH_CUDA
@@ -429,6 +583,37 @@ void reduce_sgd_cuda(at::TensorList params, at::TensorList grads,
   });
 }
 
+void reduce_update_cuda(at::TensorList params, at::TensorList grads, at::TensorList state1,
+                        at::TensorList state2, at::TensorList state3, at::TensorList hyper,
+                        at::IntArrayRef segments, c10::string_view optimizer, bool mean,
+                        c10::string_view algorithm) {
+  const std::vector<Tensor> p = params.vec(), g = grads.vec(), s1 = state1.vec(),
+                            s2 = state2.vec(), s3 = state3.vec(), h = hyper.vec();
+  const UpdateArgs a = check_update_args(p, g, s1, s2, s3, h, segments, optimizer);
+  check_cuda_dtype(p[0], "params");
+  const size_t R = p.size();
+  const Algorithm algo = parse_algorithm(algorithm, p[0].nbytes(), R, false);
+  const c10::cuda::CUDAGuard guard(p[0].device());
+  for (const Tensor& t : p) check_kernel_image(t.device().index());
+  const CudaCall call(g, algo);
+  std::vector<std::vector<const double*>> hp(R);
+  for (size_t r = 0; r < R; ++r) {
+    for (int grp = 0; grp < a.groups; ++grp) hp[r].push_back(h[grp * R + r].data_ptr<double>());
+  }
+  std::vector<cuda::UpdateSegment> seg;
+  for (const cpu::UpdateSegment& x : a.segments) seg.push_back({x.begin, x.end, x.group});
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, p[0].scalar_type(),
+                                  "reduce_update_cuda", [&] {
+    cuda::UpdateState<CT<scalar_t>> state{replicas_of<scalar_t>(s1).data,
+                                          replicas_of<scalar_t>(s2).data,
+                                          replicas_of<scalar_t>(s3).data};
+    check_cuda(cuda::reduce_update<CT<scalar_t>>(call.plan, replicas_of<scalar_t>(g),
+                                                 replicas_of<scalar_t>(p).data, state, a.kind,
+                                                 seg, hp, mean, call.scratch_ptrs),
+               "reduce_update");
+  });
+}
+
 #endif  // DPCUDA_WITH_CUDA
 
 // step_status: what a step checks before its update, as float64 [loss (the sum of its
@@ -551,6 +736,7 @@ int64_t step_status_workspace_ints() {
 TORCH_LIBRARY_IMPL(dpcuda, CPU, m) {
   m.impl("all_reduce_", &all_reduce_cpu);
   m.impl("reduce_sgd_", &reduce_sgd_cpu);
+  m.impl("reduce_update_", &reduce_update_cpu);
   m.impl("step_status", &step_status_cpu);
 }
 
@@ -558,6 +744,7 @@ TORCH_LIBRARY_IMPL(dpcuda, CPU, m) {
 TORCH_LIBRARY_IMPL(dpcuda, CUDA, m) {
   m.impl("all_reduce_", &all_reduce_cuda);
   m.impl("reduce_sgd_", &reduce_sgd_cuda);
+  m.impl("reduce_update_", &reduce_update_cuda);
   m.impl("step_status", &step_status_cuda);
 }
 #endif

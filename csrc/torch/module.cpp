@@ -68,6 +68,16 @@ TORCH_LIBRARY(dpcuda, m) {
   m.def("reduce_sgd_(Tensor(a!)[] params, Tensor(b!)[] grads, Tensor(c!)[] momentum_buffers,"
         " float lr, float momentum, float weight_decay, bool mean, str algorithm,"
         " Tensor[]? status=None, float scaled_by=0.0, Tensor(d!)? loss_out=None) -> ()");
+  // The gradient reduction fused with dpcuda.optim's update (ZeRO-1 in one process): grads
+  // (one full buffer per replica) reduced in the fixed order, each replica updating the shard
+  // it owns (the two_shot split) with its own state shards (state1..3: empty, or one shard per
+  // replica; roles as optim_update_'s), every replica's params ending with the same weights.
+  // hyper: groups x replicas float64 arrays (hyper[g * R + r] on replica r's device); segments:
+  // (begin, end, group) triples covering the buffers in order. grads may be overwritten with
+  // the reduced gradient (one_shot, ring).
+  m.def("reduce_update_(Tensor(a!)[] params, Tensor(b!)[] grads, Tensor(c!)[] state1,"
+        " Tensor(d!)[] state2, Tensor(e!)[] state3, Tensor[] hyper, int[] segments,"
+        " str optimizer, bool mean, str algorithm) -> ()");
   // dpcuda.optim's update of params on one device (CPU or one CUDA device; one kernel per 24
   // tensors there): optimizer "sgd" (state1: momentum buffers, or none) or "adam" (state1:
   // exp_avg, state2: exp_avg_sq, state3: max_exp_avg_sq or none), with the hyperparameters read

@@ -230,6 +230,66 @@ __global__ void reduce_sgd_kernel(const __grid_constant__ Replicas<const T> grad
   for_each_pack<kLanes<T>>(op, begin, end, vectorised);
 }
 
+// Sum of the gradients in replica order, an optimizer's update of params.ptr[0]'s values and the
+// state, the parameter written to every replica. References the kernel's __grid_constant__
+// parameters, as ReduceSgdOp.
+template <typename T>
+struct ReduceUpdateOp {
+  const Replicas<const T>& grads;
+  int ngrads;
+  const Replicas<T>& params;
+  int nparams;
+  T* s1;
+  T* s2;
+  T* s3;
+  bool mean;
+  optim::Kind kind;
+  const optim::Hyper<acc_t<T>>& h;
+
+  template <int K>
+  __device__ __forceinline__ void run(int64_t i) const {
+    using A = acc_t<T>;
+    A g[K];
+    sum_pack<K>(grads, ngrads, i, mean, g);
+    const Pack<T, K> p = load_pack<K>(params.ptr[0] + i);
+    Pack<T, K> a{}, b{}, c{};
+    if (s1) a = load_pack<K>(s1 + i);
+    if (s2) b = load_pack<K>(s2 + i);
+    if (s3) c = load_pack<K>(s3 + i);
+    Pack<T, K> np;
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      const A gk = to_acc(from_acc<T>(g[k]));
+      const A pk = to_acc(p.v[k]);
+      if (kind == optim::Kind::kSgd) {
+        A buf = s1 && !h.has(optim::kFirst) ? to_acc(a.v[k]) : A(0);
+        np.v[k] = from_acc<T>(optim::sgd(gk, pk, buf, h));
+        a.v[k] = from_acc<T>(buf);
+      } else {
+        A m = to_acc(a.v[k]), v = to_acc(b.v[k]), w = s3 ? to_acc(c.v[k]) : A(0);
+        np.v[k] = from_acc<T>(optim::adam(gk, pk, m, v, w, h));
+        a.v[k] = from_acc<T>(m);
+        b.v[k] = from_acc<T>(v);
+        c.v[k] = from_acc<T>(w);
+      }
+    }
+    for (int o = 0; o < nparams; ++o) store_pack<K>(params.ptr[o] + i, np);
+    if (s1) store_pack<K>(s1 + i, a);
+    if (s2) store_pack<K>(s2 + i, b);
+    if (s3) store_pack<K>(s3 + i, c);
+  }
+};
+
+template <typename T>
+__global__ void reduce_update_kernel(const __grid_constant__ Replicas<const T> grads, int ngrads,
+                                     const __grid_constant__ Replicas<T> params, int nparams,
+                                     T* s1, T* s2, T* s3, int64_t begin, int64_t end, bool mean,
+                                     optim::Kind kind, const double* hyper, bool vectorised) {
+  const optim::Hyper<acc_t<T>> h(hyper, s1 != nullptr, s3 != nullptr);
+  const ReduceUpdateOp<T> op{grads, ngrads, params, nparams, s1, s2, s3, mean, kind, h};
+  for_each_pack<kLanes<T>>(op, begin, end, vectorised);
+}
+
 // One link of the ring's chain: work (or final_out, divided by divide_by when positive) =
 // previous partial (prev_x in T, or prev_acc in the accumulation type) + own.
 template <typename T, typename A>
@@ -445,6 +505,23 @@ cudaError_t reduce_sgd_range(Replicas<const T> grads, int ngrads, Replicas<T> pa
                 vectorised);
 }
 
+template <typename T>
+cudaError_t reduce_update_range(Replicas<const T> grads, int ngrads, Replicas<T> params,
+                                int nparams, T* s1, T* s2, T* s3, int64_t begin, int64_t end,
+                                bool mean, optim::Kind kind, const double* hyper,
+                                cudaStream_t stream) {
+  if (end <= begin) return cudaSuccess;
+  bool vectorised = pack_aligned<T>(s1 ? s1 + begin : nullptr) &&
+                    pack_aligned<T>(s2 ? s2 + begin : nullptr) &&
+                    pack_aligned<T>(s3 ? s3 + begin : nullptr);
+  for (int r = 0; r < ngrads; ++r) vectorised &= pack_aligned<T>(grads.ptr[r] + begin);
+  for (int o = 0; o < nparams; ++o) vectorised &= pack_aligned<T>(params.ptr[o] + begin);
+  const int64_t work = vectorised ? ceil_div(end - begin, kLanes<T>) : end - begin;
+  return launch(reduce_update_kernel<T>, dim3(blocks_for(work)), dim3(kThreads), 0, stream,
+                grads, ngrads, params, nparams, s1, s2, s3, begin, end, mean, kind, hyper,
+                vectorised);
+}
+
 template <typename T, typename A>
 cudaError_t chain_accumulate(const T* prev_x, const A* prev_acc, const T* own, A* work,
                              T* final_out, int64_t begin, int64_t end, int divide_by,
@@ -482,6 +559,9 @@ cudaError_t sgd_range(const T* grad, T* param, T* momentum, int64_t n, SgdArgs s
                                                      cudaStream_t);                            \
   template cudaError_t sgd_range<T>(const T*, T*, T*, int64_t, SgdArgs, StepRecords,          \
                                     cudaStream_t);                                             \
+  template cudaError_t reduce_update_range<T>(Replicas<const T>, int, Replicas<T>, int, T*,    \
+                                              T*, T*, int64_t, int64_t, bool, optim::Kind,     \
+                                              const double*, cudaStream_t);                    \
   template cudaError_t step_status<T, float>(const T*, int64_t, const float*, int64_t,        \
                                              const int64_t*, int64_t, int64_t, int*, bool,    \
                                              int*, double*, cudaStream_t);                    \

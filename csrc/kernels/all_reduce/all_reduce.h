@@ -13,6 +13,8 @@
 
 #include <cstdint>
 
+#include "../optim/update.h"
+
 namespace dpcuda {
 namespace cuda {
 
@@ -71,6 +73,18 @@ cudaError_t reduce_sgd_range(Replicas<const T> grads, int ngrads, Replicas<T> pa
                              int nparams, Replicas<T> momenta, int nmomenta, int64_t begin,
                              int64_t end, bool mean, SgdArgs sgd, StepRecords records,
                              cudaStream_t stream);
+
+// The reduction fused with an optimizer's update (dpcuda.optim: optim/update.h's formulas), on
+// elements [begin, end): g = fixed-order sum (or mean) of grads, rounded to T (as the unfused
+// path stores it); the update of `kind` with the kHyper values at hyper (device memory) on
+// params.ptr[0]'s values and the state s1..s3 (null where the optimizer has none; element i at
+// s[i]: the caller offsets the pointers); the new parameter written to every
+// params.ptr[0..nparams), the new state to s1..s3.
+template <typename T>
+cudaError_t reduce_update_range(Replicas<const T> grads, int ngrads, Replicas<T> params,
+                                int nparams, T* s1, T* s2, T* s3, int64_t begin, int64_t end,
+                                bool mean, optim::Kind kind, const double* hyper,
+                                cudaStream_t stream);
 
 // The ring (chain) step in the accumulation type A (float for half types, else T):
 // acc = (first ? A(prev_x[i]) : prev_acc[i]) + A(own[i]); written to work[i], or, on the last

@@ -451,13 +451,155 @@ cudaError_t reduce_sgd(const AllReducePlan& p, const ScheduleReplicas<T>& grads,
   return st.err;
 }
 
+namespace {
+
+// Shard k's state pointer at element `at` of the shard (null for a state the optimizer lacks).
+template <typename T>
+T* state_at(const std::vector<T*>& s, int k, int64_t at) {
+  return s.empty() ? nullptr : s[k] + at;
+}
+
+// Shard k's update over its part of each segment: in (ngrads inputs) and out (nout outputs)
+// hold the shard's start, as the state shard does.
+template <typename T>
+struct Shard {
+  const AllReducePlan& p;
+  const std::vector<int>& device;
+  const UpdateState<T>& state;
+  optim::Kind kind;
+  const std::vector<UpdateSegment>& segments;
+  const std::vector<std::vector<const double*>>& hyper;
+  Status& st;
+
+  void operator()(int k, const Replicas<const T>& in, int ngrads, const Replicas<T>& out,
+                  int nout, bool mean) const {
+    int64_t b, e;
+    shard(p, k, &b, &e);
+    for (const UpdateSegment& seg : segments) {
+      const int64_t lo = std::max(b, seg.begin), hi = std::min(e, seg.end);
+      if (hi <= lo || !st.good()) continue;
+      Replicas<const T> i2{};
+      Replicas<T> o2{};
+      for (int r = 0; r < ngrads; ++r) i2.ptr[r] = in.ptr[r] + (lo - b);
+      for (int o = 0; o < nout; ++o) o2.ptr[o] = out.ptr[o] + (lo - b);
+      st.ok(reduce_update_range<T>(i2, ngrads, o2, nout, state_at(state.state1, k, lo - b),
+                                   state_at(state.state2, k, lo - b),
+                                   state_at(state.state3, k, lo - b), 0, hi - lo, mean, kind,
+                                   hyper[k][seg.group], p.stream[device[k]]));
+    }
+  }
+};
+
+// Every replica copies the other shards' weights from their owners.
+template <typename T>
+void gather_weights(const AllReducePlan& p, const ScheduleReplicas<T>& grads,
+                    const std::vector<T*>& params, Status& st) {
+  const int R = p.replicas;
+  for (int j = 0; j < R && st.good(); ++j) {
+    const int d = grads.device[j];
+    cudaSetDevice(d);
+    for (int k = 0; k < R; ++k) {
+      int64_t b, e;
+      shard(p, k, &b, &e);
+      if (k == j || e <= b) continue;
+      st.ok(cudaMemcpyPeerAsync(params[j] + b, d, params[k] + b, grads.device[k],
+                                static_cast<size_t>(e - b) * sizeof(T), p.stream[d]));
+    }
+  }
+}
+
+}  // namespace
+
+template <typename T>
+cudaError_t reduce_update(const AllReducePlan& p, const ScheduleReplicas<T>& grads,
+                          const std::vector<T*>& params, const UpdateState<T>& state,
+                          optim::Kind kind, const std::vector<UpdateSegment>& segments,
+                          const std::vector<std::vector<const double*>>& hyper, bool mean,
+                          const std::vector<void*>& scratch) {
+  const size_t R = grads.data.size();
+  auto fits = [&](const std::vector<T*>& s) { return s.empty() || s.size() == R; };
+  if (!valid_call(p, grads, scratch) || params.size() != R || !fits(state.state1) ||
+      !fits(state.state2) || !fits(state.state3) || hyper.size() != R) {
+    return cudaErrorInvalidValue;
+  }
+  int64_t covered = 0;
+  for (const UpdateSegment& seg : segments) {
+    if (seg.begin != covered || seg.end < seg.begin || seg.group < 0) return cudaErrorInvalidValue;
+    for (const auto& h : hyper) {
+      if (seg.group >= static_cast<int>(h.size())) return cudaErrorInvalidValue;
+    }
+    covered = seg.end;
+  }
+  if (covered != p.n) return cudaErrorInvalidValue;
+  if (p.n == 0) return cudaSuccess;
+  const DeviceScope scope;
+  Status st;
+  const Shard<T> update_shard{p, grads.device, state, kind, segments, hyper, st};
+  const int nr = static_cast<int>(R);
+  if (p.devices.size() == 1) {
+    cudaSetDevice(p.devices[0]);
+    for (int k = 0; k < nr && st.good(); ++k) {
+      int64_t b, e;
+      shard(p, k, &b, &e);
+      Replicas<const T> in{};
+      Replicas<T> out{};
+      for (int r = 0; r < nr; ++r) {
+        in.ptr[r] = grads.data[r] + b;
+        out.ptr[r] = params[r] + b;
+      }
+      update_shard(k, in, nr, out, nr, mean);
+    }
+    return st.err;
+  }
+  if (p.algorithm == AllReduceAlgorithm::kTwoShot) {
+    std::vector<Arena> arena = arenas(scratch);
+    barrier(p, st);  // every gradient is complete before any peer reads it
+    for (int k = 0; k < nr && st.good(); ++k) {
+      int64_t b, e;
+      shard(p, k, &b, &e);
+      if (e <= b) continue;
+      const int d = grads.device[k];
+      cudaSetDevice(d);
+      Replicas<const T> in{};
+      for (int i = 0; i < nr; ++i) {
+        in.ptr[i] = readable_from<T>(p, d, grads.data[i] + b, grads.device[i], e - b, arena[d],
+                                     st);
+      }
+      Replicas<T> out{};
+      out.ptr[0] = params[k] + b;
+      update_shard(k, in, nr, out, 1, mean);
+    }
+  } else {
+    if (!st.ok(all_reduce<T>(p, grads, scratch, mean))) return st.err;
+    for (int k = 0; k < nr && st.good(); ++k) {
+      int64_t b, e;
+      shard(p, k, &b, &e);
+      cudaSetDevice(grads.device[k]);
+      Replicas<const T> in{};
+      in.ptr[0] = grads.data[k] + b;
+      Replicas<T> out{};
+      out.ptr[0] = params[k] + b;
+      update_shard(k, in, 1, out, 1, false);
+    }
+  }
+  barrier(p, st);  // every shard's weights are updated before any peer copies them
+  gather_weights(p, grads, params, st);
+  barrier(p, st);  // nobody reuses a buffer or scratch before every peer is done with it
+  return st.err;
+}
+
 #define DPCUDA_INSTANTIATE(T)                                                                   \
   template cudaError_t all_reduce<T>(const AllReducePlan&, const ScheduleReplicas<T>&,         \
                                      const std::vector<void*>&, bool);                         \
   template cudaError_t reduce_sgd<T>(const AllReducePlan&, const ScheduleReplicas<T>&,         \
                                      const std::vector<T*>&, const std::vector<T*>&, SgdArgs,  \
                                      bool, const std::vector<void*>&,                          \
-                                     const std::vector<const double*>&, double, double*);
+                                     const std::vector<const double*>&, double, double*);    \
+  template cudaError_t reduce_update<T>(const AllReducePlan&, const ScheduleReplicas<T>&,      \
+                                        const std::vector<T*>&, const UpdateState<T>&,          \
+                                        optim::Kind, const std::vector<UpdateSegment>&,         \
+                                        const std::vector<std::vector<const double*>>&, bool,   \
+                                        const std::vector<void*>&);
 
 DPCUDA_FOR_EACH_TYPE(DPCUDA_INSTANTIATE)
 #undef DPCUDA_INSTANTIATE

@@ -91,5 +91,34 @@ cudaError_t reduce_sgd(const AllReducePlan& plan, const ScheduleReplicas<T>& gra
                        const std::vector<const double*>& records = {}, double scaled_by = 0.0,
                        double* loss_out = nullptr);
 
+// The optimizer state of reduce_update, sharded (ZeRO-1): each list is empty (a state the
+// optimizer does not have) or holds one pointer per replica, to the state of the shard that
+// replica owns (the elements the two_shot split gives it, shard_range), on its device.
+template <typename T>
+struct UpdateState {
+  std::vector<T*> state1, state2, state3;
+};
+
+// A range of the buffers whose update takes one parameter group's hyperparameters.
+struct UpdateSegment {
+  int64_t begin, end;
+  int group;
+};
+
+// The reduction of grads fused with an optimizer's update (optim/update.h): every params[r] ends
+// with the same updated values, and each replica updates the state of its own shard only.
+// two_shot: each owner reduces its shard and updates it in one kernel (grads untouched), then
+// every replica copies the other shards' weights from their owners (the all-gather moves weights
+// only); one_shot and ring: the gradients are all-reduced in place, then each owner updates its
+// shard from its copy and the weights are all-gathered the same way. Replicas sharing one device:
+// one kernel per shard reads every gradient and writes every replica's weights. segments cover
+// [0, n) in order; hyper[r][g] is group g's kHyper array on replica r's device.
+template <typename T>
+cudaError_t reduce_update(const AllReducePlan& plan, const ScheduleReplicas<T>& grads,
+                          const std::vector<T*>& params, const UpdateState<T>& state,
+                          optim::Kind kind, const std::vector<UpdateSegment>& segments,
+                          const std::vector<std::vector<const double*>>& hyper, bool mean,
+                          const std::vector<void*>& scratch);
+
 }  // namespace cuda
 }  // namespace dpcuda

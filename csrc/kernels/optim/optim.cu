@@ -22,7 +22,8 @@ __global__ void optim_kernel(optim::Kind kind, const double* hyper,
   const int index = static_cast<int>(blockIdx.x) / per_tensor;
   const int64_t first = static_cast<int64_t>(blockIdx.x % per_tensor) * blockDim.x + threadIdx.x;
   const int64_t stride = static_cast<int64_t>(per_tensor) * blockDim.x;
-  const optim::Hyper<A> h(hyper);
+  const optim::Hyper<A> h(hyper, table.state1[index] != nullptr,
+                           table.state3[index] != nullptr);
   const int64_t n = table.n[index];
   T* p = table.param[index];
   const T* g = table.grad[index];

@@ -86,14 +86,17 @@ DPCUDA_HD A max_nan(A a, A b) {
   return (a != a || a > b) ? a : b;
 }
 
-// The hyperparameters in the accumulation type A, read once per thread.
+// The hyperparameters in the accumulation type A, read once per thread. What the update
+// writes is decided by the buffers it is given, never by values in memory: kUseMomentum (SGD) is
+// set exactly when a momentum buffer is given (has_state1), kAmsgrad exactly when
+// max_exp_avg_sq is (has_state3), whatever the array says.
 template <typename A>
 struct Hyper {
   A lr, weight_decay, momentum, one_minus_dampening, one_minus_beta1, beta1_complement,
       beta2, one_minus_beta2, eps, neg_step_size, bias2_sqrt, decay;
   int flags;
 
-  DPCUDA_HD explicit Hyper(const double* h)
+  DPCUDA_HD Hyper(const double* h, bool has_state1, bool has_state3)
       : lr(static_cast<A>(h[kLr])),
         weight_decay(static_cast<A>(h[kWeightDecay])),
         momentum(static_cast<A>(h[kMomentum])),
@@ -108,7 +111,8 @@ struct Hyper {
         neg_step_size(static_cast<A>(h[kNegStepSize])),
         bias2_sqrt(static_cast<A>(h[kBias2Sqrt])),
         decay(static_cast<A>(h[kDecay])),
-        flags(static_cast<int>(h[kFlags])) {}
+        flags((static_cast<int>(h[kFlags]) & ~(kUseMomentum | kAmsgrad)) |
+              (has_state1 ? kUseMomentum : 0) | (has_state3 ? kAmsgrad : 0)) {}
 
   DPCUDA_HD bool has(int flag) const { return (flags & flag) != 0; }
 };

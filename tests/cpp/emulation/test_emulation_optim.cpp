@@ -94,8 +94,13 @@ void cpu_update(const Config& c, const std::vector<double>& h, std::vector<T>& p
     }
   };
   in(p, fp); in(g, fg); in(s1, f1); in(s2, f2); in(s3, f3);
-  dpcuda::cpu::optim_update<F>(c.kind, h.data(), {fp.data(), fg.data(), f1.data(), f2.data(),
-                                                  f3.data()}, 0, static_cast<int64_t>(n));
+  // The buffers the kernel is given (the update's structure follows them, update.h's Hyper).
+  const bool sgd = c.kind == optim::Kind::kSgd;
+  F* b1 = sgd && !(c.flags & optim::kUseMomentum) ? nullptr : f1.data();
+  F* b2 = sgd ? nullptr : f2.data();
+  F* b3 = !sgd && (c.flags & optim::kAmsgrad) ? f3.data() : nullptr;
+  dpcuda::cpu::optim_update<F>(c.kind, h.data(), {fp.data(), fg.data(), b1, b2, b3}, 0,
+                               static_cast<int64_t>(n));
   out(fp, p); out(f1, s1); out(f2, s2); out(f3, s3);
 }
 

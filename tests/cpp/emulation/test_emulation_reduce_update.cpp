@@ -1,0 +1,300 @@
+// The reduction fused with dpcuda.optim's update (schedule.h's reduce_update, the kernel
+// reduce_update_range) on emulated devices: SGD (momentum, its first step, Nesterov), Adam
+// (amsgrad) and AdamW, with two parameter groups (two segments, two hyperparameter arrays),
+// for one_shot, two_shot and ring, 1 to 8 replicas on their own devices or sharing them, peer
+// access on, off and mixed, under random stream delays, float, double and half. Every replica
+// must end with the weights of the CPU's fused reduce-update (csrc/cpu/all_reduce.h), bit for
+// bit, and each replica's state shard with the CPU's state for that shard. Under ASan/UBSan and
+// TSan too (the ctest builds of CMakeLists.txt).
+#include <cmath>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <vector>
+
+#include "cpu/all_reduce.h"
+#include "emu_test.h"
+#include "kernels/all_reduce/schedule.h"
+#include "kernels/common.cuh"
+
+using dpcuda::AllReduceAlgorithm;
+using emu_test::DeviceBuffer;
+namespace optim = dpcuda::optim;
+
+namespace {
+
+template <typename T> float widen(T v) { return static_cast<float>(v); }
+template <> float widen<__half>(__half v) { return __half2float(v); }
+double widen(double v) { return v; }
+template <typename T> T narrow(float v) { return static_cast<T>(v); }
+template <> __half narrow<__half>(float v) { return __float2half_rn(v); }
+// A reference value (float or double, held in a double exactly) stored as T.
+template <typename T> T stored(double v) { return narrow<T>(static_cast<float>(v)); }
+template <> double stored<double>(double v) { return v; }
+
+template <typename T>
+bool same(T a, T b) {
+  return std::memcmp(&a, &b, sizeof(T)) == 0;
+}
+
+enum class Peers { kAll, kNone, kMixed };
+
+struct Case {
+  int replicas;
+  int devices;  // replica r lives on device r % devices
+  Peers peers;
+  AllReduceAlgorithm algorithm;
+  int64_t n;
+  optim::Kind kind;
+  int flags;
+};
+
+std::vector<double> hyper_of(const Case& c, int group) {
+  std::vector<double> h(optim::kHyper, 0.0);
+  const double lr = group ? 0.01 : 0.05, wd = group ? 0.0 : 0.02, step = 3;
+  h[optim::kLr] = lr;
+  h[optim::kWeightDecay] = wd;
+  h[optim::kMomentum] = 0.9;
+  h[optim::kOneMinusDampening] = 1.0;
+  h[optim::kOneMinusBeta1] = 0.1;
+  h[optim::kBeta2] = 0.999;
+  h[optim::kOneMinusBeta2] = 1.0 - 0.999;
+  h[optim::kEps] = 1e-8;
+  h[optim::kNegStepSize] = -(lr / (1.0 - std::pow(0.9, step)));
+  h[optim::kBias2Sqrt] = std::sqrt(1.0 - std::pow(0.999, step));
+  h[optim::kDecay] = 1.0 - lr * wd;
+  h[optim::kFlags] = c.flags;
+  return h;
+}
+
+int g_reported = 0;
+
+void fail(const char* what, const Case& c, int r, int64_t i) {
+  ++dpcuda_test::failures();
+  if (++g_reported <= 20)
+    std::printf("reduce_update %s: R=%d D=%d algo=%d n=%lld kind=%d flags=%d: replica %d element "
+                "%lld differs\n", what, c.replicas, c.devices, static_cast<int>(c.algorithm),
+                static_cast<long long>(c.n), static_cast<int>(c.kind), c.flags, r,
+                static_cast<long long>(i));
+}
+
+template <typename T>
+void run_case(const Case& c, uint64_t seed) {
+  const int R = c.replicas, D = c.devices;
+  dpcuda::emu::Config cfg = emu_test::config(D, seed, 50);
+  std::mt19937 rng(static_cast<unsigned>(seed));
+  cfg.peer.assign(D, std::vector<bool>(D, c.peers == Peers::kAll));
+  if (c.peers == Peers::kMixed) {
+    for (int d = 0; d < D; ++d)
+      for (int e = 0; e < D; ++e) cfg.peer[d][e] = rng() % 2 == 0;
+  }
+  dpcuda::emu::reset(cfg);
+  std::vector<std::vector<bool>> readable(D, std::vector<bool>(D, false));
+  std::vector<cudaStream_t> streams(D);
+  for (int d = 0; d < D; ++d) {
+    CUDA_OK(cudaSetDevice(d));
+    CUDA_OK(cudaStreamCreate(&streams[d]));
+    for (int e = 0; e < D; ++e) {
+      int can = 0;
+      CUDA_OK(cudaDeviceCanAccessPeer(&can, d, e));
+      if (can) readable[d][e] = cudaDeviceEnablePeerAccess(e, 0) == cudaSuccess;
+    }
+    (void)cudaGetLastError();
+  }
+  const int64_t n = c.n;
+  const bool sgd = c.kind == optim::Kind::kSgd;
+  const bool s1_used = !sgd || (c.flags & optim::kUseMomentum);
+  const bool s3_used = !sgd && (c.flags & optim::kAmsgrad);
+  std::normal_distribution<float> dist(0.0f, 1.0f);
+  std::vector<std::vector<T>> x(R, std::vector<T>(n));
+  for (auto& b : x)
+    for (auto& v : b) v = narrow<T>(dist(rng));
+  std::vector<T> p0(n), a0(n), b0(n), c0(n);
+  for (int64_t i = 0; i < n; ++i) {
+    p0[i] = narrow<T>(dist(rng));
+    a0[i] = narrow<T>(dist(rng) * 0.1f);
+    b0[i] = narrow<T>(std::fabs(dist(rng)) * 0.01f);
+    c0[i] = narrow<T>(std::fabs(dist(rng)) * 0.02f);
+  }
+  const int64_t cut = n / 3;
+  const std::vector<dpcuda::cpu::UpdateSegment> segs = {{0, cut, 0}, {cut, n, 1}};
+  const std::vector<double> h0 = hyper_of(c, 0), h1 = hyper_of(c, 1);
+  const double* hp[2] = {h0.data(), h1.data()};
+  // The CPU's result: the float or double kernels on the same values; the half type as the
+  // adapter runs it (the mean rounded to half, then the float update of rounded values).
+  using F = std::conditional_t<std::is_same<T, double>::value, double, float>;
+  std::vector<F> wp(n), wa(n), wb(n), wc(n);
+  {
+    std::vector<std::vector<F>> gx(R, std::vector<F>(n));
+    for (int r = 0; r < R; ++r)
+      for (int64_t i = 0; i < n; ++i) gx[r][i] = widen(x[r][i]);
+    for (int64_t i = 0; i < n; ++i) {
+      wp[i] = widen(p0[i]);
+      wa[i] = widen(a0[i]);
+      wb[i] = widen(b0[i]);
+      wc[i] = widen(c0[i]);
+    }
+    bool reduced = false;
+    if (std::is_same<T, __half>::value) {
+      for (int64_t i = 0; i < n; ++i) {
+        F acc = gx[0][i];
+        for (int r = 1; r < R; ++r) acc = acc + gx[r][i];
+        gx[0][i] = widen(narrow<T>(acc / static_cast<F>(R)));
+      }
+      reduced = true;
+    }
+    std::vector<F*> gp;
+    for (int r = 0; r < (reduced ? 1 : R); ++r) gp.push_back(gx[r].data());
+    F* s1 = s1_used ? wa.data() : nullptr;
+    F* s2 = sgd ? nullptr : wb.data();
+    F* s3 = s3_used ? wc.data() : nullptr;
+    std::vector<F> copies((reduced ? 0 : R - 1) * n);
+    std::vector<F*> outs{wp.data()};
+    for (int r = 1; r < (reduced ? 1 : R); ++r) outs.push_back(copies.data() + (r - 1) * n);
+    for (int r = 1; r < static_cast<int>(outs.size()); ++r)
+      std::memcpy(outs[r], wp.data(), n * sizeof(F));
+    // Each shard's state pointer into the whole state (the CPU's split of F, the same as T's
+    // where F is T; the half type's reference runs as one replica, one shard).
+    const int shards = reduced ? 1 : R;
+    std::vector<F*> q1(shards), q2(shards), q3(shards);
+    for (int k = 0; k < shards; ++k) {
+      int64_t b, e;
+      dpcuda::cpu::shard_range(n, shards, k, 16 / sizeof(F), &b, &e);
+      q1[k] = s1 ? s1 + b : nullptr;
+      q2[k] = s2 ? s2 + b : nullptr;
+      q3[k] = s3 ? s3 + b : nullptr;
+    }
+    dpcuda::cpu::reduce_update<F>(outs.data(), gp.data(),
+                                  {s1 ? q1.data() : nullptr, s2 ? q2.data() : nullptr,
+                                   s3 ? q3.data() : nullptr},
+                                  shards, n, true, reduced,
+                                  AllReduceAlgorithm::kTwoShot, c.kind, segs.data(), 2, hp,
+                                  nullptr, [](int64_t b, int64_t e, const auto& body) {
+                                    body(b, e);
+                                  });
+  }
+  // The devices' buffers: full gradients and weights per replica, one state shard each.
+  const int64_t align = 16 / sizeof(T);
+  std::vector<std::unique_ptr<DeviceBuffer<T>>> g, p, s1, s2, s3;
+  std::vector<std::unique_ptr<DeviceBuffer<double>>> hyper;
+  dpcuda::cuda::ScheduleReplicas<T> reps;
+  std::vector<T*> params;
+  dpcuda::cuda::UpdateState<T> state;
+  std::vector<std::vector<const double*>> hpt(R);
+  auto shard_of = [&](const std::vector<T>& full, int k) {
+    int64_t b, e;
+    dpcuda::cpu::shard_range(n, R, k, align, &b, &e);
+    return std::vector<T>(full.begin() + b, full.begin() + e);
+  };
+  for (int r = 0; r < R; ++r) {
+    CUDA_OK(cudaSetDevice(r % D));
+    g.push_back(std::make_unique<DeviceBuffer<T>>(n));
+    g.back()->upload(x[r]);
+    reps.data.push_back(g.back()->ptr);
+    reps.device.push_back(r % D);
+    p.push_back(std::make_unique<DeviceBuffer<T>>(n));
+    p.back()->upload(p0);
+    params.push_back(p.back()->ptr);
+    auto add = [&](std::vector<std::unique_ptr<DeviceBuffer<T>>>& v, const std::vector<T>& full,
+                   std::vector<T*>& ptrs) {
+      const std::vector<T> part = shard_of(full, r);
+      v.push_back(std::make_unique<DeviceBuffer<T>>(part.size()));
+      if (!part.empty()) v.back()->upload(part);
+      ptrs.push_back(v.back()->ptr);
+    };
+    if (s1_used) add(s1, a0, state.state1);
+    if (!sgd) add(s2, b0, state.state2);
+    if (s3_used) add(s3, c0, state.state3);
+    for (const auto* h : {&h0, &h1}) {
+      hyper.push_back(std::make_unique<DeviceBuffer<double>>(h->size()));
+      hyper.back()->upload(*h);
+      hpt[r].push_back(hyper.back()->ptr);
+    }
+  }
+  std::vector<int> device;
+  for (int r = 0; r < R; ++r) device.push_back(r % D);
+  const dpcuda::cuda::AllReducePlan plan = dpcuda::cuda::plan_all_reduce(
+      device, streams, readable, c.algorithm, n, sizeof(T));
+  std::vector<std::unique_ptr<DeviceBuffer<char>>> scratch_bufs;
+  std::vector<void*> scratch(plan.scratch_bytes.size(), nullptr);
+  for (size_t d = 0; d < plan.scratch_bytes.size(); ++d) {
+    if (plan.scratch_bytes[d] == 0) continue;
+    CUDA_OK(cudaSetDevice(static_cast<int>(d)));
+    scratch_bufs.push_back(std::make_unique<DeviceBuffer<char>>(plan.scratch_bytes[d]));
+    scratch[d] = scratch_bufs.back()->ptr;
+  }
+  const std::vector<dpcuda::cuda::UpdateSegment> cuda_segs = {{0, cut, 0}, {cut, n, 1}};
+  CHECK(dpcuda::cuda::reduce_update<T>(plan, reps, params, state, c.kind, cuda_segs, hpt, true,
+                                       scratch) == cudaSuccess);
+  for (int d = 0; d < D; ++d) {
+    CUDA_OK(cudaSetDevice(d));
+    CUDA_OK(cudaStreamSynchronize(streams[d]));
+  }
+  for (int r = 0; r < R; ++r) {
+    const std::vector<T> got = p[r]->download();
+    for (int64_t i = 0; i < n; ++i) {
+      if (!same(got[i], stored<T>(wp[i]))) {
+        fail("weights", c, r, i);
+        break;
+      }
+    }
+    int64_t b, e;
+    dpcuda::cpu::shard_range(n, R, r, align, &b, &e);
+    auto check_state = [&](const std::vector<std::unique_ptr<DeviceBuffer<T>>>& v,
+                           const std::vector<F>& want, const char* what) {
+      if (v.empty() || e <= b) return;
+      const std::vector<T> shard = v[r]->download();
+      for (int64_t i = b; i < e; ++i) {
+        if (!same(shard[i - b], stored<T>(want[i]))) {
+          fail(what, c, r, i);
+          break;
+        }
+      }
+    };
+    check_state(s1, wa, "state1");
+    check_state(s2, wb, "state2");
+    check_state(s3, wc, "state3");
+  }
+  for (int d = 0; d < D; ++d) {
+    CUDA_OK(cudaSetDevice(d));
+    CUDA_OK(cudaStreamDestroy(streams[d]));
+  }
+  emu_test::expect_no_reports("reduce_update");
+}
+
+}  // namespace
+
+int main() {
+  uint64_t seed = 500;
+  const AllReduceAlgorithm kAlgorithms[] = {
+      AllReduceAlgorithm::kOneShot, AllReduceAlgorithm::kTwoShot, AllReduceAlgorithm::kRing};
+  const struct {
+    optim::Kind kind;
+    int flags;
+  } kUpdates[] = {
+      {optim::Kind::kSgd, optim::kUseMomentum},
+      {optim::Kind::kSgd, optim::kUseMomentum | optim::kFirst | optim::kNesterov},
+      {optim::Kind::kSgd, optim::kMaximize},
+      {optim::Kind::kAdam, optim::kAmsgrad},
+      {optim::Kind::kAdam, optim::kDecoupled | optim::kMaximize},
+  };
+  for (AllReduceAlgorithm a : kAlgorithms) {
+    for (int R : {1, 2, 3, 5, 8}) {
+      for (const auto& u : kUpdates) {
+        for (Peers peers : {Peers::kAll, Peers::kNone, Peers::kMixed}) {
+          run_case<float>({R, R, peers, a, 1000, u.kind, u.flags}, ++seed);
+        }
+        run_case<float>({R, R, Peers::kMixed, a, 7, u.kind, u.flags}, ++seed);
+        run_case<float>({R, (R + 1) / 2, Peers::kMixed, a, 1000, u.kind, u.flags}, ++seed);
+        run_case<float>({R, 1, Peers::kAll, a, 1000, u.kind, u.flags}, ++seed);
+      }
+      run_case<double>({R, R, Peers::kNone, a, 999, optim::Kind::kAdam, optim::kAmsgrad},
+                       ++seed);
+      run_case<__half>({R, R, Peers::kMixed, a, 1001, optim::Kind::kAdam, optim::kDecoupled},
+                       ++seed);
+      run_case<__half>({R, R, Peers::kNone, a, 1001, optim::Kind::kSgd, optim::kUseMomentum},
+                       ++seed);
+    }
+  }
+  return emu_test::finish("test_emulation_reduce_update");
+}
