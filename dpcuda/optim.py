@@ -79,6 +79,11 @@ class _FusedOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        fused = self.__dict__.pop("_fused_step", None)
+        if fused is not None:
+            # DataParallel.step's update, fused into its reduction (dpcuda.parallel)
+            fused()
+            return loss
         for index, group in enumerate(self.param_groups):
             buckets = {}
             for p in group["params"]:

@@ -389,9 +389,13 @@ def test_the_one_call_step_with_an_optimizer_trains_what_one_device_trains(reduc
         s1.step()
         s2.step()
         assert math.isclose(got, want.item(), rel_tol=1e-12)
-        # .grad: the global gradient, on the model
-        for a, b in zip(model.parameters(), ref.parameters()):
-            assert close(a.grad, b.grad, 1e-11, 1e-13)
+        if reducer == "p2p" and loss == "cross_entropy":
+            # the update fused into the reduction: .grad None, never a partial sum
+            assert all(p.grad is None for p in model.parameters())
+        else:
+            # .grad: the global gradient, on the model
+            for a, b in zip(model.parameters(), ref.parameters()):
+                assert close(a.grad, b.grad, 1e-11, 1e-13)
     for a, b in zip(model.parameters(), ref.parameters()):
         assert close(a, b, 1e-10, 1e-12)
     assert o.state_dict()["state"][0]["step"] == 5
@@ -418,3 +422,140 @@ def test_the_one_call_step_skips_the_optimizer_on_nan_and_refuses_what_it_cannot
     nb = DataParallel(nn.Linear(3, 2).double(), ["cpu", "cpu"], blocking=False)
     with pytest.raises(ValueError, match="blocking=True"):
         nb.step(x, y, nn.CrossEntropyLoss(), optimizer=dpcuda.optim.SGD(nb.parameters()))
+
+
+def _fused_run(name, cfg, replicas, algorithm, steps=4, groups=True, dtype=torch.float64,
+               fused=True):
+    """Weights and optimizer after `steps` one-call steps with a dpcuda.optim optimizer (fused
+    into the reduction, or with fused=False through a pre-hook that makes the step take the
+    reduce-then-step path), two parameter groups (decay on weights only, another lr)."""
+    torch.manual_seed(5)
+    model = nn.Sequential(nn.Linear(7, 13), nn.Tanh(), nn.Linear(13, 5)).to(dtype)
+    dp = DataParallel(model, ["cpu"] * replicas, algorithm=algorithm)
+    params = list(model.parameters())
+    param_groups = [{"params": params[0::2]}, {"params": params[1::2], "lr": 0.004,
+                                               "weight_decay": 0.0}] if groups else params
+    opt = getattr(dpcuda.optim, name)(param_groups, lr=0.01, **cfg)
+    if not fused:
+        opt.register_step_pre_hook(lambda *args: None)
+    g = torch.Generator().manual_seed(6)
+    for _ in range(steps):
+        x = torch.randn(17, 7, generator=g, dtype=torch.float64).to(dtype)
+        y = torch.randint(0, 5, (17,), generator=g)
+        dp.step(x, y, nn.CrossEntropyLoss(), optimizer=opt)
+    return model, opt, dp
+
+
+FUSED_CASES = [("SGD", {"momentum": 0.9, "weight_decay": 0.01}),
+               ("SGD", {"momentum": 0.8, "nesterov": True, "maximize": True}),
+               ("SGD", {}),
+               ("Adam", {"amsgrad": True, "weight_decay": 0.02}),
+               ("AdamW", {"weight_decay": 0.05}),
+               ("AdamW", {"betas": (0.6, 0.9), "maximize": True})]
+
+
+@pytest.mark.parametrize("case", FUSED_CASES, ids=ids)
+def test_the_fused_reduce_update_gives_the_bits_of_reduce_then_step(case):
+    name, cfg = case
+    ref_model, ref_opt, _ = _fused_run(name, cfg, 3, "one_shot", fused=False)
+    for replicas, algorithm in ((1, "auto"), (2, "two_shot"), (3, "one_shot"), (3, "ring"),
+                                (4, "two_shot"), (3, "two_shot")):
+        model, opt, dp = _fused_run(name, cfg, replicas, algorithm)
+        assert dp._fused_update._key is not None  # (the fused path ran)
+        # the same bits for every replica count and algorithm: one fixed summation order and
+        # one element formula (reduce-then-step with 3 replicas as the reference)
+        if replicas == 3:
+            for a, b in zip(model.parameters(), ref_model.parameters()):
+                assert torch.equal(a, b), (replicas, algorithm)
+        for r in dp.replicas[1:]:
+            for a, b in zip(r.parameters(), model.parameters()):
+                assert torch.equal(a, b)
+        for p, q in zip(model.parameters(), ref_model.parameters()):
+            for k, v in ref_opt.state[q].items():
+                if k == "step":
+                    assert float(opt.state[p][k]) == float(v)
+                elif replicas == 3:
+                    assert torch.equal(opt.state[p][k], v), k
+        assert all(p.grad is None for p in model.parameters())
+
+
+def test_the_fused_step_trains_what_torch_trains_and_its_state_is_torchs():
+    model, opt, dp = _fused_run("AdamW", {"weight_decay": 0.05, "amsgrad": True}, 4,
+                                "two_shot", steps=3)
+    torch.manual_seed(5)
+    ref = nn.Sequential(nn.Linear(7, 13), nn.Tanh(), nn.Linear(13, 5)).double()
+    params = list(ref.parameters())
+    t = torch.optim.AdamW([{"params": params[0::2]},
+                           {"params": params[1::2], "lr": 0.004, "weight_decay": 0.0}],
+                          lr=0.01, weight_decay=0.05, amsgrad=True, foreach=False)
+    g = torch.Generator().manual_seed(6)
+    for _ in range(3):
+        x = torch.randn(17, 7, generator=g, dtype=torch.float64)
+        y = torch.randint(0, 5, (17,), generator=g)
+        t.zero_grad()
+        nn.functional.cross_entropy(ref(x), y).backward()
+        t.step()
+    for a, b in zip(model.parameters(), ref.parameters()):
+        assert close(a, b, 1e-11, 1e-13)
+    # its state_dict is torch's: it loads into torch's AdamW, and the two continue alike
+    t2 = torch.optim.AdamW([{"params": params[0::2]}, {"params": params[1::2]}],
+                           foreach=False)
+    t2.load_state_dict(copy.deepcopy(opt.state_dict()))
+    for p, q in zip(model.parameters(), ref.parameters()):
+        for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
+            assert close(opt.state[p][k], t.state[q][k], 1e-11, 1e-14)
+    # a state_dict loaded between fused steps is what the next step starts from
+    before = copy.deepcopy(opt.state_dict())
+    x = torch.randn(17, 7, dtype=torch.float64)
+    y = torch.randint(0, 5, (17,))
+    snapshot = [p.detach().clone() for p in model.parameters()]
+    dp.step(x, y, nn.CrossEntropyLoss(), optimizer=opt)
+    once = [p.detach().clone() for p in model.parameters()]
+    with torch.no_grad():
+        for p, s in zip(model.parameters(), snapshot):
+            p.copy_(s)
+    opt.load_state_dict(before)
+    dp.step(x, y, nn.CrossEntropyLoss(), optimizer=opt)
+    for a, b in zip(model.parameters(), once):
+        assert torch.equal(a, b)
+
+
+def test_each_replica_keeps_the_state_of_its_shard_only():
+    model, opt, dp = _fused_run("Adam", {}, 4, "two_shot", steps=1)
+    n = sum(p.numel() for p in model.parameters())
+    fused = dp._fused_update
+    flat = fused._flat["exp_avg"]
+    assert flat.numel() == n
+    from dpcuda.parallel.fused_update import shard_range
+    sizes = [e - b for b, e in (shard_range(n, 4, k, 2) for k in range(4))]
+    assert sum(sizes) == n and max(sizes) <= -(-n // 4) + 1
+    # The state bytes each replica holds: about 1/R of the whole (here 2 tensors of Adam).
+    per_replica = [2 * s * 8 for s in sizes]
+    assert max(per_replica) <= 2 * 8 * (n / 4 + 2)
+    # and the optimizer's entries are views of the flat state (torch's format, always current)
+    p = next(model.parameters())
+    assert opt.state[p]["exp_avg"].data_ptr() == flat.data_ptr()
+
+
+def test_the_fused_step_skips_on_nan_and_runs_the_optimizers_hooks():
+    model, opt, dp = _fused_run("SGD", {"momentum": 0.9}, 2, "two_shot", steps=1)
+    seen = []
+    opt.register_step_post_hook(lambda o, args, kwargs: seen.append(o))
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, 0.5)
+    x, y = torch.randn(6, 7, dtype=torch.float64), torch.tensor([0, 1, 2, 3, 4, 0])
+    before = [p.detach().clone() for p in model.parameters()]
+    momentum = [opt.state[p]["momentum_buffer"].clone() for p in model.parameters()]
+    bad = x.clone()
+    bad[2, 3] = math.inf
+    with pytest.warns(RuntimeWarning, match="NaN or Inf"):
+        dp.step(bad, y, nn.CrossEntropyLoss(), optimizer=opt)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before))
+    assert all(torch.equal(opt.state[p]["momentum_buffer"], m)
+               for p, m in zip(model.parameters(), momentum))
+    assert not seen
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (no "lr_scheduler.step() before optimizer.step()")
+        dp.step(x, y, nn.CrossEntropyLoss(), optimizer=opt)
+        sched.step()
+    assert seen == [opt] and opt.param_groups[0]["lr"] == 0.005

@@ -12,6 +12,7 @@ from torch import nn
 
 from ..batchnorm import sync_batch_norm_
 from .dist_step import DistStepMixin
+from .fused_update import FusedUpdate
 from .primitives import (ALGORITHMS, _devices, _map, _run_all, batch_rows, gather,
                          scatter_sizes, split_sizes)
 from .reducer import GradReduction, mark_outputs
@@ -162,6 +163,7 @@ class DataParallel(nn.Module, StepMixin, DistStepMixin):
         self.steps = 0
         self.skipped_steps = 0
         self._optimizer = None  # step()'s optimizer, during the step
+        self._fused_update = FusedUpdate()  # a dpcuda.optim optimizer's sharded state
         self.blocking = blocking
         self._pending = collections.deque()  # the non-blocking steps not read yet (PendingStep)
 

@@ -87,12 +87,16 @@ class StepMixin(LabelChecks, PendingSteps):
         float64 scalar tensor on devices[0]). See DataParallel's docstring.
 
         optimizer: None (the wrapper's SGD, lr/momentum/weight_decay, fused into the
-        reduction), or a torch.optim.Optimizer over the model's parameters (dpcuda.optim's or
-        torch's; its param_groups, schedulers and state as usual): the gradients are reduced,
-        the model's .grad holds the global gradient (None for a parameter no replica used),
-        and optimizer.step() updates the model, whose weights the other replicas take at the
-        next forward. A step with NaN or Inf gradients is skipped (optimizer.step() is not
-        called) either way."""
+        reduction), or a torch.optim.Optimizer over the model's parameters (its param_groups,
+        schedulers and state as usual). A dpcuda.optim optimizer, with the cross-entropy losses
+        of the per-replica path, reducer "p2p" and the replicas on one device, is fused into
+        the reduction (dpcuda/parallel/fused_update.py: each replica reduces and updates the
+        shard it owns, with that shard's optimizer state, and the weights are gathered);
+        .grad is then None afterwards. Otherwise the gradients are reduced, the model's .grad
+        holds the global gradient (None for a parameter no replica used) and
+        optimizer.step() updates the model, whose weights the other replicas take at the next
+        forward. A step with NaN or Inf gradients is skipped (no update, no state change)
+        either way."""
         if self._pending:
             self._settle(wait=False)
         if not self._reduction.sync:
@@ -434,11 +438,17 @@ class StepMixin(LabelChecks, PendingSteps):
                                      "dp.parameters()")
 
     def _reduce_then_update(self, unused):
-        """The update by the step's optimizer: the replicas' gradients summed in replica order
-        (dpcuda's all-reduce, or the host's sum), the model's .grad the global gradient (None
-        for a parameter no replica used, as one device leaves it), the other replicas' .grad
-        None, then optimizer.step() on the model."""
+        """The update by the step's optimizer: fused into the reduction where FusedUpdate is
+        ready for it; else the replicas' gradients summed in replica order (dpcuda's
+        all-reduce, or the host's sum), the model's .grad the global gradient (None for a
+        parameter no replica used, as one device leaves it), the other replicas' .grad None,
+        then optimizer.step() on the model."""
         rs = self._replicas
+        if self.reducer == "p2p" and self._fused_update.ready(self._optimizer, rs, unused):
+            # The update fused into the reduction, with sharded optimizer state; .grad is None
+            # afterwards (the reduction leaves no replica holding the global gradient).
+            self._fused_update.update(self._optimizer, rs, self._set.generation, self.algorithm)
+            return
         if len(rs) > 1:
             if self.reducer == "p2p":
                 torch.ops.dpcuda.all_reduce_([r.flat_grad for r in rs], "sum", self.algorithm)
