@@ -6,9 +6,10 @@ Part 1, the update alone (every parameter has a gradient; step() timed): dpcuda'
 (4 tensors, 203,530 elements) and for a wider MLP's (4096-4096-4096-10: 6 tensors, 16.8 M).
 
 Part 2, the whole AdamW step of the 784-256-10 MLP (softmax cross-entropy, batch 256): over R
-replicas with DataParallel.step(x, y, loss_fn, optimizer=dpcuda.optim.AdamW) and with the
-conventional loop (dp(x), backward, opt.step()), against torch on one device with AdamW
-foreach and fused.
+replicas with DataParallel.step(x, y, loss_fn, optimizer=dpcuda.optim.AdamW) (the update fused
+into the reduction, sharded state) and with the conventional loop (dp(x), backward,
+opt.step()), against torch on one device with AdamW foreach and fused, and against the same
+DataParallel step with torch's fused AdamW (the reduction, then torch's update).
 
     python benchmarks/bench_optim.py --device cpu --json benchmarks/results/optim-cpu.json
 """
@@ -83,6 +84,13 @@ def whole_step(device, repeats, rows, replicas):
         loss_fn = SoftmaxCrossEntropyLoss()
         fns["dpcuda step(optimizer=)"] = lambda dp=dp, opt=opt: dp.step(x, y, loss_fn,
                                                                          optimizer=opt)
+        # The same step with the reduction followed by torch's fused AdamW (the update not
+        # fused into the reduction): the baseline the fused reduce-update must not trail.
+        torch.manual_seed(0)
+        tdp = DataParallel(FusedMLP([784, 256, 10]), [device] * R)
+        topt = torch.optim.AdamW(tdp.parameters(), lr=1e-3, fused=True)
+        fns["reduce + torch fused"] = lambda tdp=tdp, topt=topt: tdp.step(x, y, loss_fn,
+                                                                          optimizer=topt)
         torch.manual_seed(0)
         loop_dp = DataParallel(FusedMLP([784, 256, 10]), [device] * R)
         loop_opt = dpcuda.optim.AdamW(loop_dp.parameters(), lr=1e-3)
@@ -94,7 +102,8 @@ def whole_step(device, repeats, rows, replicas):
         fns["dpcuda loop"] = loop_step
         samples = compare_samples(fns, device, warmup=3, repeats=repeats)
         report(rows, {"part": "step", "batch": 256, "replicas": R, "optimizer": "AdamW"},
-               samples, ["torch 1 device foreach", "torch 1 device fused"])
+               samples, ["torch 1 device foreach", "torch 1 device fused",
+                         "reduce + torch fused"])
 
 
 def report(rows, key, samples, baselines):

@@ -416,3 +416,78 @@ def test_the_conventional_loop_matches_one_device(case):
         for k, v in r.state_dict().items():
             torch.testing.assert_close(v, model.state_dict()[k], rtol=0, atol=0,
                                        equal_nan=True, msg=f"replicas differ at {k}")
+
+
+@st.composite
+def optimizer_cases(draw):
+    """dpcuda.optim's optimizer and its hyperparameters, drawn, over DataParallel: the
+    conventional loop or the one-call step (fused into the reduction), against torch.optim's
+    optimizer of the same name on one device."""
+    name = draw(st.sampled_from(["SGD", "Adam", "AdamW"]))
+    hyper = {"lr": draw(st.sampled_from([1e-3, 0.01, 0.1])),
+             "weight_decay": draw(st.sampled_from([0.0, 1e-2, 0.3])),
+             "maximize": draw(st.booleans())}
+    if name == "SGD":
+        hyper["momentum"] = draw(st.sampled_from([0.0, 0.5, 0.9]))
+        nesterov = hyper["momentum"] > 0 and draw(st.booleans())
+        hyper["nesterov"] = nesterov
+        hyper["dampening"] = 0.0 if nesterov else draw(st.sampled_from([0.0, 0.3]))
+    else:
+        hyper["betas"] = (draw(st.sampled_from([0.5, 0.9])), draw(st.sampled_from([0.9, 0.999])))
+        hyper["eps"] = draw(st.sampled_from([1e-8, 1e-3]))
+        hyper["amsgrad"] = draw(st.booleans())
+    return {"name": name, "hyper": hyper, "groups": draw(st.booleans()),
+            "replicas": draw(st.integers(1, 4)),
+            "algorithm": draw(st.sampled_from(["auto", "one_shot", "two_shot", "ring"])),
+            "path": draw(st.sampled_from(["loop", "step"])),
+            "dtype": draw(st.sampled_from([torch.float32, torch.float64])),
+            "schedule": draw(st.booleans()), "seed": draw(st.integers(0, 2 ** 16))}
+
+
+@SETTINGS
+@given(optimizer_cases())
+def test_dpcuda_optimizers_match_torch_over_replicas(case):
+    import dpcuda.optim
+    dtype = case["dtype"]
+    torch.manual_seed(case["seed"])
+    model = nn.Sequential(nn.Linear(6, 12), nn.GELU(), nn.Linear(12, 4)).to(dtype)
+    one = copy.deepcopy(model)
+
+    def groups(m):
+        ps = list(m.parameters())
+        if not case["groups"]:
+            return ps
+        return [{"params": ps[0::2]}, {"params": ps[1::2], "weight_decay": 0.0,
+                                       "lr": case["hyper"]["lr"] / 2}]
+
+    dp = DataParallel(model, ["cpu"] * case["replicas"], algorithm=case["algorithm"])
+    ours = getattr(dpcuda.optim, case["name"])(groups(model), **case["hyper"])
+    theirs = getattr(torch.optim, case["name"])(groups(one), foreach=False, **case["hyper"])
+    scheds = [torch.optim.lr_scheduler.StepLR(o, 1, 0.7) for o in (ours, theirs)] \
+        if case["schedule"] else []
+    gen = torch.Generator().manual_seed(case["seed"])
+    for _ in range(3):
+        x = torch.randn(9, 6, generator=gen, dtype=torch.float64).to(dtype)
+        y = torch.randint(0, 4, (9,), generator=gen)
+        if case["path"] == "step":
+            dp.step(x, y, nn.CrossEntropyLoss(), optimizer=ours)
+        else:
+            ours.zero_grad()
+            F.cross_entropy(dp(x), y).backward()
+            ours.step()
+        theirs.zero_grad()
+        F.cross_entropy(one(x), y).backward()
+        theirs.step()
+        for s in scheds:
+            s.step()
+    for (k, v), w in zip(model.state_dict().items(), one.state_dict().values()):
+        assert_agree(v, w, dtype, False, k)
+    for p, q in zip(model.parameters(), one.parameters()):
+        for k, v in theirs.state[q].items():
+            if k == "step":
+                assert float(ours.state[p][k]) == float(v)
+            else:
+                assert_agree(ours.state[p][k], v, dtype, False, k)
+    for r in dp.replicas[1:]:
+        for a, b in zip(r.parameters(), model.parameters()):
+            assert torch.equal(a, b), "replicas differ"

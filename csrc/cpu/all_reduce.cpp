@@ -234,20 +234,28 @@ DPCUDA_CPU_CLONES void reduce_update_range(const T* const* grads, int ngrads, T*
                                            int nparams, T* s1, T* s2, T* s3,
                                            int64_t state_offset, int64_t begin, int64_t end,
                                            bool mean, optim::Kind kind, const double* hyper) {
-  T g[kBlock], p[kBlock];
+  T g[kBlock];
   for (int64_t base = begin; base < end; base += kBlock) {
     const int64_t len = std::min(kBlock, end - base);
-    sum_block(grads, ngrads, base, len, mean, g);
-    std::memcpy(p, params[0] + base, static_cast<size_t>(len) * sizeof(T));
+    // One gradient (already reduced) is read where it is; several are summed into g.
+    const T* sum = grads[0] + base;
+    if (ngrads > 1 || mean) {
+      sum_block(grads, ngrads, base, len, mean, g);
+      sum = g;
+    }
     const int64_t at = base - state_offset;
-    // The update's own loop (csrc/cpu/optim.cpp), on this block: the bits of optim_update.
-    optim_update<T>(kind, hyper, {p, g, s1 ? s1 + at : nullptr, s2 ? s2 + at : nullptr,
-                                  s3 ? s3 + at : nullptr}, 0, len);
-    for (int o = 0; o < nparams; ++o) {
-      std::memcpy(params[o] + base, p, static_cast<size_t>(len) * sizeof(T));
+    // The update's own loop (csrc/cpu/optim.cpp) on this block, in place on params[0]: the
+    // bits of optim_update. The other replicas copy the block.
+    optim_update<T>(kind, hyper, {params[0] + base, sum, s1 ? s1 + at : nullptr,
+                                  s2 ? s2 + at : nullptr, s3 ? s3 + at : nullptr}, 0, len);
+    for (int o = 1; o < nparams; ++o) {
+      std::memcpy(params[o] + base, params[0] + base, static_cast<size_t>(len) * sizeof(T));
     }
   }
 }
+
+// Elements per unit of work of reduce_update.
+constexpr int64_t kUpdatePiece = 1 << 13;
 
 template <typename T>
 void reduce_update(T* const* params, T* const* grads, ShardedState<T> state, int R, int64_t n,
@@ -270,7 +278,10 @@ void reduce_update(T* const* params, T* const* grads, ShardedState<T> state, int
     shard_range(n, R, k, 16 / sizeof(T), &b, &e);
     for (int s = 0; s < nsegments; ++s) {
       const int64_t lo = std::max(b, segments[s].begin), hi = std::min(e, segments[s].end);
-      for (int64_t x = lo; x < hi; x += kPiece) pieces.push_back({k, x, std::min(hi, x + kPiece), s});
+      // (pieces of kUpdatePiece elements: small enough that threads get even shares)
+      for (int64_t x = lo; x < hi; x += kUpdatePiece) {
+        pieces.push_back({k, x, std::min(hi, x + kUpdatePiece), s});
+      }
     }
   }
   parallel(0, static_cast<int64_t>(pieces.size()), [&](int64_t lo, int64_t hi) {

@@ -6,14 +6,14 @@ the state of shard k only.
 
 Here every replica shares one device (the CPU, or one GPU), so the shards are slices of one
 flat buffer per state tensor (exp_avg, ...) laid out as the replicas' flat parameters, and the
-optimizer's own state entries (opt.state[p]["exp_avg"], ...) are views of it: its state_dict()
-is torch's format and always current, and load_state_dict() is followed at the next step.
+optimizer's own state entries (opt.state[p]["exp_avg"], ...) are views of it, as are Adam's
+step counts (0-d views of one float32 tensor on the host): its state_dict() is torch's format
+and always current, and a load_state_dict() is followed at the next step.
 """
 
 import torch
 
-# The state tensors of each optimizer family, in the kernels' state1..3 order.
-_KEYS = {"sgd": ("momentum_buffer",), "adam": ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")}
+_HYPER = 16
 
 
 def shard_range(n, replicas, k, align):
@@ -24,43 +24,94 @@ def shard_range(n, replicas, k, align):
     return begin, min(per * k + per, n)
 
 
-class FusedUpdate:
-    """The flat, sharded state of one dpcuda.optim optimizer over one replica set, and its
-    fused update. ready() says whether a step can take this path; update() runs it."""
+class _Plan:
+    """What stays the same from step to step for one optimizer over one replica set: the
+    state's flat buffers and their views, the shards, the parameter groups as segments."""
 
-    def __init__(self):
-        self._key = None      # (optimizer id, replica generation, state keys)
-        self._flat = {}       # state key -> the flat buffer
-        self._views = {}      # state key -> [view per trainable parameter]
-
-    def ready(self, opt, replicas, unused):
-        """Whether the fused update applies: a dpcuda.optim optimizer over every trainable
-        parameter (one group each, the same kind of state in every group), every replica on
-        one device, every parameter with a gradient, and each group's parameters at the same
-        step. Otherwise the step reduces and then calls opt.step() (as exact, slower)."""
-        from ..optim import _FusedOptimizer
-        if not isinstance(opt, _FusedOptimizer) or unused:
-            return False
-        from torch.optim.optimizer import _global_optimizer_pre_hooks
-        if opt._optimizer_step_pre_hooks or _global_optimizer_pre_hooks:
-            return False  # (a pre-hook may read or change .grad: it gets the global gradient)
-        if len({r.device for r in replicas}) != 1:
-            return False  # (shards on several devices: not yet; see the module docstring)
+    def __init__(self, opt, replicas, keys, group_of):
         r0 = replicas[0]
         params = [r0.params[i] for i in r0.trainable]
-        group_of = {}
-        for g, group in enumerate(opt.param_groups):
-            for p in group["params"]:
-                group_of[id(p)] = g
-        if len(group_of) != len(params) or any(id(p) not in group_of for p in params):
-            return False
-        structure = {self._structure(opt, group) for group in opt.param_groups}
-        if len(structure) != 1:
-            return False
-        self._group_of = [group_of[id(p)] for p in params]
-        self._params = params
-        return all(len({self._step_key(opt, p) for p, g in zip(params, self._group_of)
-                        if g == index}) <= 1 for index in range(len(opt.param_groups)))
+        n = r0.flat_param.numel()
+        R = len(replicas)
+        self.params, self.keys, self.group_of = params, keys, group_of
+        self.flat = {k: torch.zeros(n, dtype=r0.flat_param.dtype, device=r0.device)
+                     for k in keys}
+        self.views = {k: [self.flat[k][o:o + c].view_as(p) for (o, c), p in
+                          zip(r0.spans, params)] for k in keys}
+        self.steps = torch.zeros(len(params), dtype=torch.float32)
+        self.step_views = list(self.steps.unbind())
+        align = 16 // r0.flat_param.element_size()
+        bounds = [shard_range(n, R, k, align) for k in range(R)]
+        shards = [[self.flat[k][b:e] for b, e in bounds] for k in keys]
+        self.lists = [shards[i] if len(shards) > i else [] for i in range(3)]
+        segments = []
+        for (o, c), g in zip(r0.spans, group_of):
+            if segments and segments[-1][2] == g and segments[-1][1] == o:
+                segments[-1][1] = o + c
+            else:
+                segments.append([o, o + c, g])
+        self.segments = [v for s in segments for v in s]
+        self.members = [[i for i, g in enumerate(group_of) if g == index]
+                        for index in range(len(opt.param_groups))]
+        self.buffers = [r.flat_param for r in replicas], [r.flat_grad for r in replicas]
+        self.device = r0.device
+        self.bound = False
+
+    def bind(self, opt):
+        """The optimizer's state entries as views of the flat buffers (values it holds that
+        are not, from a loaded state_dict or its own steps, copied in first). Returns whether
+        every step count agrees within each parameter group."""
+        adam = opt._op == "adam"
+        with torch.no_grad():
+            for i, p in enumerate(self.params):
+                state = opt.state[p]
+                for k in self.keys:
+                    view = self.views[k][i]
+                    have = state.get(k)
+                    if have is view:
+                        continue
+                    if have is None:
+                        # torch.optim's lazy state starts at zero; SGD's momentum buffer is
+                        # made by its first update (until then, its absence says "first").
+                        view.zero_()
+                        if adam:
+                            state[k] = view
+                    else:
+                        view.copy_(have)
+                        state[k] = view
+                if adam:
+                    view = self.step_views[i]
+                    have = state.get("step")
+                    if have is not view:
+                        view.fill_(0.0 if have is None else float(have))
+                        state["step"] = view
+        self.bound = True
+        if adam:
+            return all(len({float(self.steps[i]) for i in m}) <= 1 for m in self.members)
+        return all(len({"momentum_buffer" in opt.state[self.params[i]] for i in m}) <= 1
+                   for m in self.members)
+
+    def current(self, opt):
+        """Whether the optimizer's state entries are still the plan's views (a load_state_dict
+        or a user's assignment replaces them)."""
+        step = opt._op == "adam"
+        for i, p in enumerate(self.params):
+            state = opt.state.get(p)
+            if state is None or (step and state.get("step") is not self.step_views[i]):
+                return False
+            for k in self.keys:
+                if state.get(k) is not self.views[k][i]:
+                    return False
+        return True
+
+
+class FusedUpdate:
+    """The fused update of one dpcuda.optim optimizer over one replica set: ready() says
+    whether a step can take this path, update() runs it."""
+
+    def __init__(self):
+        self._plan = None
+        self._plan_key = None
 
     @staticmethod
     def _structure(opt, group):
@@ -68,75 +119,77 @@ class FusedUpdate:
             return ("momentum_buffer",) if group["momentum"] != 0 else ()
         return ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group["amsgrad"] else ())
 
-    @staticmethod
-    def _step_key(opt, p):
-        state = opt.state.get(p, {})
-        if opt._op == "sgd":
-            return "momentum_buffer" not in state
-        step = state.get("step")
-        return 0.0 if step is None else float(step)
+    def ready(self, opt, replicas, unused, generation):
+        """Whether the fused update applies: a dpcuda.optim optimizer without step pre-hooks
+        (they would read or change .grad) over exactly the trainable parameters, one kind of
+        state in every group, the replicas on one device, every parameter with a gradient and
+        the step counts of each group alike. Otherwise the step reduces and then calls
+        opt.step() (as exact, slower)."""
+        from torch.optim.optimizer import _global_optimizer_pre_hooks
 
-    def _bind(self, opt, replicas, keys, generation):
-        """The flat buffers and the optimizer's state entries as their views: values the
-        optimizer already holds (a loaded state_dict, earlier steps) are copied in."""
-        r0 = replicas[0]
-        key = (id(opt), generation, keys)
-        fresh = key != self._key
-        if fresh:
-            n = r0.flat_param.numel()
-            self._flat = {k: torch.zeros(n, dtype=r0.flat_param.dtype, device=r0.device)
-                          for k in keys}
-            self._views = {k: [self._flat[k][o:o + c].view_as(p)
-                               for (o, c), p in zip(r0.spans, self._params)] for k in keys}
-            self._key = key
-        with torch.no_grad():
-            for k in keys:
-                for p, view in zip(self._params, self._views[k]):
-                    have = opt.state[p].get(k)
-                    if have is None:
-                        view.zero_()  # (torch.optim's lazy state starts at zero)
-                    elif have.data_ptr() != view.data_ptr() or have.shape != view.shape:
-                        view.copy_(have)
-                        opt.state[p][k] = view
-
-    def update(self, opt, replicas, generation, algorithm):
-        """The fused reduce-update of the replicas' gradients (flat_grad) into every replica's
-        weights; the optimizer's state and step counts advanced as its step() would."""
-        r0 = replicas[0]
+        from ..optim import _FusedOptimizer
+        if not isinstance(opt, _FusedOptimizer) or unused or opt._optimizer_step_pre_hooks \
+                or _global_optimizer_pre_hooks:
+            return False
+        if len(replicas) > 1 and len({r.device for r in replicas}) != 1:
+            return False  # (shards on several devices: not yet; see the module docstring)
         groups = opt.param_groups
-        keys = self._structure(opt, groups[0])
-        self._bind(opt, replicas, keys, generation)
-        n = r0.flat_param.numel()
+        structure = {self._structure(opt, group) for group in groups}
+        if len(structure) != 1:
+            return False
+        key = (id(opt), generation, structure.pop(),
+               tuple(id(p) for group in groups for p in group["params"]),
+               tuple(len(group["params"]) for group in groups))
+        if key != self._plan_key:
+            self._plan = None
+            r0 = replicas[0]
+            group_of = {}
+            for g, group in enumerate(groups):
+                for p in group["params"]:
+                    group_of[id(p)] = g
+            params = [r0.params[i] for i in r0.trainable]
+            if len(group_of) != len(params) or any(id(p) not in group_of for p in params):
+                self._plan_key = key
+                return False
+            self._plan = _Plan(opt, replicas, key[2], [group_of[id(p)] for p in params])
+            self._plan_key = key
+        plan = self._plan
+        if plan is None:
+            return False
+        if not plan.bound or not plan.current(opt):
+            return plan.bind(opt)
+        return True
+
+    def update(self, opt, replicas, algorithm):
+        """The fused reduce-update of the replicas' gradients (flat_grad) into every replica's
+        weights; the optimizer's state and step counts advanced as its step() would advance
+        them; .grad None on every replica (no replica holds the global gradient)."""
+        plan = self._plan
         R = len(replicas)
-        align = 16 // r0.flat_param.element_size()
-        bounds = [shard_range(n, R, k, align) for k in range(R)]
-        shards = [[self._flat[k][b:e] for b, e in bounds] for k in keys]
-        # The kernels' state1..3: SGD's momentum buffer; Adam's exp_avg, exp_avg_sq and, with
-        # amsgrad, max_exp_avg_sq.
-        lists = [shards[0] if len(shards) > 0 else [], shards[1] if len(shards) > 1 else [],
-                 shards[2] if len(shards) > 2 else []]
+        adam = opt._op == "adam"
         hyper = []
-        for index, group in enumerate(groups):
-            members = [p for p, g in zip(self._params, self._group_of) if g == index]
-            if not members:
-                hyper += [torch.zeros(16, dtype=torch.float64, device=r0.device)] * R
+        first = False
+        for index, group in enumerate(opt.param_groups):
+            m = plan.members[index]
+            if not m:
+                hyper += [torch.zeros(_HYPER, dtype=torch.float64, device=plan.device)] * R
                 continue
-            step_key = self._step_key(opt, members[0])
-            values = opt._values(group, step_key + 1 if opt._op == "adam" else step_key)
-            hyper += [opt._hyper_tensor(index, r0.device, values)] * R
-        segments = []
-        for (o, c), g in zip(r0.spans, self._group_of):
-            if segments and segments[-1][2] == g and segments[-1][1] == o:
-                segments[-1][1] = o + c
+            if adam:
+                key = float(plan.steps[m[0]]) + 1
             else:
-                segments.append([o, o + c, g])
-        flat_segments = [v for s in segments for v in s]
+                key = first = "momentum_buffer" not in opt.state[plan.params[m[0]]]
+            hyper += [opt._hyper_tensor(index, plan.device, opt._values(group, key))] * R
 
         def run():
-            torch.ops.dpcuda.reduce_update_([r.flat_param for r in replicas],
-                                            [r.flat_grad for r in replicas], *lists, hyper,
-                                            flat_segments, opt._op, False, algorithm)
-            self._commit(opt, keys)
+            torch.ops.dpcuda.reduce_update_(*plan.buffers, *plan.lists, hyper, plan.segments,
+                                            opt._op, False, algorithm)
+            # What opt.step() leaves in the state once the update has happened: Adam's step
+            # counts, SGD's momentum buffers made at its first step.
+            if adam:
+                plan.steps.add_(1)
+            elif first and plan.keys:
+                for p, view in zip(plan.params, plan.views["momentum_buffer"]):
+                    opt.state[p]["momentum_buffer"] = view
         # Through opt.step(), so that what wraps it runs as for any step: its post-hooks, the
         # learning-rate schedulers' bookkeeping, the profiler's record.
         for r in replicas:
@@ -147,20 +200,10 @@ class FusedUpdate:
         finally:
             opt.__dict__.pop("_fused_step", None)
 
-    def _commit(self, opt, keys):
-        """What opt.step() leaves in the state once the update has happened: SGD's momentum
-        buffers (made at the first step), Adam's step counts."""
-        if opt._op == "sgd":
-            if keys:
-                for p, view in zip(self._params, self._views[keys[0]]):
-                    opt.state[p]["momentum_buffer"] = view
-        else:
-            steps = []
-            for i, p in enumerate(self._params):
-                state = opt.state[p]
-                if "step" not in state:
-                    state["step"] = torch.tensor(0.0, dtype=torch.float32)
-                for k in keys:
-                    state[k] = self._views[k][i]
-                steps.append(state["step"])
-            torch._foreach_add_(steps, 1)
+    @property
+    def _flat(self):  # (tests: the flat state buffers)
+        return self._plan.flat if self._plan is not None else {}
+
+    @property
+    def _key(self):  # (tests: whether a plan was made)
+        return self._plan_key if self._plan is not None else None

@@ -444,10 +444,11 @@ class StepMixin(LabelChecks, PendingSteps):
         parameter no replica used, as one device leaves it), the other replicas' .grad None,
         then optimizer.step() on the model."""
         rs = self._replicas
-        if self.reducer == "p2p" and self._fused_update.ready(self._optimizer, rs, unused):
+        if self.reducer == "p2p" and self._fused_update.ready(self._optimizer, rs, unused,
+                                                              self._set.generation):
             # The update fused into the reduction, with sharded optimizer state; .grad is None
             # afterwards (the reduction leaves no replica holding the global gradient).
-            self._fused_update.update(self._optimizer, rs, self._set.generation, self.algorithm)
+            self._fused_update.update(self._optimizer, rs, self.algorithm)
             return
         if len(rs) > 1:
             if self.reducer == "p2p":
