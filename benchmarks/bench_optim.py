@@ -100,7 +100,8 @@ def whole_step(device, repeats, rows, replicas):
             F.cross_entropy(loop_dp(x), y).backward()
             loop_opt.step()
         fns["dpcuda loop"] = loop_step
-        samples = compare_samples(fns, device, warmup=3, repeats=repeats)
+        # (three times the rounds: whole steps on 2 CPU cores drift more than updates)
+        samples = compare_samples(fns, device, warmup=3, repeats=3 * repeats)
         report(rows, {"part": "step", "batch": 256, "replicas": R, "optimizer": "AdamW"},
                samples, ["torch 1 device foreach", "torch 1 device fused",
                          "reduce + torch fused"])
@@ -112,7 +113,9 @@ def report(rows, key, samples, baselines):
         row = dict(key, method=name, ms=statistics.median(times))
         for b in baselines:
             if name not in baselines:
-                row[f"{b} / this"] = paired_ratio(samples[b], times)["median"]
+                ratio = paired_ratio(samples[b], times)
+                row[f"{b} / this"] = ratio["median"]
+                row[f"{b} / this quartiles"] = [ratio["q1"], ratio["q3"]]
         rows.append(row)
         ratios = "  ".join(f"{b}/this {row[f'{b} / this']:.2f}" for b in baselines
                            if f"{b} / this" in row)

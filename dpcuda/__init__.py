@@ -36,9 +36,9 @@ if _own_cxx_runtime(_C.__file__):
         "raised in C++ can crash the process; rebuild it with the system compiler, e.g. "
         "CXX=/usr/bin/g++ CC=/usr/bin/gcc pip install --no-build-isolation -e .")
 
-from . import ops, nn, reference, parallel  # noqa: E402
+from . import ops, nn, optim, reference, parallel  # noqa: E402
 
-__all__ = ["built_with_cuda", "cuda_available", "load_checkpoint_model", "ops", "nn",
+__all__ = ["built_with_cuda", "cuda_available", "load_checkpoint_model", "ops", "nn", "optim",
            "parallel", "reference"]
 
 

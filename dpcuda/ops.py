@@ -255,3 +255,22 @@ def _reduce_sgd_fake(params, grads, momentum_buffers, lr, momentum, weight_decay
     _one_device_type(params[0], "params[0]", params=params, grads=grads,
                      momentum_buffers=momentum_buffers, status=status or [], loss_out=loss_out)
     return None
+
+
+@torch.library.register_fake("dpcuda::optim_update_")
+def _optim_update_fake(params, grads, state1, state2, state3, hyper, optimizer):
+    if not params:
+        raise ValueError("params must hold at least one tensor")
+    _one_device_type(params[0], "params[0]", params=params, grads=grads, state1=state1,
+                     state2=state2, state3=state3, hyper=hyper)
+    return None
+
+
+@torch.library.register_fake("dpcuda::reduce_update_")
+def _reduce_update_fake(params, grads, state1, state2, state3, hyper, segments, optimizer, mean,
+                        algorithm):
+    if not params:
+        raise ValueError("params must hold at least one tensor")
+    _one_device_type(params[0], "params[0]", params=params, grads=grads, state1=state1,
+                     state2=state2, state3=state3, hyper=hyper)
+    return None

@@ -7,10 +7,11 @@ or local memory, or on more than 48 KiB of static shared memory. Prints the tabl
 Local memory is where by-value parameter arrays indexed at run time, or locals whose address
 escapes, end up: slow on a GPU and invisible in the emulation, so it is checked here.
 
-It also checks the floating-point rule of the SGD kernels (csrc/kernels/common.cuh, mul_rn/add_rn)
-and of the optimizer kernels (csrc/kernels/optim/update.h, rn::): no product in them may be contracted into an FMA, so that CPU and CUDA updates give the same
-bits. In their PTX there must be no fma and no mul.f32/f64 without a rounding modifier (which
-ptxas may fuse with an add). The detector is first shown to fire on a kernel written with plain
+It also checks the floating-point rule of the SGD kernels (csrc/kernels/common.cuh,
+mul_rn/add_rn) and of the optimizer kernels (csrc/kernels/optim/update.h, rn::): no product in
+them may be contracted into an FMA, so that CPU and CUDA updates give the same bits. In their
+PTX there must be no fma and no mul.f32/f64 without a rounding modifier (which ptxas may fuse
+with an add). The detector is first shown to fire on a kernel written with plain
 operators.
 """
 
@@ -86,7 +87,8 @@ def demangle(names):
 
 # The kernels whose arithmetic must follow the no-contraction rule, by source and name: the
 # fused SGD of the all-reduce and dpcuda.optim's update (csrc/kernels/optim/update.h's rn::).
-NO_FMA_SOURCES = [(os.path.join("csrc", "kernels", "all_reduce", "all_reduce.cu"), r"sgd|update"),
+NO_FMA_SOURCES = [(os.path.join("csrc", "kernels", "all_reduce", "all_reduce.cu"),
+                   r"sgd|update"),
                   (os.path.join("csrc", "kernels", "optim", "optim.cu"), r"optim_kernel")]
 # Any fma or mad, and any mul without an explicit rounding mode (.rn/.rz/.rm/.rp), predicated
 # or not, with or without .ftz/.sat.

@@ -146,6 +146,12 @@ def test_in_place_collectives_trace_and_run_on_meta():
     torch.ops.dpcuda.all_reduce_(meta, "sum", "auto")
     torch.ops.dpcuda.reduce_sgd_(meta, [torch.empty(5, device="meta")] * 2, [], 0.1, 0.0, 0.0,
                                  True, "auto")
+    hyper = [torch.empty(16, dtype=torch.float64, device="meta")]
+    torch.ops.dpcuda.optim_update_(meta[:1], meta[1:], [], [], [], hyper[0], "sgd")
+    torch.ops.dpcuda.reduce_update_(meta, [torch.empty(5, device="meta")] * 2, [], [], [],
+                                    hyper * 2, [0, 5, 0], "sgd", False, "auto")
+    with pytest.raises(ValueError, match="is on cpu but params"):
+        torch.ops.dpcuda.optim_update_(meta[:1], [torch.empty(5)], [], [], [], hyper[0], "sgd")
 
     def f(a, b):
         par.all_reduce([a, b], op="mean")

@@ -10,7 +10,8 @@ namespace {
 // the compiler hoists them, and the loops vectorise. Inlined into optim_update, so that each of
 // its clones (target.h) compiles them for its own instruction set.
 template <typename T>
-inline __attribute__((always_inline)) void sgd_loop(const optim::Hyper<T>& h, OptimTensor<T> t, int64_t begin, int64_t end) {
+inline __attribute__((always_inline)) void sgd_loop(const optim::Hyper<T>& h, OptimTensor<T> t,
+                                                     int64_t begin, int64_t end) {
   T* __restrict__ p = t.param;
   const T* __restrict__ g = t.grad;
   T* __restrict__ buf = t.state1;
@@ -29,7 +30,8 @@ inline __attribute__((always_inline)) void sgd_loop(const optim::Hyper<T>& h, Op
 }
 
 template <typename T>
-inline __attribute__((always_inline)) void adam_loop(const optim::Hyper<T>& h, OptimTensor<T> t, int64_t begin, int64_t end) {
+inline __attribute__((always_inline)) void adam_loop(const optim::Hyper<T>& h, OptimTensor<T> t,
+                                                      int64_t begin, int64_t end) {
   T* __restrict__ p = t.param;
   const T* __restrict__ g = t.grad;
   T* __restrict__ m = t.state1;
