@@ -3,8 +3,10 @@ data, from the same initial weights, four ways, alternated step by step (round-r
 order rotating every step) so that the machine's drift falls on all alike:
 
   ddp           torch.nn.parallel.DistributedDataParallel over nn.Linear/ReLU, torch.optim.SGD
-  ddp-tuned     the same with gradient_as_bucket_view=True and SGD(fused=True)
-  dpcuda        dpcuda.parallel.DataParallel(reducer="dist") over dpcuda.nn.FusedMLP
+                (--optimizer adamw: torch.optim.AdamW, foreach)
+  ddp-tuned     the same with gradient_as_bucket_view=True and SGD(fused=True) (AdamW(fused=True))
+  dpcuda        dpcuda.parallel.DataParallel(reducer="dist") over dpcuda.nn.FusedMLP (with
+                --optimizer adamw: step(optimizer=dpcuda.optim.AdamW))
   dpcuda-plain  the same over nn.Linear/ReLU (the reduction and the fused update alone)
 
 gloo on the CPU (one process per core, one torch thread each), NCCL with one GPU per process
@@ -39,6 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import environment, paired_ratio, write_json  # noqa: E402
 
 import dpcuda  # noqa: E402
+import dpcuda.optim  # noqa: E402
 from dpcuda.nn import FusedMLP, SoftmaxCrossEntropyLoss  # noqa: E402
 from dpcuda.parallel import DataParallel  # noqa: E402
 
@@ -81,7 +84,8 @@ def _batch(step, seed, sizes, global_batch, rank, world, teacher, device):
     return x[rank * per:(rank + 1) * per].to(device), y[rank * per:(rank + 1) * per].to(device)
 
 
-def run_shape(rank, world, device, sizes, global_batch, steps, warmup, lr, momentum, seed):
+def run_shape(rank, world, device, sizes, global_batch, steps, warmup, lr, momentum, seed,
+              optimizer="sgd"):
     """One shape on this rank: returns the per-step times of each contender (the slowest
     rank's) and the parameters' differences, after CHECK_STEPS steps and at the end."""
     torch.manual_seed(seed)
@@ -98,16 +102,24 @@ def run_shape(rank, world, device, sizes, global_batch, steps, warmup, lr, momen
                 p.copy_(q)
     ids = [device.index] if device.type == "cuda" else None
     ddp = torch.nn.parallel.DistributedDataParallel(models["ddp"], device_ids=ids)
-    opt = torch.optim.SGD(ddp.parameters(), lr=lr, momentum=momentum)
+    adamw = optimizer == "adamw"
+
+    def torch_opt(params, **impl):
+        if adamw:
+            return torch.optim.AdamW(params, lr=lr, **impl)
+        return torch.optim.SGD(params, lr=lr, momentum=momentum, **impl)
+    opt = torch_opt(ddp.parameters(), **({"foreach": True} if adamw else {}))
     # DDP as tuned by hand: gradients as views of its buckets (no copy into them) and the
-    # fused SGD kernel.
+    # fused optimizer kernel.
     tuned = torch.nn.parallel.DistributedDataParallel(models["ddp-tuned"], device_ids=ids,
                                                       gradient_as_bucket_view=True)
-    tuned_opt = torch.optim.SGD(tuned.parameters(), lr=lr, momentum=momentum, fused=True)
+    tuned_opt = torch_opt(tuned.parameters(), fused=True)
     dp_fused = DataParallel(models["dpcuda"], [device], reducer="dist", lr=lr,
                             momentum=momentum)
     dp_plain = DataParallel(models["dpcuda-plain"], [device], reducer="dist", lr=lr,
                             momentum=momentum)
+    ours = {"dpcuda": dpcuda.optim.AdamW(dp_fused.parameters(), lr=lr) if adamw else None,
+            "dpcuda-plain": dpcuda.optim.AdamW(dp_plain.parameters(), lr=lr) if adamw else None}
     fused_loss = SoftmaxCrossEntropyLoss()
 
     def ddp_step(model, optimizer):
@@ -118,8 +130,10 @@ def run_shape(rank, world, device, sizes, global_batch, steps, warmup, lr, momen
         return run
 
     steps_fn = {"ddp": ddp_step(ddp, opt), "ddp-tuned": ddp_step(tuned, tuned_opt),
-                "dpcuda": lambda x, y: dp_fused.step(x, y, fused_loss),
-                "dpcuda-plain": lambda x, y: dp_plain.step(x, y, F.cross_entropy)}
+                "dpcuda": lambda x, y: dp_fused.step(x, y, fused_loss,
+                                                     optimizer=ours["dpcuda"]),
+                "dpcuda-plain": lambda x, y: dp_plain.step(x, y, F.cross_entropy,
+                                                           optimizer=ours["dpcuda-plain"])}
     params = {"ddp": lambda: ddp.module.parameters(),
               "ddp-tuned": lambda: tuned.module.parameters(),
               "dpcuda": lambda: dp_fused.module.parameters(),
@@ -187,7 +201,8 @@ def _worker(rank, world, port, args, out_path):
         for shape in args.shapes:
             sizes, batch, steps = SHAPES[shape]
             out[shape] = run_shape(rank, world, device, sizes, batch, args.steps or steps,
-                                   args.warmup, args.lr, args.momentum, args.seed)
+                                   args.warmup, args.lr, args.momentum, args.seed,
+                                   args.optimizer)
         if rank == 0:
             # A file, not a pipe: a pipe's 64 KiB would block rank 0 (and the run) while the
             # parent waits for the workers to end.
@@ -242,6 +257,9 @@ def main(argv=None):
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--momentum", type=float, default=0.9)
+    parser.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd",
+                        help="sgd (lr, momentum) or adamw (lr; torch's foreach and fused "
+                             "AdamW against dpcuda.optim.AdamW)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
@@ -278,7 +296,8 @@ def main(argv=None):
     env["threads"] = 1 if device == "cpu" else env["threads"]
     print(f"dpcuda vs torch DDP: {args.procs} processes, {args.backend}, {env['device_name']}, "
           f"timed steps {', '.join(str(args.steps or SHAPES[s][2]) for s in args.shapes)} "
-          f"(+{args.warmup} warm-up), SGD lr {args.lr} momentum {args.momentum}")
+          f"(+{args.warmup} warm-up), " + (f"AdamW lr {args.lr}" if args.optimizer == "adamw"
+                                           else f"SGD lr {args.lr} momentum {args.momentum}"))
     print("ms per step, median [q1, q3], the slowest rank; ratios: median of the per-step "
           "ratios [quartiles]")
     print(f"{'shape':<18}{'batch':>6}" + "".join(f"{n:>22}" for n in CONTENDERS) +
@@ -322,7 +341,8 @@ def main(argv=None):
         print(f"MISMATCH {line}")
     write_json(args.json, {"command": "benchmarks/bench_ddp.py", "procs": args.procs,
                            "backend": args.backend, "warmup": args.warmup,
-                           "lr": args.lr, "momentum": args.momentum, "environment": env,
+                           "lr": args.lr, "momentum": args.momentum,
+                           "optimizer": args.optimizer, "environment": env,
                            "results": rows})
     return 1 if bad else 0
 

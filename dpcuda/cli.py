@@ -186,7 +186,8 @@ def _add_model_and_data(p, epochs_default):
     p.add_argument("--lr", type=_non_negative_float("--lr"), default=0.2, help="learning rate")
     p.add_argument("--momentum", type=_momentum, default=0.9, help="SGD momentum")
     p.add_argument("--weight-decay", type=_non_negative_float("--weight-decay"), default=0.0,
-                   help="SGD weight decay")
+                   help="weight decay (SGD and Adam: L2, added to the gradient; AdamW: "
+                        "decoupled; note torch's AdamW defaults to 0.01)")
     p.add_argument("--epochs", type=_positive_int("--epochs"), default=epochs_default,
                    help="passes over the training split")
     p.add_argument("--hidden", type=_widths, default="256",

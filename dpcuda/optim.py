@@ -13,9 +13,11 @@ small float64 tensor the kernel reads (a schedule changes them without a new ker
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-2, total_steps=1000)
     loss_fn(model(x), y).backward(); opt.step(); sched.step(); opt.zero_grad()
 
-Against torch.optim on the same device, the results agree within rounding (torch's CPU
-kernels contract some products into fused multiply-adds); see tests/test_optim.py for the
-tolerances.
+Against torch.optim on the same device: float64 and float32 agree within rounding (torch's
+CPU kernels contract some products into fused multiply-adds); bfloat16 within two bfloat16
+roundings of torch's single-tensor path (which rounds its intermediates to bfloat16; dpcuda
+computes in float, as torch's fused=True path, whose bits it gives for Adam); see
+tests/test_optim.py for the tolerances.
 """
 
 import torch
@@ -57,19 +59,20 @@ class _FusedOptimizer(Optimizer):
         self._hyper = {}
 
     def _hyper_tensor(self, index, device, values):
-        """The group's hyperparameters on `device`: a float64 tensor the kernel reads, written
-        in stream order (a non-blocking copy; the host never waits for the device)."""
-        key = (index, device)
-        h = self._hyper.get(key)
-        if h is None:
-            h = torch.empty(_HYPER, dtype=torch.float64, device=device)
-            self._hyper[key] = h
-        if h.device.type == "cpu":
-            # (the CPU op runs synchronously: the last update has read the values)
+        """The group's hyperparameters on `device`: a float64 tensor the kernel reads (on a GPU
+        copied in stream order, without waiting for the device)."""
+        if torch.device(device).type == "cpu":
+            # One tensor per group, written in place: the CPU op runs synchronously, so the
+            # last update has read the values.
+            h = self._hyper.get(index)
+            if h is None:
+                h = self._hyper[index] = torch.empty(_HYPER, dtype=torch.float64)
             h.numpy()[:] = values
-        else:
-            h.copy_(torch.tensor(values, dtype=torch.float64), non_blocking=True)
-        return h
+            return h
+        # On a GPU a tensor of its own each time (from the caching allocator, on the current
+        # stream): a kernel of the last update, queued on another stream, may still read the
+        # previous one.
+        return torch.tensor(values, dtype=torch.float64).to(device, non_blocking=True)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -118,6 +121,9 @@ class _FusedOptimizer(Optimizer):
         torch.ops.dpcuda.optim_update_(*lists, hyper, self._op)
         for t, c in write_back:
             t.copy_(c)
+        # In place, as torch.optim's updates: autograd sees the parameters changed (a graph
+        # that saved them raises at backward, as with torch.optim).
+        torch.autograd.graph.increment_version([entry[0] for entry, _ in entries])
         # The state changes that say an update happened (a momentum buffer begun, a step
         # counted) only once it has: an update that raised leaves the state as it was.
         self._commit([commit for _, commit in entries])

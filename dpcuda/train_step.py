@@ -37,12 +37,22 @@ def make_optimizer(cfg, params):
 def make_scheduler(cfg, opt, total_steps):
     """--lr-schedule over total_steps optimizer steps, after --warmup-steps of linear warm-up
     (from lr / (warmup + 1)): constant, cosine (to 0) or onecycle (torch's OneCycleLR with
-    max_lr = --lr, its warm-up the --warmup-steps, or 30% of the steps when 0)."""
+    max_lr = --lr, its warm-up the --warmup-steps, or 30% of the steps when 0, the momentum
+    not cycled). A onecycle run too short for its two phases raises ValueError."""
     warmup = cfg.warmup_steps
     if cfg.lr_schedule == "onecycle":
-        pct = warmup / total_steps if warmup else 0.3
+        # Its two phases each need at least one step: 2 <= warm-up < the run's steps.
+        rise = warmup or int(0.3 * total_steps)
+        if not 2 <= rise < total_steps:
+            raise ValueError(f"--lr-schedule onecycle needs a warm-up of at least 2 optimizer "
+                             f"steps and fewer than the run's {total_steps}; got {rise}"
+                             f"{'' if warmup else ' (30% of the run)'}: change --warmup-steps "
+                             f"or --epochs")
+        # The momentum (SGD's, Adam's beta1) stays the one given; torch's default would cycle
+        # it between 0.85 and 0.95 over --momentum.
         return torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=cfg.lr, total_steps=total_steps,
-                                                   pct_start=min(max(pct, 1e-9), 1.0))
+                                                   pct_start=rise / total_steps,
+                                                   cycle_momentum=False)
     cosine = cfg.lr_schedule == "cosine"
 
     def factor(step):

@@ -11,15 +11,18 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_bench_ddp_runs_and_trains_the_same_model(tmp_path):
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_bench_ddp_runs_and_trains_the_same_model(tmp_path, optimizer):
     out = tmp_path / "ddp.json"
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_ddp.py"),
                            "--shapes", "784-256-10", "--steps", "3", "--warmup", "1",
-                           "--json", str(out)], capture_output=True, text=True, timeout=300)
+                           "--optimizer", optimizer, "--json", str(out)],
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     payload = json.loads(out.read_text())
     (row,) = payload["results"]
     assert row["shape"] == "784-256-10" and row["global_batch"] == 256
+    assert payload["optimizer"] == optimizer
     for name in ("ddp", "ddp-tuned", "dpcuda", "dpcuda-plain"):
         assert len(row["samples_ms"][name]) == 3
         assert 0 < row[name]["q1_ms"] <= row[name]["median_ms"] <= row[name]["q3_ms"]

@@ -117,3 +117,18 @@ def test_the_wrapper_sgd_checkpoints_and_version_2_still_resume(tmp_path):
     proc = run_cli("train", "--no-progress", "--epochs", "2", "--resume", str(ck),
                    "--optimizer", "adamw")
     assert proc.returncode == 2 and "--optimizer adamw (checkpoint: sgd)" in proc.stderr
+
+
+def test_onecycle_refuses_a_run_too_short_and_keeps_the_momentum(tmp_path):
+    for warmup in ("1", "12"):  # (digits: 6 optimizer steps an epoch, 12 in 2 epochs)
+        proc = run_cli("train", "--no-progress", "--epochs", "2", "--optimizer", "adam",
+                       "--lr-schedule", "onecycle", "--warmup-steps", warmup)
+        assert proc.returncode == 2, proc.stderr
+        assert "--lr-schedule onecycle needs a warm-up of at least 2" in proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1
+    ck = tmp_path / "ck.pt"
+    proc = run_cli("train", "--no-progress", "--epochs", "2", "--optimizer", "sgd",
+                   "--momentum", "0", "--lr-schedule", "onecycle", "--checkpoint", str(ck))
+    assert proc.returncode == 0, proc.stderr
+    group = load_checkpoint(str(ck))["optimizer"]["param_groups"][0]
+    assert group["momentum"] == 0.0

@@ -559,3 +559,87 @@ def test_the_fused_step_skips_on_nan_and_runs_the_optimizers_hooks():
         dp.step(x, y, nn.CrossEntropyLoss(), optimizer=opt)
         sched.step()
     assert seen == [opt] and opt.param_groups[0]["lr"] == 0.005
+
+
+def test_the_fused_step_follows_parameters_that_missed_steps():
+    """A parameter that had no gradient at some step is at another step count (Adam) or has
+    no momentum buffer yet (SGD) than its group: the fused update must not give it its
+    group's; the step then reduces and calls opt.step(), exactly."""
+    for name, groups in (("Adam", False), ("SGD", True)):
+        torch.manual_seed(8)
+        model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+        ref = copy.deepcopy(model)
+        dp = DataParallel(model, ["cpu", "cpu"])
+
+        def make(cls, m, **kw):
+            ps = [{"params": m[0].parameters()}, {"params": m[2].parameters()}] if groups \
+                else m.parameters()
+            return cls(ps, lr=0.05, **({"momentum": 0.9} if name == "SGD" else {}), **kw)
+        o = make(getattr(dpcuda.optim, name), model)
+        t = make(getattr(torch.optim, name), ref, foreach=False)
+        g = torch.Generator().manual_seed(9)
+        for step in range(5):
+            x = torch.randn(10, 4, generator=g, dtype=torch.float64)
+            y = torch.randint(0, 3, (10,), generator=g)
+            if step == 0:  # the conventional loop, one layer without a gradient
+                for net, opt in ((dp, o), (ref, t)):
+                    opt.zero_grad()
+                    nn.functional.cross_entropy(net(x), y).backward()
+                    for p in (net.module if net is dp else net)[0].parameters():
+                        p.grad = None
+                    opt.step()
+            else:
+                dp.step(x, y, nn.CrossEntropyLoss(), optimizer=o)
+                t.zero_grad()
+                nn.functional.cross_entropy(ref(x), y).backward()
+                t.step()
+        for a, b in zip(model.parameters(), ref.parameters()):
+            assert close(a, b, 1e-11, 1e-13), name
+        for p, q in zip(model.parameters(), ref.parameters()):
+            assert set(o.state[p]) == set(t.state[q]), name
+
+
+def test_an_update_bumps_the_version_as_torch_optim_does():
+    for fused in (False, True):
+        torch.manual_seed(1)
+        model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2)).double()
+        opt = dpcuda.optim.SGD(model.parameters(), lr=0.5)
+        x, y = torch.randn(4, 3, dtype=torch.float64), torch.tensor([0, 1, 1, 0])
+        saved = (model[0].weight ** 2).sum()  # a graph that saved the weight
+        if fused:
+            dp = DataParallel(model, ["cpu", "cpu"])
+            dp.step(x, y, nn.CrossEntropyLoss(), optimizer=opt)
+            assert dp._fused_update._key is not None
+        else:
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            saved.backward()
+
+
+def test_the_ops_refuse_aliased_buffers_and_updates_under_grad_mode():
+    p, g = torch.zeros(3), torch.zeros(3)
+    h = torch.zeros(16, dtype=torch.float64)
+    m = torch.zeros(3)
+    with pytest.raises(ValueError, match=r"state2\[0\] and state1\[0\] share memory"):
+        torch.ops.dpcuda.optim_update_([p], [g], [m], [m], [], h, "adam")
+    with pytest.raises(ValueError, match=r"grads\[0\] and params\[0\] share memory"):
+        torch.ops.dpcuda.optim_update_([p], [p[:]], [], [], [], h, "sgd")
+    w = torch.zeros(3, requires_grad=True)
+    with pytest.raises(RuntimeError, match="under torch.no_grad"):
+        torch.ops.dpcuda.optim_update_([w], [g], [], [], [], h, "sgd")
+    # reduce_update_: a state shard shared by two replicas, a segment naming no group
+    ps, gs = [torch.zeros(8), torch.zeros(8)], [torch.zeros(8), torch.zeros(8)]
+    shard = torch.zeros(4)
+    with pytest.raises(ValueError, match="share memory"):
+        torch.ops.dpcuda.reduce_update_(ps, gs, [shard, shard], [], [], [h, h], [0, 8, 0],
+                                        "sgd", False, "two_shot")
+    with pytest.raises(ValueError, match=r"segments\[0\] names group 1 but hyper holds 1"):
+        torch.ops.dpcuda.reduce_update_(ps, gs, [], [], [], [h, h], [0, 8, 1], "sgd", False,
+                                        "two_shot")
+    # a flags slot that is no flags (NaN) sets none: a plain SGD step, no crash
+    bad = torch.zeros(16, dtype=torch.float64)
+    bad[0], bad[11] = 0.5, math.nan
+    q, gq = torch.ones(3), torch.ones(3)
+    torch.ops.dpcuda.optim_update_([q], [gq], [], [], [], bad, "sgd")
+    assert torch.equal(q, torch.full((3,), 0.5))

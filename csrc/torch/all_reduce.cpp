@@ -7,6 +7,7 @@
 // element as acc = x[0]; acc += x[1]; ...; acc /= R (mean), so all give the same bits.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/grad_mode.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -380,14 +381,38 @@ UpdateArgs check_update_args(const std::vector<Tensor>& p, const std::vector<Ten
   int64_t covered = 0;
   for (size_t i = 0; i < segments.size(); i += 3) {
     const int64_t b = segments[i], e = segments[i + 1], grp = segments[i + 2];
-    TORCH_CHECK_VALUE(b == covered && e >= b && grp >= 0 && grp < out.groups, "segments[",
-                      i / 3, "] = (", b, ", ", e, ", ", grp, ") does not continue [0, ",
-                      covered, ") with a group below ", out.groups);
+    TORCH_CHECK_VALUE(b == covered && e >= b, "segments[", i / 3, "] = (", b, ", ", e, ", ",
+                      grp, ") must start where the segments before it end (", covered,
+                      ") and not end before it starts");
+    TORCH_CHECK_VALUE(grp >= 0 && grp < out.groups, "segments[", i / 3, "] names group ", grp,
+                      " but hyper holds ", out.groups, " group(s) of ", R, " arrays");
     out.segments.push_back({b, e, static_cast<int>(grp)});
     covered = e;
   }
   TORCH_CHECK_VALUE(covered == n, "segments cover [0, ", covered, ") but the buffers have ", n,
                     " elements");
+  // No two buffers of the call share memory: a gradient, a weight or a state shard that
+  // aliases another would be read after it was written.
+  std::vector<std::pair<const Tensor*, std::string>> all;
+  const char* names[] = {"params", "grads", "state1", "state2", "state3"};
+  const std::vector<Tensor>* lists[] = {&p, &g, &s1, &s2, &s3};
+  for (int k = 0; k < 5; ++k) {
+    for (size_t i = 0; i < lists[k]->size(); ++i) {
+      all.emplace_back(&(*lists[k])[i], std::string(names[k]) + "[" + std::to_string(i) + "]");
+    }
+  }
+  for (size_t i = 0; i < all.size(); ++i) {
+    for (size_t j = 0; j < i; ++j) {
+      TORCH_CHECK_VALUE(!overlap(*all[i].first, *all[j].first), all[i].second, " and ",
+                        all[j].second, " share memory; every buffer must be its own");
+    }
+  }
+  if (at::GradMode::is_enabled()) {
+    for (int r = 0; r < R; ++r) {
+      TORCH_CHECK(!p[r].requires_grad(), "params[", r, "] requires grad: call reduce_update_ "
+                  "under torch.no_grad(), as an optimizer's step() does");
+    }
+  }
   return out;
 }
 

@@ -86,8 +86,14 @@ class _Plan:
                         view.fill_(0.0 if have is None else float(have))
                         state["step"] = view
         self.bound = True
-        if adam:
-            return all(len({float(self.steps[i]) for i in m}) <= 1 for m in self.members)
+
+    def uniform(self, opt):
+        """Whether each group's parameters are at the same point (Adam: the same step count;
+        SGD: all with a momentum buffer, or all without), as one update per group needs. A
+        parameter that missed steps (no gradient, frozen for a while) makes them differ."""
+        if opt._op == "adam":
+            steps = self.steps.tolist()
+            return all(len({steps[i] for i in m}) <= 1 for m in self.members)
         return all(len({"momentum_buffer" in opt.state[self.params[i]] for i in m}) <= 1
                    for m in self.members)
 
@@ -157,8 +163,8 @@ class FusedUpdate:
         if plan is None:
             return False
         if not plan.bound or not plan.current(opt):
-            return plan.bind(opt)
-        return True
+            plan.bind(opt)
+        return plan.uniform(opt)
 
     def update(self, opt, replicas, algorithm):
         """The fused reduce-update of the replicas' gradients (flat_grad) into every replica's
@@ -168,28 +174,35 @@ class FusedUpdate:
         R = len(replicas)
         adam = opt._op == "adam"
         hyper = []
-        first = False
+        first = []  # SGD: the groups whose momentum buffers this update makes
+        steps = plan.steps.tolist() if adam else None
         for index, group in enumerate(opt.param_groups):
             m = plan.members[index]
             if not m:
                 hyper += [torch.zeros(_HYPER, dtype=torch.float64, device=plan.device)] * R
                 continue
             if adam:
-                key = float(plan.steps[m[0]]) + 1
+                key = steps[m[0]] + 1
             else:
-                key = first = "momentum_buffer" not in opt.state[plan.params[m[0]]]
+                key = "momentum_buffer" not in opt.state[plan.params[m[0]]]
+                if key:
+                    first.append(index)
             hyper += [opt._hyper_tensor(index, plan.device, opt._values(group, key))] * R
 
         def run():
             torch.ops.dpcuda.reduce_update_(*plan.buffers, *plan.lists, hyper, plan.segments,
                                             opt._op, False, algorithm)
+            # In place, as torch.optim's updates: autograd sees the weights changed.
+            torch.autograd.graph.increment_version(plan.params)
             # What opt.step() leaves in the state once the update has happened: Adam's step
             # counts, SGD's momentum buffers made at its first step.
             if adam:
                 plan.steps.add_(1)
-            elif first and plan.keys:
-                for p, view in zip(plan.params, plan.views["momentum_buffer"]):
-                    opt.state[p]["momentum_buffer"] = view
+            elif plan.keys:
+                for index in first:
+                    for i in plan.members[index]:
+                        opt.state[plan.params[i]]["momentum_buffer"] = \
+                            plan.views["momentum_buffer"][i]
         # Through opt.step(), so that what wraps it runs as for any step: its post-hooks, the
         # learning-rate schedulers' bookkeeping, the profiler's record.
         for r in replicas:

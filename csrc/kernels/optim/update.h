@@ -111,8 +111,13 @@ struct Hyper {
         neg_step_size(static_cast<A>(h[kNegStepSize])),
         bias2_sqrt(static_cast<A>(h[kBias2Sqrt])),
         decay(static_cast<A>(h[kDecay])),
-        flags((static_cast<int>(h[kFlags]) & ~(kUseMomentum | kAmsgrad)) |
+        flags((flag_bits(h[kFlags]) & ~(kUseMomentum | kAmsgrad)) |
               (has_state1 ? kUseMomentum : 0) | (has_state3 ? kAmsgrad : 0)) {}
+
+  // The flags slot as bits; a value that is no flag set (NaN, negative, huge) is none.
+  static DPCUDA_HD int flag_bits(double v) {
+    return v >= 0.0 && v < 1024.0 ? static_cast<int>(v) : 0;
+  }
 
   DPCUDA_HD bool has(int flag) const { return (flags & flag) != 0; }
 };
