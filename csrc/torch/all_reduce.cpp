@@ -64,14 +64,6 @@ bool parse_mean(c10::string_view op) {
   return op == "mean";
 }
 
-// Whether two contiguous tensors share bytes.
-bool overlap(const Tensor& a, const Tensor& b) {
-  if (a.device() != b.device() || a.numel() == 0 || b.numel() == 0) return false;
-  const auto* pa = static_cast<const char*>(a.data_ptr());
-  const auto* pb = static_cast<const char*>(b.data_ptr());
-  return pa < pb + b.numel() * b.element_size() && pb < pa + a.numel() * a.element_size();
-}
-
 // A list of replica buffers: 1 to 16 dense tensors of one dtype and size, all on the CPU or
 // all on CUDA devices, no two sharing memory.
 void check_replicas(const std::vector<Tensor>& ts, const char* name, const Tensor* like) {
@@ -393,20 +385,8 @@ UpdateArgs check_update_args(const std::vector<Tensor>& p, const std::vector<Ten
                     " elements");
   // No two buffers of the call share memory: a gradient, a weight or a state shard that
   // aliases another would be read after it was written.
-  std::vector<std::pair<const Tensor*, std::string>> all;
-  const char* names[] = {"params", "grads", "state1", "state2", "state3"};
-  const std::vector<Tensor>* lists[] = {&p, &g, &s1, &s2, &s3};
-  for (int k = 0; k < 5; ++k) {
-    for (size_t i = 0; i < lists[k]->size(); ++i) {
-      all.emplace_back(&(*lists[k])[i], std::string(names[k]) + "[" + std::to_string(i) + "]");
-    }
-  }
-  for (size_t i = 0; i < all.size(); ++i) {
-    for (size_t j = 0; j < i; ++j) {
-      TORCH_CHECK_VALUE(!overlap(*all[i].first, *all[j].first), all[i].second, " and ",
-                        all[j].second, " share memory; every buffer must be its own");
-    }
-  }
+  check_disjoint({{"params", &p}, {"grads", &g}, {"state1", &s1}, {"state2", &s2},
+                  {"state3", &s3}});
   if (at::GradMode::is_enabled()) {
     for (int r = 0; r < R; ++r) {
       TORCH_CHECK(!p[r].requires_grad(), "params[", r, "] requires grad: call reduce_update_ "

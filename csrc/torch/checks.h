@@ -5,6 +5,8 @@
 #include <ATen/ATen.h>
 
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "../kernels/activation.h"
 
@@ -129,6 +131,32 @@ inline LossShape check_loss(const at::Tensor& logits, const at::Tensor& labels,
   TORCH_CHECK_VALUE(label_smoothing >= 0.0 && label_smoothing <= 1.0,
                     "label_smoothing must be in [0, 1], got ", label_smoothing);
   return {logits.size(0), logits.size(1)};
+}
+
+// Whether two contiguous tensors share bytes.
+inline bool overlap(const at::Tensor& a, const at::Tensor& b) {
+  if (a.device() != b.device() || a.numel() == 0 || b.numel() == 0) return false;
+  const auto* pa = static_cast<const char*>(a.data_ptr());
+  const auto* pb = static_cast<const char*>(b.data_ptr());
+  return pa < pb + b.numel() * b.element_size() && pb < pa + a.numel() * a.element_size();
+}
+
+// No two tensors of the named lists share memory (a kernel that reads one and writes another
+// takes them as distinct buffers): "state2[0] and state1[0] share memory".
+inline void check_disjoint(
+    const std::vector<std::pair<const char*, const std::vector<at::Tensor>*>>& lists) {
+  std::vector<std::pair<const at::Tensor*, std::string>> all;
+  for (const auto& [name, list] : lists) {
+    for (size_t i = 0; i < list->size(); ++i) {
+      all.emplace_back(&(*list)[i], std::string(name) + "[" + std::to_string(i) + "]");
+    }
+  }
+  for (size_t i = 0; i < all.size(); ++i) {
+    for (size_t j = 0; j < i; ++j) {
+      TORCH_CHECK_VALUE(!overlap(*all[i].first, *all[j].first), all[i].second, " and ",
+                        all[j].second, " share memory; every buffer must be its own");
+    }
+  }
 }
 
 }  // namespace dpcuda

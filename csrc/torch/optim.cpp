@@ -66,14 +66,6 @@ void check_list(const std::vector<Tensor>& ts, const char* name, const Lists& l,
   }
 }
 
-// Whether two tensors share bytes (their storage spans overlap).
-bool overlap(const Tensor& a, const Tensor& b) {
-  if (a.device() != b.device() || a.numel() == 0 || b.numel() == 0) return false;
-  const auto* pa = static_cast<const char*>(a.data_ptr());
-  const auto* pb = static_cast<const char*>(b.data_ptr());
-  return pa < pb + b.numel() * b.element_size() && pb < pa + a.numel() * a.element_size();
-}
-
 Lists check_args(at::TensorList params, at::TensorList grads, at::TensorList state1,
                  at::TensorList state2, at::TensorList state3, const Tensor& hyper,
                  optim::Kind kind) {
@@ -100,20 +92,8 @@ Lists check_args(at::TensorList params, at::TensorList grads, at::TensorList sta
   TORCH_CHECK_VALUE(hyper.device() == p0.device(), "hyper is on ", hyper.device(),
                     " but params are on ", p0.device());
   // Every buffer the update reads or writes is its own (the loops take them as __restrict__).
-  std::vector<std::pair<const Tensor*, std::string>> all;
-  const char* names[] = {"params", "grads", "state1", "state2", "state3"};
-  const std::vector<Tensor>* lists[] = {&l.params, &l.grads, &l.state1, &l.state2, &l.state3};
-  for (int k = 0; k < 5; ++k) {
-    for (size_t i = 0; i < lists[k]->size(); ++i) {
-      all.emplace_back(&(*lists[k])[i], std::string(names[k]) + "[" + std::to_string(i) + "]");
-    }
-  }
-  for (size_t i = 0; i < all.size(); ++i) {
-    for (size_t j = 0; j < i; ++j) {
-      TORCH_CHECK_VALUE(!overlap(*all[i].first, *all[j].first), all[i].second, " and ",
-                        all[j].second, " share memory; every buffer must be its own");
-    }
-  }
+  check_disjoint({{"params", &l.params}, {"grads", &l.grads}, {"state1", &l.state1},
+                  {"state2", &l.state2}, {"state3", &l.state3}});
   // As torch's in-place ops on a leaf that requires grad: the update runs under no_grad
   // (torch.optim's step() does).
   if (at::GradMode::is_enabled()) {
