@@ -11,6 +11,16 @@ into the reduction, sharded state) and with the conventional loop (dp(x), backwa
 opt.step()), against torch on one device with AdamW foreach and fused, and against the same
 DataParallel step with torch's fused AdamW (the reduction, then torch's update).
 
+Part 3, the reduce-update alone: R replica gradient buffers (the 784-256-10 MLP's 203,530
+elements, and 4 M) reduced and AdamW applied, as DataParallel's fused step calls it
+(torch.ops.dpcuda.reduce_update_, the new weights into replica 0, which the next forward copies
+to the others), against dpcuda's all-reduce followed by torch's fused AdamW on replica 0 (the
+same work unfused). With the caches warm, and cold (a 64 MB buffer written before every run),
+as a step finds them after its backward.
+
+The whole-step and reduce-update parts shuffle the contenders' order every round: in a fixed
+order each always follows the same one and inherits its caches (that bias measured up to 8%).
+
     python benchmarks/bench_optim.py --device cpu --json benchmarks/results/optim-cpu.json
 """
 
@@ -101,10 +111,46 @@ def whole_step(device, repeats, rows, replicas):
             loop_opt.step()
         fns["dpcuda loop"] = loop_step
         # (three times the rounds: whole steps on 2 CPU cores drift more than updates)
-        samples = compare_samples(fns, device, warmup=3, repeats=3 * repeats)
+        samples = compare_samples(fns, device, warmup=3, repeats=3 * repeats, shuffle=True)
         report(rows, {"part": "step", "batch": 256, "replicas": R, "optimizer": "AdamW"},
                samples, ["torch 1 device foreach", "torch 1 device fused",
                          "reduce + torch fused"])
+
+
+def reduce_update_only(device, repeats, rows, replicas):
+    from dpcuda.parallel.fused_update import shard_range
+    flush = torch.empty(16 << 20, device=device)  # 64 MB, twice the L3 cache here
+    for n in (203530, 4 << 20):
+        for R in replicas:
+            torch.manual_seed(0)
+            ps = [torch.randn(n, device=device) * 0.01 for _ in range(R)]
+            gs = [torch.randn(n, device=device) * 1e-3 for _ in range(R)]
+            align = 16 // ps[0].element_size()
+            bounds = [shard_range(n, R, k, align) for k in range(R)]
+            m1 = [torch.zeros(e - b, device=device) for b, e in bounds]
+            m2 = [torch.zeros(e - b, device=device) for b, e in bounds]
+            opt = dpcuda.optim.AdamW([torch.zeros(1)], lr=1e-3, weight_decay=0.01)
+            hyper = [opt._hyper_tensor(0, device, opt._values(opt.param_groups[0], 1.0))] * R
+            tm, tv = torch.zeros(n, device=device), torch.zeros(n, device=device)
+            step = torch.tensor(0.0)
+
+            def fused():
+                torch.ops.dpcuda.reduce_update_(ps, gs, m1, m2, [], hyper, [0, n, 0], "adam",
+                                                False, "auto", False)
+
+            def unfused():
+                torch.ops.dpcuda.all_reduce_(gs, "sum", "auto")
+                torch._fused_adamw_([ps[0]], [gs[0]], [tm], [tv], [], [step], lr=1e-3,
+                                    beta1=0.9, beta2=0.999, weight_decay=0.01, eps=1e-8,
+                                    amsgrad=False, maximize=False)
+            fns = {"dpcuda reduce_update_": fused, "all_reduce_ + torch fused": unfused}
+            for cache in ("warm", "cold"):
+                samples = compare_samples(
+                    fns, device, warmup=3, repeats=repeats * (3 if n < 1 << 20 else 1),
+                    shuffle=True, before=(lambda: flush.add_(1.0)) if cache == "cold" else None)
+                report(rows, {"part": "reduce-update", "elements": n, "replicas": R,
+                              "optimizer": "AdamW", "cache": cache}, samples,
+                       ["all_reduce_ + torch fused"])
 
 
 def report(rows, key, samples, baselines):
@@ -134,7 +180,9 @@ def main(argv=None):
     repeats = args.repeats or (50 if args.device.startswith("cuda") else 21)
     rows = []
     update_only(args.device, repeats, rows)
-    whole_step(args.device, repeats, rows, [int(r) for r in args.replicas.split(",")])
+    replicas = [int(r) for r in args.replicas.split(",")]
+    whole_step(args.device, repeats, rows, replicas)
+    reduce_update_only(args.device, repeats, rows, [r for r in replicas if r > 1])
     write_json(args.json, {"benchmark": "optim", "repeats": repeats,
                            "environment": environment(args.device), "results": rows})
 

@@ -3,6 +3,7 @@ with CUDA events on a GPU and with perf_counter on the CPU."""
 
 import json
 import platform
+import random
 import statistics
 import subprocess
 import time
@@ -32,20 +33,30 @@ def time_ms(fn, device, warmup=2, repeats=10):
     return statistics.median(times)
 
 
-def compare_samples(fns, device, warmup=2, repeats=10, min_seconds=0.0):
+def compare_samples(fns, device, warmup=2, repeats=10, min_seconds=0.0, shuffle=False,
+                    before=None):
     """Times in ms of each callable in the dict fns over `repeats` rounds, measured round-robin
     (a, b, c, a, b, c, ...) so that drift in the machine's speed (another process, clock
     changes) falls on every contender alike instead of on whichever ran last. At least `repeats`
     rounds, more until min_seconds of timed runs have passed (short cases need many rounds to
-    average out the machine's noise). Returns {name: [ms per round]}."""
+    average out the machine's noise). shuffle: each round in a new order (seeded), so that no
+    contender always runs after the same one (whose caches and threads it inherits); before:
+    called untimed before each run (a cache flush). Returns {name: [ms per round]}."""
     for fn in fns.values():
         for _ in range(warmup):
             fn()
     samples = {name: [] for name in fns}
+    order = list(fns)
+    rng = random.Random(0)
     rounds = 0
     total_ms = 0.0
     while rounds < repeats or total_ms < min_seconds * 1e3:
-        for name, fn in fns.items():
+        if shuffle:
+            rng.shuffle(order)
+        for name in order:
+            fn = fns[name]
+            if before is not None:
+                before()
             ms = time_ms(fn, device, warmup=0, repeats=1)
             samples[name].append(ms)
             total_ms += ms

@@ -73,9 +73,11 @@ class OptimizerStep:
         self.clip, self.accumulate, self.world = cfg.clip_grad_norm, cfg.accumulate, world
 
     def __call__(self, x, y, global_rows):
-        if self.clip is None and self.accumulate == 1:
+        if self.clip is None:
+            # (accumulation inside the step: the micro-batches reduced once, at the update)
             skipped = self.dp.skipped_steps
-            loss = self.dp.step(x, y, self.loss_fn, optimizer=self.opt)
+            loss = self.dp.step(x, y, self.loss_fn, optimizer=self.opt,
+                                accumulate=self.accumulate)
             stepped = self.dp.skipped_steps == skipped
         else:
             loss, stepped = self._conventional(x, y, global_rows)

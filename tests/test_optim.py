@@ -643,3 +643,33 @@ def test_the_ops_refuse_aliased_buffers_and_updates_under_grad_mode():
     q, gq = torch.ones(3), torch.ones(3)
     torch.ops.dpcuda.optim_update_([q], [gq], [], [], [], bad, "sgd")
     assert torch.equal(q, torch.full((3,), 0.5))
+
+
+@pytest.mark.parametrize("algorithm", ["two_shot", "one_shot", "ring"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_reduce_update_without_the_gather_writes_replica_0_only(algorithm, dtype):
+    # gather=False (DataParallel's fused step: the next forward copies replica 0's weights to
+    # the others): replica 0 gets the bits of the gathered call, the others keep theirs.
+    from dpcuda.parallel.fused_update import shard_range
+    n, R = 1003, 3
+    g = torch.Generator().manual_seed(11)
+    p0 = torch.randn(n, generator=g).to(dtype)
+    grads = [torch.randn(n, generator=g).to(dtype) for _ in range(R)]
+    opt = dpcuda.optim.AdamW([torch.zeros(1)], lr=0.01, weight_decay=0.1)
+    h = opt._hyper_tensor(0, "cpu", opt._values(opt.param_groups[0], 1.0)).clone()
+    align = 16 // p0.element_size()
+    bounds = [shard_range(n, R, k, align) for k in range(R)]
+    results = []
+    for gather in (True, False):
+        ps = [p0.clone()] + [torch.full((n,), math.nan).to(dtype) for _ in range(R - 1)]
+        gs = [x.clone() for x in grads]
+        m = [torch.zeros(e - b, dtype=dtype) for b, e in bounds]
+        v = [torch.zeros(e - b, dtype=dtype) for b, e in bounds]
+        torch.ops.dpcuda.reduce_update_(ps, gs, m, v, [], [h] * R, [0, n, 0], "adam", True,
+                                        algorithm, gather)
+        results.append((ps, m, v))
+    (pa, ma, va), (pb, mb, vb) = results
+    assert torch.equal(pa[0], pb[0]) and not torch.equal(pb[0], p0)
+    assert all(torch.equal(x, y) for x, y in zip(ma + va, mb + vb))
+    assert all(torch.equal(x, pa[0]) for x in pa[1:])
+    assert all(x.isnan().all() for x in pb[1:])

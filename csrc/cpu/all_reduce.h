@@ -117,11 +117,14 @@ void reduce_update_range(const T* const* grads, int ngrads, T* const* params, in
 // all-reduced in place first, then each shard updated from its owner's copy. reduced: the
 // gradients are already reduced (every grads[r] holds the same values): no reduction, each
 // shard updated from grads[0]. segments cover [0, n) in order; hyper[g] is group g's array.
+// gather false: only params[0] takes the updated weights (the caller copies them to the
+// others before they are read), which saves the writes of replicas 1..R-1.
 template <typename T>
 void reduce_update(T* const* params, T* const* grads, ShardedState<T> state, int replicas,
                    int64_t n, bool mean, bool reduced, AllReduceAlgorithm algorithm,
                    optim::Kind kind, const UpdateSegment* segments, int nsegments,
-                   const double* const* hyper, T* scratch, const ParallelFor& parallel);
+                   const double* const* hyper, T* scratch, const ParallelFor& parallel,
+                   bool gather = true);
 
 }  // namespace cpu
 }  // namespace dpcuda

@@ -399,7 +399,7 @@ UpdateArgs check_update_args(const std::vector<Tensor>& p, const std::vector<Ten
 void reduce_update_cpu(at::TensorList params, at::TensorList grads, at::TensorList state1,
                        at::TensorList state2, at::TensorList state3, at::TensorList hyper,
                        at::IntArrayRef segments, c10::string_view optimizer, bool mean,
-                       c10::string_view algorithm) {
+                       c10::string_view algorithm, bool gather) {
   const std::vector<Tensor> p = params.vec(), g = grads.vec(), s1 = state1.vec(),
                             s2 = state2.vec(), s3 = state3.vec(), h = hyper.vec();
   const UpdateArgs a = check_update_args(p, g, s1, s2, s3, h, segments, optimizer);
@@ -429,7 +429,7 @@ void reduce_update_cpu(at::TensorList params, at::TensorList grads, at::TensorLi
                               1, n, false, true, Algorithm::kTwoShot, a.kind, a.segments.data(),
                               static_cast<int>(a.segments.size()), hp.data(), nullptr,
                               torch_threads());
-    for (int r = 0; r < R; ++r) p[r].copy_(fp[0]);
+    for (int r = 0; r < (gather ? R : 1); ++r) p[r].copy_(fp[0]);
     auto split_back = [&](const std::vector<Tensor>& s, const std::vector<Tensor>& f) {
       int64_t at = 0;
       for (const Tensor& shard : s) {
@@ -454,7 +454,7 @@ void reduce_update_cpu(at::TensorList params, at::TensorList grads, at::TensorLi
                                   a3.empty() ? nullptr : a3.data()},
                                  R, n, mean, false, algo, a.kind, a.segments.data(),
                                  static_cast<int>(a.segments.size()), hp.data(),
-                                 scratch.data_ptr<scalar_t>(), torch_threads());
+                                 scratch.data_ptr<scalar_t>(), torch_threads(), gather);
   });
 }
 
@@ -591,12 +591,17 @@ void reduce_sgd_cuda(at::TensorList params, at::TensorList grads,
 void reduce_update_cuda(at::TensorList params, at::TensorList grads, at::TensorList state1,
                         at::TensorList state2, at::TensorList state3, at::TensorList hyper,
                         at::IntArrayRef segments, c10::string_view optimizer, bool mean,
-                        c10::string_view algorithm) {
+                        c10::string_view algorithm, bool gather) {
   const std::vector<Tensor> p = params.vec(), g = grads.vec(), s1 = state1.vec(),
                             s2 = state2.vec(), s3 = state3.vec(), h = hyper.vec();
   const UpdateArgs a = check_update_args(p, g, s1, s2, s3, h, segments, optimizer);
   check_cuda_dtype(p[0], "params");
   const size_t R = p.size();
+  for (size_t r = 1; r < R && !gather; ++r) {
+    TORCH_CHECK_VALUE(p[r].device() == p[0].device(), "gather=False needs every replica on one "
+                      "device, but params[", r, "] is on ", p[r].device(), " and params[0] on ",
+                      p[0].device());
+  }
   const Algorithm algo = parse_algorithm(algorithm, p[0].nbytes(), R, false);
   const c10::cuda::CUDAGuard guard(p[0].device());
   for (const Tensor& t : p) check_kernel_image(t.device().index());
@@ -614,7 +619,7 @@ void reduce_update_cuda(at::TensorList params, at::TensorList grads, at::TensorL
                                           replicas_of<scalar_t>(s3).data};
     check_cuda(cuda::reduce_update<CT<scalar_t>>(call.plan, replicas_of<scalar_t>(g),
                                                  replicas_of<scalar_t>(p).data, state, a.kind,
-                                                 seg, hp, mean, call.scratch_ptrs),
+                                                 seg, hp, mean, call.scratch_ptrs, gather),
                "reduce_update");
   });
 }

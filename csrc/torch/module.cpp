@@ -74,10 +74,12 @@ TORCH_LIBRARY(dpcuda, m) {
   // replica; roles as optim_update_'s), every replica's params ending with the same weights.
   // hyper: groups x replicas float64 arrays (hyper[g * R + r] on replica r's device); segments:
   // (begin, end, group) triples covering the buffers in order. grads may be overwritten with
-  // the reduced gradient (one_shot, ring).
+  // the reduced gradient (one_shot, ring). gather=False (every buffer on one device): only
+  // params[0] takes the new weights; the caller copies them to the other replicas before they
+  // are read (DataParallel does at every forward), which saves the writes of R - 1 replicas.
   m.def("reduce_update_(Tensor(a!)[] params, Tensor(b!)[] grads, Tensor(c!)[] state1,"
         " Tensor(d!)[] state2, Tensor(e!)[] state3, Tensor[] hyper, int[] segments,"
-        " str optimizer, bool mean, str algorithm) -> ()");
+        " str optimizer, bool mean, str algorithm, bool gather=True) -> ()");
   // dpcuda.optim's update of params on one device (CPU or one CUDA device; one kernel per 24
   // tensors there): optimizer "sgd" (state1: momentum buffers, or none) or "adam" (state1:
   // exp_avg, state2: exp_avg_sq, state3: max_exp_avg_sq or none), with the hyperparameters read

@@ -1,8 +1,8 @@
 """The one-call step's update by a dpcuda.optim optimizer, fused into the replicas' reduction
 (torch.ops.dpcuda.reduce_update_): each replica reduces the shard of the gradients it owns
-(the two_shot split), updates that shard's weights with that shard's optimizer state, and the
-weights are gathered to every replica. The optimizer state is sharded (ZeRO-1): replica k keeps
-the state of shard k only.
+(the two_shot split) and updates that shard's weights with that shard's optimizer state. The
+optimizer state is sharded (ZeRO-1): replica k keeps the state of shard k only. The new weights
+land in replica 0 (the model); the other replicas take them at the next forward.
 
 Here every replica shares one device (the CPU, or one GPU), so the shards are slices of one
 flat buffer per state tensor (exp_avg, ...) laid out as the replicas' flat parameters, and the
@@ -190,8 +190,12 @@ class FusedUpdate:
             hyper += [opt._hyper_tensor(index, plan.device, opt._values(group, key))] * R
 
         def run():
+            # gather=False: the new weights land in replica 0's buffer only. The others take
+            # them at the next forward, whose sync copies replica 0's weights to every replica
+            # whatever happened in between (replicas.py), so writing them here too would move
+            # the weights twice.
             torch.ops.dpcuda.reduce_update_(*plan.buffers, *plan.lists, hyper, plan.segments,
-                                            opt._op, False, algorithm)
+                                            opt._op, False, algorithm, False)
             # In place, as torch.optim's updates: autograd sees the weights changed.
             torch.autograd.graph.increment_version(plan.params)
             # What opt.step() leaves in the state once the update has happened: Adam's step

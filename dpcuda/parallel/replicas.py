@@ -159,12 +159,17 @@ class Replica:
             return slot[id(q)]
         self.fused = [(m, tuple(into(q) for q in pair), pair) for m, pair in zip(layers, own)]
 
-    def release_grads(self):
+    def release_grads(self, into=True):
         """Before the convenience step's forward: .grad None (autograd then takes the fused
         layers' gradients, which are views of the buffer, as they are) and each fused layer
-        told where its backward writes."""
+        told where its backward writes. into=False (a later micro-batch, whose gradients add to
+        the buffer): no layer writes into the buffer."""
         for i in self.trainable:
             self.params[i].grad = None
+        if not into:
+            for m, _, _ in self.fused:
+                m.__dict__["_grads_into"] = None
+            return
         for m, slots, pair in self.fused:
             # Not for a parameter with gradient hooks: they would be handed the buffer itself,
             # which the next step overwrites, where torch hands them a tensor of their own.
@@ -173,22 +178,29 @@ class Replica:
             # (straight into __dict__: nn.Module.__setattr__ costs microseconds a call)
             m.__dict__["_grads_into"] = into if any(t is not None for t in into) else None
 
-    def collect_grads(self):
+    def collect_grads(self, add=False):
         """After the backward (or a failure): every gradient in the buffer and .grad the
         buffer's view again. A fused layer's gradient is there already; any other is copied in;
-        a parameter that got none (unused by this forward, or a replica without rows) is 0."""
+        a parameter that got none (unused by this forward, or a replica without rows) is 0.
+        add (after a later micro-batch, released with into=False): this backward's gradients
+        are added to what the buffer holds, in micro-batch order; a parameter is unused when
+        no micro-batch used it."""
         for m, _, _ in self.fused:
             m.__dict__["_grads_into"] = None
-        self.unused = set()
+        unused = set()
         for k, i in enumerate(self.trainable):
             p, view = self.params[i], self.views[k]
             g = p.grad
             if g is None:
-                self.unused.add(k)
-                view.zero_()
+                unused.add(k)
+                if not add:
+                    view.zero_()
+            elif add:
+                view.add_(g)
             elif g.data_ptr() != view.data_ptr():
                 view.copy_(g)
             p.grad = view
+        self.unused = unused & self.unused if add else unused
 
     def drop_grads(self):
         for i in self.trainable:

@@ -81,7 +81,7 @@ class StepMixin(LabelChecks, PendingSteps):
         """Whether the reducer "dist" record rides behind the gradients (_record_inline)."""
         return self._replicas[0].flat_grad.dtype in self._record_inline
 
-    def step(self, inputs, targets, loss_fn, optimizer=None):
+    def step(self, inputs, targets, loss_fn, optimizer=None, accumulate=1):
         """One step of the global batch (inputs, targets): forward, loss_fn(outputs,
         targets), backward and the update. Returns the loss as a float (blocking=False: a
         float64 scalar tensor on devices[0]). See DataParallel's docstring.
@@ -96,9 +96,24 @@ class StepMixin(LabelChecks, PendingSteps):
         holds the global gradient (None for a parameter no replica used) and
         optimizer.step() updates the model, whose weights the other replicas take at the next
         forward. A step with NaN or Inf gradients is skipped (no update, no state change)
-        either way."""
+        either way.
+
+        accumulate: run each replica's rows in this many micro-batches, one forward and
+        backward after another with the gradients summed on the replica (activations for
+        1/accumulate of the rows at a time), then reduce once and update once: the loss and,
+        up to the rounding of that sum, the gradient of the whole batch. Needs the
+        per-replica cross-entropy path (the loss of a batch is then the sum of its
+        micro-batches' losses); not with buffers="sync". Batch-norm running statistics are
+        updated once per micro-batch, as in a loop that accumulates."""
         if self._pending:
             self._settle(wait=False)
+        if isinstance(accumulate, bool) or not isinstance(accumulate, int):
+            raise TypeError(f"accumulate must be a positive int, got {accumulate!r}")
+        if accumulate < 1:
+            raise ValueError(f"accumulate must be a positive int, got {accumulate}")
+        if accumulate > 1 and self._sync_bn:
+            raise ValueError("accumulate > 1 does not work with buffers='sync': batch norm "
+                             "would normalise over a micro-batch, not the global batch")
         if not self._reduction.sync:
             raise RuntimeError("dpcuda DataParallel: step() inside no_sync(): a step applies "
                                "its update at once, with nothing to defer")
@@ -110,7 +125,7 @@ class StepMixin(LabelChecks, PendingSteps):
         saved = [[b.clone() for b in bs] for bs in self._replica_buffers] if self._replica_buffers[0] else None
         self._optimizer = optimizer
         try:
-            loss = self._step_any(inputs, targets, loss_fn)
+            loss = self._step_any(inputs, targets, loss_fn, accumulate)
         except BaseException:
             # a flag a failed step raised (or left) must not speak for the next one (after a
             # sticky CUDA error this cannot run: the original error is the one to see)
@@ -134,9 +149,9 @@ class StepMixin(LabelChecks, PendingSteps):
                     self._dist.broadcast(b, src=0, group=self._group)
         return loss
 
-    def _step_any(self, inputs, targets, loss_fn):
+    def _step_any(self, inputs, targets, loss_fn, accumulate=1):
         if self.reducer != "dist":
-            return self._step(inputs, targets, loss_fn)
+            return self._step(inputs, targets, loss_fn, accumulate)
         # Across processes a step that fails on one process (bad input, a bad label, an error
         # in its forward) must still take part in the step's collectives, or the others would
         # wait for it and then pair their next collectives with its next step's. So it joins
@@ -144,13 +159,13 @@ class StepMixin(LabelChecks, PendingSteps):
         self._dist_count = not self._global_rows or not self._inline
         self._dist_stage = 0  # 1: the count is done; 2: the exchange has begun
         try:
-            return self._step(inputs, targets, loss_fn)
+            return self._step(inputs, targets, loss_fn, accumulate)
         except Exception:
             if self._dist_stage < 2:
                 self._fail_exchange()
             raise
 
-    def _step(self, inputs, targets, loss_fn):
+    def _step(self, inputs, targets, loss_fn, accumulate=1):
         if not isinstance(inputs, torch.Tensor) or not isinstance(targets, torch.Tensor):
             raise TypeError("inputs and targets must be tensors")
         if inputs.dim() == 0 or targets.dim() == 0:
@@ -166,6 +181,13 @@ class StepMixin(LabelChecks, PendingSteps):
         sizes = split_sizes(rows, len(self._replicas), self._row_weights())
         summed = summed_loss(loss_fn, targets)
         if summed is None:
+            if accumulate > 1:
+                raise ValueError(
+                    f"accumulate > 1 needs a loss the step computes per replica (exactly "
+                    f"nn.CrossEntropyLoss, F.cross_entropy or dpcuda's "
+                    f"SoftmaxCrossEntropyLoss, mean, no class weights, on class-index "
+                    f"targets); for loss_fn {loss_fn!r} accumulate in your own loop with "
+                    f"no_sync()")
             self._dist_stage = 2  # (the gathered path makes no failure exchange)
             return self._step_gathered(inputs, targets, loss_fn)
         self._set.build_modules()
@@ -246,21 +268,41 @@ class StepMixin(LabelChecks, PendingSteps):
             def step_replica():
                 replica.release_grads()
                 _C._take_label_error()  # (a record an earlier call left must not speak here)
+                added = []  # whether a later micro-batch's gradients are to be added
                 try:
-                    return forward_backward()
+                    return micro_batches(added)
                 except ValueError as err:
                     typed = typed_label_error(err)
                     if typed is None:
                         raise
                     raise typed from None
                 finally:
-                    replica.collect_grads()
+                    replica.collect_grads(add=bool(added))
 
-            def forward_backward():
+            def micro_batches(added):
+                if accumulate == 1 or size == 0:
+                    return forward_backward(*part)
+                # Each micro-batch's loss is its rows' sum over the global denominator, so the
+                # micro-batches' losses and gradients sum to the batch's.
+                x, y = part
+                losses, seconds, at = [], 0.0, 0
+                for n in split_sizes(size, accumulate):
+                    if n == 0:
+                        continue
+                    if at:
+                        replica.collect_grads(add=bool(added))
+                        replica.release_grads(into=False)
+                        added.append(True)
+                    loss, t = forward_backward(x[at:at + n], y[at:at + n])
+                    losses.append(loss.reshape(-1))
+                    seconds += t
+                    at += n
+                return torch.cat(losses), seconds
+
+            def forward_backward(x, y):
                 if size == 0 and exchange is None:
                     return 0.0, 0.0
                 start = time.perf_counter()
-                x, y = part
                 # On CUDA dpcuda's loss kernel flags a bad label on the device and this step
                 # reads the flag with the loss (step_status), instead of the adapter
                 # synchronising on every call to look.

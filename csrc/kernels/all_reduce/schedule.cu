@@ -515,11 +515,12 @@ cudaError_t reduce_update(const AllReducePlan& p, const ScheduleReplicas<T>& gra
                           const std::vector<T*>& params, const UpdateState<T>& state,
                           optim::Kind kind, const std::vector<UpdateSegment>& segments,
                           const std::vector<std::vector<const double*>>& hyper, bool mean,
-                          const std::vector<void*>& scratch) {
+                          const std::vector<void*>& scratch, bool gather) {
   const size_t R = grads.data.size();
   auto fits = [&](const std::vector<T*>& s) { return s.empty() || s.size() == R; };
   if (!valid_call(p, grads, scratch) || params.size() != R || !fits(state.state1) ||
-      !fits(state.state2) || !fits(state.state3) || hyper.size() != R) {
+      !fits(state.state2) || !fits(state.state3) || hyper.size() != R ||
+      (!gather && p.devices.size() != 1)) {
     return cudaErrorInvalidValue;
   }
   int64_t covered = 0;
@@ -547,7 +548,7 @@ cudaError_t reduce_update(const AllReducePlan& p, const ScheduleReplicas<T>& gra
         in.ptr[r] = grads.data[r] + b;
         out.ptr[r] = params[r] + b;
       }
-      update_shard(k, in, nr, out, nr, mean);
+      update_shard(k, in, nr, out, gather ? nr : 1, mean);
     }
     return st.err;
   }
@@ -599,7 +600,7 @@ cudaError_t reduce_update(const AllReducePlan& p, const ScheduleReplicas<T>& gra
                                         const std::vector<T*>&, const UpdateState<T>&,          \
                                         optim::Kind, const std::vector<UpdateSegment>&,         \
                                         const std::vector<std::vector<const double*>>&, bool,   \
-                                        const std::vector<void*>&);
+                                        const std::vector<void*>&, bool);
 
 DPCUDA_FOR_EACH_TYPE(DPCUDA_INSTANTIATE)
 #undef DPCUDA_INSTANTIATE

@@ -112,13 +112,15 @@ struct UpdateSegment {
 // only); one_shot and ring: the gradients are all-reduced in place, then each owner updates its
 // shard from its copy and the weights are all-gathered the same way. Replicas sharing one device:
 // one kernel per shard reads every gradient and writes every replica's weights. segments cover
-// [0, n) in order; hyper[r][g] is group g's kHyper array on replica r's device.
+// [0, n) in order; hyper[r][g] is group g's kHyper array on replica r's device. gather false
+// (replicas sharing one device only; cudaErrorInvalidValue otherwise): only params[0] takes the
+// updated weights, the caller copying them to the others before they are read.
 template <typename T>
 cudaError_t reduce_update(const AllReducePlan& plan, const ScheduleReplicas<T>& grads,
                           const std::vector<T*>& params, const UpdateState<T>& state,
                           optim::Kind kind, const std::vector<UpdateSegment>& segments,
                           const std::vector<std::vector<const double*>>& hyper, bool mean,
-                          const std::vector<void*>& scratch);
+                          const std::vector<void*>& scratch, bool gather = true);
 
 }  // namespace cuda
 }  // namespace dpcuda

@@ -4,8 +4,9 @@
 // for one_shot, two_shot and ring, 1 to 8 replicas on their own devices or sharing them, peer
 // access on, off and mixed, under random stream delays, float, double and half. Every replica
 // must end with the weights of the CPU's fused reduce-update (csrc/cpu/all_reduce.h), bit for
-// bit, and each replica's state shard with the CPU's state for that shard. Under ASan/UBSan and
-// TSan too (the ctest builds of CMakeLists.txt).
+// bit, and each replica's state shard with the CPU's state for that shard (without the gather:
+// replica 0 with those weights, the others untouched). Under ASan/UBSan and TSan too (the ctest
+// builds of CMakeLists.txt).
 #include <cmath>
 #include <cstring>
 #include <memory>
@@ -47,6 +48,9 @@ struct Case {
   int64_t n;
   optim::Kind kind;
   int flags;
+  // false: only replica 0 takes the new weights (the others must keep theirs), which the
+  // schedule refuses with cudaErrorInvalidValue when the replicas span several devices.
+  bool gather = true;
 };
 
 std::vector<double> hyper_of(const Case& c, int group) {
@@ -224,16 +228,31 @@ void run_case(const Case& c, uint64_t seed) {
     scratch[d] = scratch_bufs.back()->ptr;
   }
   const std::vector<dpcuda::cuda::UpdateSegment> cuda_segs = {{0, cut, 0}, {cut, n, 1}};
-  CHECK(dpcuda::cuda::reduce_update<T>(plan, reps, params, state, c.kind, cuda_segs, hpt, true,
-                                       scratch) == cudaSuccess);
+  const cudaError_t err = dpcuda::cuda::reduce_update<T>(plan, reps, params, state, c.kind,
+                                                         cuda_segs, hpt, true, scratch, c.gather);
+  if (!c.gather && plan.devices.size() > 1) {
+    CHECK(err == cudaErrorInvalidValue);
+    // (refused before any launch: every replica keeps its weights)
+    for (int r = 0; r < R; ++r) {
+      const std::vector<T> got = p[r]->download();
+      for (int64_t i = 0; i < n; ++i) {
+        if (!same(got[i], p0[i])) {
+          fail("refused call's weights", c, r, i);
+          break;
+        }
+      }
+    }
+  } else {
+    CHECK(err == cudaSuccess);
+  }
   for (int d = 0; d < D; ++d) {
     CUDA_OK(cudaSetDevice(d));
     CUDA_OK(cudaStreamSynchronize(streams[d]));
   }
-  for (int r = 0; r < R; ++r) {
+  for (int r = 0; r < R && err == cudaSuccess; ++r) {
     const std::vector<T> got = p[r]->download();
     for (int64_t i = 0; i < n; ++i) {
-      if (!same(got[i], stored<T>(wp[i]))) {
+      if (!same(got[i], r == 0 || c.gather ? stored<T>(wp[i]) : p0[i])) {
         fail("weights", c, r, i);
         break;
       }
@@ -287,7 +306,11 @@ int main() {
         run_case<float>({R, R, Peers::kMixed, a, 7, u.kind, u.flags}, ++seed);
         run_case<float>({R, (R + 1) / 2, Peers::kMixed, a, 1000, u.kind, u.flags}, ++seed);
         run_case<float>({R, 1, Peers::kAll, a, 1000, u.kind, u.flags}, ++seed);
+        run_case<float>({R, 1, Peers::kAll, a, 1000, u.kind, u.flags, false}, ++seed);
       }
+      run_case<float>({R, R, Peers::kAll, a, 100, optim::Kind::kAdam, 0, false}, ++seed);
+      run_case<__half>({R, 1, Peers::kAll, a, 1001, optim::Kind::kAdam, optim::kDecoupled, false},
+                       ++seed);
       run_case<double>({R, R, Peers::kNone, a, 999, optim::Kind::kAdam, optim::kAmsgrad},
                        ++seed);
       run_case<__half>({R, R, Peers::kMixed, a, 1001, optim::Kind::kAdam, optim::kDecoupled},
