@@ -268,7 +268,7 @@ def _optim_update_fake(params, grads, state1, state2, state3, hyper, optimizer):
 
 @torch.library.register_fake("dpcuda::reduce_update_")
 def _reduce_update_fake(params, grads, state1, state2, state3, hyper, segments, optimizer, mean,
-                        algorithm, gather=True):
+                        algorithm, gather=True, max_norm=None, norm=None):
     if not params:
         raise ValueError("params must hold at least one tensor")
     _one_device_type(params[0], "params[0]", params=params, grads=grads, state1=state1,

@@ -5,6 +5,7 @@
 #include <utility>
 #include <vector>
 
+#include "../kernels/optim/clip.h"
 #include "target.h"
 
 namespace dpcuda {
@@ -238,7 +239,8 @@ template <typename T>
 DPCUDA_CPU_CLONES void reduce_update_range(const T* const* grads, int ngrads, T* const* params,
                                            int nparams, T* s1, T* s2, T* s3,
                                            int64_t state_offset, int64_t begin, int64_t end,
-                                           bool mean, optim::Kind kind, const double* hyper) {
+                                           bool mean, optim::Kind kind, const double* hyper,
+                                           const double* scale, void (*round)(T*, int64_t)) {
   T g[kUpdateBlock];
   for (int64_t base = begin; base < end; base += kUpdateBlock) {
     const int64_t len = std::min(kUpdateBlock, end - base);
@@ -246,6 +248,14 @@ DPCUDA_CPU_CLONES void reduce_update_range(const T* const* grads, int ngrads, T*
     const T* sum = grads[0] + base;
     if (ngrads > 1 || mean) {
       sum_block(grads, ngrads, base, len, mean, g);
+      sum = g;
+    }
+    if (scale != nullptr) {
+      // torch's clip_grad_norm_: grad.mul_(clip_coef), each product rounded to T.
+      const T s = static_cast<T>(*scale);
+#pragma GCC ivdep
+      for (int64_t i = 0; i < len; ++i) g[i] = sum[i] * s;
+      if (round != nullptr) round(g, len);
       sum = g;
     }
     const int64_t at = base - state_offset;
@@ -263,14 +273,98 @@ DPCUDA_CPU_CLONES void reduce_update_range(const T* const* grads, int ngrads, T*
 constexpr int64_t kUpdatePiece = 1 << 13;
 
 template <typename T>
+double chunk_sum_of_squares(const T* x, int64_t len) {
+  double s[optim::kNormLanes];
+  for (int l = 0; l < optim::kNormLanes; ++l) {
+    double acc = 0.0;
+    for (int64_t i = l; i < len; i += optim::kNormLanes) {
+      const double v = static_cast<double>(x[i]);
+      acc = acc + v * v;
+    }
+    s[l] = acc;
+  }
+  optim::lane_tree(s);
+  return s[0];
+}
+
+double combine_partials(const double* partials, int64_t count) {
+  double s[optim::kNormLanes];
+  for (int l = 0; l < optim::kNormLanes; ++l) {
+    double acc = 0.0;
+    for (int64_t i = l; i < count; i += optim::kNormLanes) acc = acc + partials[i];
+    s[l] = acc;
+  }
+  optim::lane_tree(s);
+  return s[0];
+}
+
+namespace {
+
+// reduce_update's clipping pass: two_shot reduces each owner's shard into its own grads[k] as
+// it takes the chunks' sums of squares (no pass of its own over the gradients); otherwise the
+// gradients are reduced already and it reads the owners' copies. Returns the coefficient.
+template <typename T>
+double clip_pass(T* const* grads, int R, int64_t n, bool mean, bool reduced, bool two_shot,
+                 const Clip<T>& clip, const ParallelFor& parallel) {
+  const int shards = clip.shards > 0 ? clip.shards : R;
+  const int64_t align = clip.align > 0 ? clip.align : static_cast<int64_t>(16 / sizeof(T));
+  struct Chunk {
+    int shard;
+    int64_t begin, end;
+  };
+  std::vector<Chunk> chunks;
+  for (int k = 0; k < shards; ++k) {
+    int64_t b, e;
+    shard_range(n, shards, k, align, &b, &e);
+    for (int64_t x = b; x < e; x += optim::kNormChunk) {
+      chunks.push_back({k, x, std::min(e, x + optim::kNormChunk)});
+    }
+  }
+  std::vector<double> partial(chunks.size());
+  std::vector<const T*> g(grads, grads + R);
+  parallel(0, static_cast<int64_t>(chunks.size()), [&](int64_t lo, int64_t hi) {
+    T acc[optim::kNormChunk];
+    for (int64_t w = lo; w < hi; ++w) {
+      const Chunk& c = chunks[w];
+      const int64_t len = c.end - c.begin;
+      const T* src;
+      if (two_shot) {
+        sum_block(g.data(), R, c.begin, len, mean, acc);
+        std::memcpy(grads[c.shard] + c.begin, acc, static_cast<size_t>(len) * sizeof(T));
+        src = acc;
+      } else {
+        src = (reduced ? grads[0] : grads[std::min(c.shard, R - 1)]) + c.begin;
+      }
+      partial[w] = chunk_sum_of_squares<T>(src, len);
+    }
+  });
+  T norm;
+  const T coef = optim::clip_coefficient<T>(
+      combine_partials(partial.data(), static_cast<int64_t>(partial.size())), clip.max_norm,
+      &norm);
+  if (clip.norm_out != nullptr) *clip.norm_out = norm;
+  return static_cast<double>(coef);
+}
+
+}  // namespace
+
+template <typename T>
 void reduce_update(T* const* params, T* const* grads, ShardedState<T> state, int R, int64_t n,
                    bool mean, bool reduced, AllReduceAlgorithm algorithm, optim::Kind kind,
                    const UpdateSegment* segments, int nsegments, const double* const* hyper,
-                   T* scratch, const ParallelFor& parallel, bool gather) {
-  if (n == 0) return;
-  const bool fused = !reduced && algorithm == AllReduceAlgorithm::kTwoShot;
-  if (!reduced && !fused) all_reduce<T>(grads, R, n, mean, algorithm, scratch, parallel);
+                   T* scratch, const ParallelFor& parallel, bool gather, const Clip<T>* clip) {
+  if (n == 0) {
+    if (clip != nullptr && clip->norm_out != nullptr) *clip->norm_out = T(0);
+    return;
+  }
+  const bool two_shot = !reduced && algorithm == AllReduceAlgorithm::kTwoShot;
+  if (!reduced && !two_shot) all_reduce<T>(grads, R, n, mean, algorithm, scratch, parallel);
   std::vector<const T*> g(grads, grads + R);
+  double coef = 1.0;
+  if (clip != nullptr) coef = clip_pass<T>(grads, R, n, mean, reduced, two_shot, *clip, parallel);
+  // Fused: the update sums every replica's gradient as it goes (two_shot without clipping);
+  // else it reads the owner's reduced copy (grads[k]; grads[0] when reduced).
+  const bool fused = two_shot && clip == nullptr;
   // (shard, begin, end, segment) pieces: each within one shard and one segment.
   struct Piece {
     int shard;
@@ -299,7 +393,8 @@ void reduce_update(T* const* params, T* const* grads, ShardedState<T> state, int
       const T* const* in = fused ? g.data() : (reduced ? g.data() : g.data() + pc.shard);
       reduce_update_range<T>(in, fused ? R : 1, params, gather ? R : 1, shard_of(state.state1),
                              shard_of(state.state2), shard_of(state.state3), b, pc.begin,
-                             pc.end, fused && mean, kind, hyper[segments[pc.segment].group]);
+                             pc.end, fused && mean, kind, hyper[segments[pc.segment].group],
+                             clip ? &coef : nullptr, clip ? clip->round : nullptr);
     }
   });
 }
@@ -316,10 +411,13 @@ void reduce_update(T* const* params, T* const* grads, ShardedState<T> state, int
   template void sgd_range<T>(const T*, T*, T*, int64_t, int64_t, Sgd);                       \
   template void reduce_update_range<T>(const T* const*, int, T* const*, int, T*, T*, T*,      \
                                        int64_t, int64_t, int64_t, bool, optim::Kind,          \
-                                       const double*);                                        \
+                                       const double*, const double*,                          \
+                                       void (*)(T*, int64_t));                                \
   template void reduce_update<T>(T* const*, T* const*, ShardedState<T>, int, int64_t, bool,   \
                                  bool, AllReduceAlgorithm, optim::Kind, const UpdateSegment*,  \
-                                 int, const double* const*, T*, const ParallelFor&, bool);
+                                 int, const double* const*, T*, const ParallelFor&, bool,      \
+                                 const Clip<T>*);                                              \
+  template double chunk_sum_of_squares<T>(const T*, int64_t);
 
 DPCUDA_INSTANTIATE(float)
 DPCUDA_INSTANTIATE(double)

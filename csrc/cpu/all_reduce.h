@@ -106,10 +106,34 @@ struct ShardedState {
 // (or mean) of grads[0..ngrads); the update of `kind` (csrc/kernels/optim/update.h, the element
 // formula dpcuda.optim runs) on params[0]'s values and the state (s1..s3, null where unused,
 // element i at s[i - state_offset]); the new parameter written to every params[0..nparams).
+// scale (null, or the clip coefficient): the update reads g * scale, rounded to T and then by
+// `round` where given.
 template <typename T>
 void reduce_update_range(const T* const* grads, int ngrads, T* const* params, int nparams,
                          T* s1, T* s2, T* s3, int64_t state_offset, int64_t begin, int64_t end,
-                         bool mean, optim::Kind kind, const double* hyper);
+                         bool mean, optim::Kind kind, const double* hyper,
+                         const double* scale = nullptr, void (*round)(T*, int64_t) = nullptr);
+
+// Clipping by the global norm in reduce_update (csrc/kernels/optim/clip.h): the gradient is
+// scaled by max_norm / (norm + 1e-6), at most 1, before the update. norm_out (null, or where the
+// norm is written). The norm's chunks follow the two_shot split of `shards` shards aligned to
+// `align` elements (0: the call's own replicas and alignment; the adapter's half types give the
+// half buffers' split, which the CUDA kernels follow). round (null, or applied to the clipped
+// gradient: the half types' rounding).
+template <typename T>
+struct Clip {
+  double max_norm;
+  T* norm_out = nullptr;
+  int shards = 0;
+  int64_t align = 0;
+  void (*round)(T*, int64_t) = nullptr;
+};
+
+// The norm's canonical sums (clip.h): a chunk's sum of squares of x[0, len), len at most
+// optim::kNormChunk; and the combination of the chunks' partial sums.
+template <typename T>
+double chunk_sum_of_squares(const T* x, int64_t len);
+double combine_partials(const double* partials, int64_t count);
 
 // The reduction of grads fused with the update: every params[r] ends with the same updated
 // values; replica k's state shard is updated by shard k's owner alone. two_shot: each shard is
@@ -118,13 +142,16 @@ void reduce_update_range(const T* const* grads, int ngrads, T* const* params, in
 // gradients are already reduced (every grads[r] holds the same values): no reduction, each
 // shard updated from grads[0]. segments cover [0, n) in order; hyper[g] is group g's array.
 // gather false: only params[0] takes the updated weights (the caller copies them to the
-// others before they are read), which saves the writes of replicas 1..R-1.
+// others before they are read), which saves the writes of replicas 1..R-1. clip (null, or
+// clipping by the global norm): each owner's shard of the reduced gradient is written to its
+// own grads[k] (two_shot's reduce-scatter) as its chunks' sums of squares are taken, the norm
+// and coefficient follow from those partial sums, and the update reads the clipped gradient.
 template <typename T>
 void reduce_update(T* const* params, T* const* grads, ShardedState<T> state, int replicas,
                    int64_t n, bool mean, bool reduced, AllReduceAlgorithm algorithm,
                    optim::Kind kind, const UpdateSegment* segments, int nsegments,
                    const double* const* hyper, T* scratch, const ParallelFor& parallel,
-                   bool gather = true);
+                   bool gather = true, const Clip<T>* clip = nullptr);
 
 }  // namespace cpu
 }  // namespace dpcuda

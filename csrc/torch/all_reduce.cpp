@@ -396,13 +396,43 @@ UpdateArgs check_update_args(const std::vector<Tensor>& p, const std::vector<Ten
   return out;
 }
 
+// reduce_update_'s clipping arguments: max_norm finite and >= 0 (torch's clip_grad_norm_ with
+// max_norm 0 zeroes the gradient); norm (given only with max_norm) one element of the params'
+// dtype on params[0]'s device, not aliasing the buffers.
+void check_clip_args(const std::vector<Tensor>& p, const c10::optional<double>& max_norm,
+                     const c10::optional<Tensor>& norm) {
+  if (max_norm.has_value()) {
+    TORCH_CHECK_VALUE(std::isfinite(*max_norm) && *max_norm >= 0.0,
+                      "max_norm must be a finite number >= 0, got ", *max_norm);
+  }
+  if (!norm.has_value()) return;
+  TORCH_CHECK_VALUE(max_norm.has_value(), "norm is written only when max_norm is given");
+  const Tensor& t = *norm;
+  TORCH_CHECK_VALUE(t.numel() == 1 && t.is_contiguous(), "norm must be a one-element tensor, "
+                    "got shape ", t.sizes());
+  TORCH_CHECK_TYPE(t.scalar_type() == p[0].scalar_type(), "norm has dtype ", t.scalar_type(),
+                   ", expected the params' ", p[0].scalar_type());
+  TORCH_CHECK_VALUE(t.device() == p[0].device(), "norm is on ", t.device(),
+                    " but params[0] is on ", p[0].device());
+  for (size_t r = 0; r < p.size(); ++r) {
+    TORCH_CHECK_VALUE(!overlap(t, p[r]), "norm and params[", r, "] share memory");
+  }
+}
+
+template <typename H>
+void round_to(float* x, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) x[i] = static_cast<float>(static_cast<H>(x[i]));
+}
+
 void reduce_update_cpu(at::TensorList params, at::TensorList grads, at::TensorList state1,
                        at::TensorList state2, at::TensorList state3, at::TensorList hyper,
                        at::IntArrayRef segments, c10::string_view optimizer, bool mean,
-                       c10::string_view algorithm, bool gather) {
+                       c10::string_view algorithm, bool gather, c10::optional<double> max_norm,
+                       const c10::optional<Tensor>& norm) {
   const std::vector<Tensor> p = params.vec(), g = grads.vec(), s1 = state1.vec(),
                             s2 = state2.vec(), s3 = state3.vec(), h = hyper.vec();
   const UpdateArgs a = check_update_args(p, g, s1, s2, s3, h, segments, optimizer);
+  check_clip_args(p, max_norm, norm);
   const int R = static_cast<int>(p.size());
   const int64_t n = p[0].numel();
   std::vector<const double*> hp;
@@ -424,11 +454,19 @@ void reduce_update_cpu(at::TensorList params, at::TensorList grads, at::TensorLi
     float* a3 = ptr(f3);
     float* pp = fp[0].data_ptr<float>();
     float* gp = fg[0].data_ptr<float>();
+    // Clipping: the norm's chunks follow the half buffers' split (as the CUDA kernels take
+    // them), and the clipped gradient is rounded to the half type, as they store it.
+    float norm_value = 0.0f;
+    cpu::Clip<float> clip{max_norm.value_or(0.0), &norm_value, R,
+                          static_cast<int64_t>(16 / p[0].element_size()),
+                          p[0].scalar_type() == at::kHalf ? &round_to<at::Half>
+                                                          : &round_to<at::BFloat16>};
     cpu::reduce_update<float>(&pp, &gp, {f1.empty() ? nullptr : &a1, f2.empty() ? nullptr : &a2,
                                          f3.empty() ? nullptr : &a3},
                               1, n, false, true, Algorithm::kTwoShot, a.kind, a.segments.data(),
                               static_cast<int>(a.segments.size()), hp.data(), nullptr,
-                              torch_threads());
+                              torch_threads(), true, max_norm.has_value() ? &clip : nullptr);
+    if (norm.has_value()) norm->fill_(norm_value);
     for (int r = 0; r < (gather ? R : 1); ++r) p[r].copy_(fp[0]);
     auto split_back = [&](const std::vector<Tensor>& s, const std::vector<Tensor>& f) {
       int64_t at = 0;
@@ -448,13 +486,16 @@ void reduce_update_cpu(at::TensorList params, at::TensorList grads, at::TensorLi
   AT_DISPATCH_FLOATING_TYPES(p[0].scalar_type(), "reduce_update_cpu", [&] {
     std::vector<scalar_t*> a1 = pointers<scalar_t>(s1), a2 = pointers<scalar_t>(s2),
                            a3 = pointers<scalar_t>(s3);
+    cpu::Clip<scalar_t> clip{max_norm.value_or(0.0),
+                             norm.has_value() ? norm->data_ptr<scalar_t>() : nullptr};
     cpu::reduce_update<scalar_t>(pointers<scalar_t>(p).data(), pointers<scalar_t>(g).data(),
                                  {a1.empty() ? nullptr : a1.data(),
                                   a2.empty() ? nullptr : a2.data(),
                                   a3.empty() ? nullptr : a3.data()},
                                  R, n, mean, false, algo, a.kind, a.segments.data(),
                                  static_cast<int>(a.segments.size()), hp.data(),
-                                 scratch.data_ptr<scalar_t>(), torch_threads(), gather);
+                                 scratch.data_ptr<scalar_t>(), torch_threads(), gather,
+                                 max_norm.has_value() ? &clip : nullptr);
   });
 }
 
@@ -591,10 +632,12 @@ void reduce_sgd_cuda(at::TensorList params, at::TensorList grads,
 void reduce_update_cuda(at::TensorList params, at::TensorList grads, at::TensorList state1,
                         at::TensorList state2, at::TensorList state3, at::TensorList hyper,
                         at::IntArrayRef segments, c10::string_view optimizer, bool mean,
-                        c10::string_view algorithm, bool gather) {
+                        c10::string_view algorithm, bool gather, c10::optional<double> max_norm,
+                        const c10::optional<Tensor>& norm) {
   const std::vector<Tensor> p = params.vec(), g = grads.vec(), s1 = state1.vec(),
                             s2 = state2.vec(), s3 = state3.vec(), h = hyper.vec();
   const UpdateArgs a = check_update_args(p, g, s1, s2, s3, h, segments, optimizer);
+  check_clip_args(p, max_norm, norm);
   check_cuda_dtype(p[0], "params");
   const size_t R = p.size();
   for (size_t r = 1; r < R && !gather; ++r) {
@@ -612,14 +655,33 @@ void reduce_update_cuda(at::TensorList params, at::TensorList grads, at::TensorL
   }
   std::vector<cuda::UpdateSegment> seg;
   for (const cpu::UpdateSegment& x : a.segments) seg.push_back({x.begin, x.end, x.group});
+  // Clipping's workspace on every device of the call (on its current stream, as the scratch).
+  std::vector<Tensor> workspace;
+  std::vector<void*> workspace_ptrs(call.scratch_ptrs.size(), nullptr);
+  if (max_norm.has_value()) {
+    const int64_t bytes = static_cast<int64_t>(cuda::clip_workspace_bytes(call.plan));
+    for (int d : call.plan.devices) {
+      workspace.push_back(at::empty({bytes}, p[0].options().dtype(at::kByte).device(
+                                                 at::Device(at::kCUDA,
+                                                            static_cast<c10::DeviceIndex>(d)))));
+      workspace_ptrs[d] = workspace.back().data_ptr();
+    }
+  }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, p[0].scalar_type(),
                                   "reduce_update_cuda", [&] {
+    cuda::ClipArgs<CT<scalar_t>> clip;
+    clip.max_norm = max_norm.value_or(0.0);
+    clip.workspace = workspace_ptrs;
+    clip.norm_out = norm.has_value()
+                        ? reinterpret_cast<CT<scalar_t>*>(norm->data_ptr<scalar_t>())
+                        : nullptr;
     cuda::UpdateState<CT<scalar_t>> state{replicas_of<scalar_t>(s1).data,
                                           replicas_of<scalar_t>(s2).data,
                                           replicas_of<scalar_t>(s3).data};
     check_cuda(cuda::reduce_update<CT<scalar_t>>(call.plan, replicas_of<scalar_t>(g),
                                                  replicas_of<scalar_t>(p).data, state, a.kind,
-                                                 seg, hp, mean, call.scratch_ptrs, gather),
+                                                 seg, hp, mean, call.scratch_ptrs, gather,
+                                                 max_norm.has_value() ? &clip : nullptr),
                "reduce_update");
   });
 }

@@ -77,9 +77,13 @@ TORCH_LIBRARY(dpcuda, m) {
   // the reduced gradient (one_shot, ring). gather=False (every buffer on one device): only
   // params[0] takes the new weights; the caller copies them to the other replicas before they
   // are read (DataParallel does at every forward), which saves the writes of R - 1 replicas.
+  // max_norm: clipping by the global norm, as torch's clip_grad_norm_(max_norm) before the
+  // update (csrc/kernels/optim/clip.h), with the norm written to `norm` (one element of the
+  // params' dtype) where given; each owner's shard of grads then holds the reduced gradient.
   m.def("reduce_update_(Tensor(a!)[] params, Tensor(b!)[] grads, Tensor(c!)[] state1,"
         " Tensor(d!)[] state2, Tensor(e!)[] state3, Tensor[] hyper, int[] segments,"
-        " str optimizer, bool mean, str algorithm, bool gather=True) -> ()");
+        " str optimizer, bool mean, str algorithm, bool gather=True, float? max_norm=None,"
+        " Tensor(f!)? norm=None) -> ()");
   // dpcuda.optim's update of params on one device (CPU or one CUDA device; one kernel per 24
   // tensors there): optimizer "sgd" (state1: momentum buffers, or none) or "adam" (state1:
   // exp_avg, state2: exp_avg_sq, state3: max_exp_avg_sq or none), with the hyperparameters read

@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "../common.cuh"
+#include "../optim/clip.h"
 #include "../launch.cuh"
 
 namespace dpcuda {
@@ -245,12 +246,19 @@ struct ReduceUpdateOp {
   bool mean;
   optim::Kind kind;
   const optim::Hyper<acc_t<T>>& h;
+  const double* scale;
 
   template <int K>
   __device__ __forceinline__ void run(int64_t i) const {
     using A = acc_t<T>;
     A g[K];
     sum_pack<K>(grads, ngrads, i, mean, g);
+    if (scale) {
+      // torch's clip_grad_norm_: grad.mul_(clip_coef), the product rounded to T.
+      const A s = static_cast<A>(*scale);
+#pragma unroll
+      for (int k = 0; k < K; ++k) g[k] = to_acc(from_acc<T>(mul_rn(to_acc(from_acc<T>(g[k])), s)));
+    }
     const Pack<T, K> p = load_pack<K>(params.ptr[0] + i);
     Pack<T, K> a{}, b{}, c{};
     if (s1) a = load_pack<K>(s1 + i);
@@ -284,10 +292,72 @@ template <typename T>
 __global__ void reduce_update_kernel(const __grid_constant__ Replicas<const T> grads, int ngrads,
                                      const __grid_constant__ Replicas<T> params, int nparams,
                                      T* s1, T* s2, T* s3, int64_t begin, int64_t end, bool mean,
-                                     optim::Kind kind, const double* hyper, bool vectorised) {
+                                     optim::Kind kind, const double* hyper, bool vectorised,
+                                     const double* scale) {
   const optim::Hyper<acc_t<T>> h(hyper, s1 != nullptr, s3 != nullptr);
-  const ReduceUpdateOp<T> op{grads, ngrads, params, nparams, s1, s2, s3, mean, kind, h};
+  const ReduceUpdateOp<T> op{grads, ngrads, params, nparams, s1, s2, s3, mean, kind, h, scale};
   for_each_pack<kLanes<T>>(op, begin, end, vectorised);
+}
+
+// The lanes' sums of a block added as clip.h's tree; lane 0 ends with the total.
+__device__ __forceinline__ double block_tree(double* s, int l) {
+  __syncthreads();
+  for (int w = optim::kNormLanes / 2; w > 0; w /= 2) {
+    if (l < w) s[l] = add_rn(s[l], s[l + w]);
+    __syncthreads();
+  }
+  return s[0];
+}
+
+template <typename T>
+__global__ void reduce_square_sum_kernel(const __grid_constant__ Replicas<const T> in, int nin,
+                                         T* out, int64_t len, bool mean, double* partials) {
+  using A = acc_t<T>;
+  __shared__ double s[optim::kNormLanes];
+  const int l = threadIdx.x;
+  const int64_t base = static_cast<int64_t>(blockIdx.x) * optim::kNormChunk;
+  double acc = 0.0;
+  for (int j = 0; j < optim::kNormPerLane; ++j) {
+    const int64_t i = base + l + static_cast<int64_t>(j) * optim::kNormLanes;
+    if (i >= len) break;
+    A x = to_acc(in.ptr[0][i]);
+    for (int r = 1; r < nin; ++r) x = x + to_acc(in.ptr[r][i]);
+    if (mean) x = x / static_cast<A>(nin);
+    const T t = from_acc<T>(x);
+    if (out) out[i] = t;
+    const double v = static_cast<double>(to_acc(t));
+    acc = add_rn(acc, mul_rn(v, v));
+  }
+  s[l] = acc;
+  const double total = block_tree(s, l);
+  if (l == 0) partials[blockIdx.x] = total;
+}
+
+template <typename T>
+__global__ void clip_coefficient_kernel(const __grid_constant__ NormParts parts, double max_norm,
+                                        double* coef, T* norm_out) {
+  using A = acc_t<T>;
+  __shared__ double s[optim::kNormLanes];
+  const int l = threadIdx.x;
+  // Lane l sums the partials at l, l + kNormLanes, ... of the shards' concatenation.
+  double acc = 0.0;
+  int64_t offset = 0;
+  for (int k = 0; k < parts.n; ++k) {
+    const int64_t first = offset + ((l - offset) % optim::kNormLanes + optim::kNormLanes) %
+                                       optim::kNormLanes;
+    for (int64_t g = first; g < offset + parts.count[k]; g += optim::kNormLanes) {
+      acc = add_rn(acc, parts.ptr[k][g - offset]);
+    }
+    offset += parts.count[k];
+  }
+  s[l] = acc;
+  const double total = block_tree(s, l);
+  if (l == 0) {
+    A norm;
+    const A c = optim::clip_coefficient<A>(total, max_norm, &norm);
+    *coef = static_cast<double>(c);
+    if (norm_out) *norm_out = from_acc<T>(norm);
+  }
 }
 
 // One link of the ring's chain: work (or final_out, divided by divide_by when positive) =
@@ -509,7 +579,7 @@ template <typename T>
 cudaError_t reduce_update_range(Replicas<const T> grads, int ngrads, Replicas<T> params,
                                 int nparams, T* s1, T* s2, T* s3, int64_t begin, int64_t end,
                                 bool mean, optim::Kind kind, const double* hyper,
-                                cudaStream_t stream) {
+                                cudaStream_t stream, const double* scale) {
   if (end <= begin) return cudaSuccess;
   bool vectorised = pack_aligned<T>(s1 ? s1 + begin : nullptr) &&
                     pack_aligned<T>(s2 ? s2 + begin : nullptr) &&
@@ -519,7 +589,22 @@ cudaError_t reduce_update_range(Replicas<const T> grads, int ngrads, Replicas<T>
   const int64_t work = vectorised ? ceil_div(end - begin, kLanes<T>) : end - begin;
   return launch(reduce_update_kernel<T>, dim3(blocks_for(work)), dim3(kThreads), 0, stream,
                 grads, ngrads, params, nparams, s1, s2, s3, begin, end, mean, kind, hyper,
-                vectorised);
+                vectorised, scale);
+}
+
+template <typename T>
+cudaError_t reduce_square_sum(Replicas<const T> in, int nin, T* out, int64_t len, bool mean,
+                              double* partials, cudaStream_t stream) {
+  if (len <= 0) return cudaSuccess;
+  return launch(reduce_square_sum_kernel<T>, dim3(static_cast<unsigned>(optim::norm_chunks(len))),
+                dim3(optim::kNormLanes), 0, stream, in, nin, out, len, mean, partials);
+}
+
+template <typename T>
+cudaError_t clip_coefficient(const NormParts& parts, double max_norm, double* coef, T* norm_out,
+                             cudaStream_t stream) {
+  return launch(clip_coefficient_kernel<T>, dim3(1), dim3(optim::kNormLanes), 0, stream, parts,
+                max_norm, coef, norm_out);
 }
 
 template <typename T, typename A>
@@ -561,7 +646,10 @@ cudaError_t sgd_range(const T* grad, T* param, T* momentum, int64_t n, SgdArgs s
                                     cudaStream_t);                                             \
   template cudaError_t reduce_update_range<T>(Replicas<const T>, int, Replicas<T>, int, T*,    \
                                               T*, T*, int64_t, int64_t, bool, optim::Kind,     \
-                                              const double*, cudaStream_t);                    \
+                                              const double*, cudaStream_t, const double*);     \
+  template cudaError_t reduce_square_sum<T>(Replicas<const T>, int, T*, int64_t, bool, double*, \
+                                            cudaStream_t);                                     \
+  template cudaError_t clip_coefficient<T>(const NormParts&, double, double*, T*, cudaStream_t); \
   template cudaError_t step_status<T, float>(const T*, int64_t, const float*, int64_t,        \
                                              const int64_t*, int64_t, int64_t, int*, bool,    \
                                              int*, double*, cudaStream_t);                    \

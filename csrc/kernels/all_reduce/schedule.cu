@@ -6,6 +6,7 @@
 
 #include "../../cpu/all_reduce.h"
 #include "../common.cuh"
+#include "../optim/clip.h"
 
 namespace dpcuda {
 namespace cuda {
@@ -472,7 +473,7 @@ struct Shard {
   Status& st;
 
   void operator()(int k, const Replicas<const T>& in, int ngrads, const Replicas<T>& out,
-                  int nout, bool mean) const {
+                  int nout, bool mean, const double* scale = nullptr) const {
     int64_t b, e;
     shard(p, k, &b, &e);
     for (const UpdateSegment& seg : segments) {
@@ -485,7 +486,7 @@ struct Shard {
       st.ok(reduce_update_range<T>(i2, ngrads, o2, nout, state_at(state.state1, k, lo - b),
                                    state_at(state.state2, k, lo - b),
                                    state_at(state.state3, k, lo - b), 0, hi - lo, mean, kind,
-                                   hyper[k][seg.group], p.stream[device[k]]));
+                                   hyper[k][seg.group], p.stream[device[k]], scale));
     }
   }
 };
@@ -508,14 +509,116 @@ void gather_weights(const AllReducePlan& p, const ScheduleReplicas<T>& grads,
   }
 }
 
+// The clip workspace's layout on one device: every shard's partial sums (shard k's at
+// offset[k] doubles), then room for staged copies of them, then the coefficient.
+struct ClipLayout {
+  std::vector<int64_t> count, offset;
+  int64_t total = 0;
+  size_t staged_at = 0, coef_at = 0, bytes = 0;
+  explicit ClipLayout(const AllReducePlan& p) {
+    size_t staged = 0;
+    for (int k = 0; k < p.replicas; ++k) {
+      int64_t b, e;
+      shard(p, k, &b, &e);
+      count.push_back(optim::norm_chunks(e - b));
+      offset.push_back(total);
+      total += count.back();
+      staged += round_up(static_cast<size_t>(count.back()) * sizeof(double));
+    }
+    staged_at = round_up(static_cast<size_t>(total) * sizeof(double));
+    coef_at = staged_at + staged;
+    bytes = coef_at + 256;
+  }
+};
+
+double* at_bytes(void* base, size_t offset) {
+  return reinterpret_cast<double*>(static_cast<char*>(base) + offset);
+}
+
+// reduce_update with clipping (schedule.h): the reduced shards and their partial sums, the
+// coefficient on every device, the scaled update of each shard from its owner's copy.
+template <typename T>
+void clipped_update(const AllReducePlan& p, const ScheduleReplicas<T>& grads,
+                    const std::vector<T*>& params, const Shard<T>& update_shard,
+                    const ClipArgs<T>& clip, bool mean, bool gather,
+                    const std::vector<void*>& scratch, Status& st) {
+  const int R = p.replicas;
+  const bool one_device = p.devices.size() == 1;
+  const ClipLayout lay(p);
+  auto partials_of = [&](int k) {
+    return at_bytes(clip.workspace[grads.device[k]], 0) + lay.offset[k];
+  };
+  if (one_device || p.algorithm == AllReduceAlgorithm::kTwoShot) {
+    std::vector<Arena> arena = arenas(scratch);
+    barrier(p, st);  // every gradient is complete before any peer reads it
+    for (int k = 0; k < R && st.good(); ++k) {
+      int64_t b, e;
+      shard(p, k, &b, &e);
+      if (e <= b) continue;
+      const int d = grads.device[k];
+      cudaSetDevice(d);
+      Replicas<const T> in{};
+      for (int i = 0; i < R; ++i) {
+        in.ptr[i] = one_device ? grads.data[i] + b
+                               : readable_from<T>(p, d, grads.data[i] + b, grads.device[i],
+                                                  e - b, arena[d], st);
+      }
+      st.ok(reduce_square_sum<T>(in, R, grads.data[k] + b, e - b, mean, partials_of(k),
+                                 p.stream[d]));
+    }
+  } else {
+    if (!st.ok(all_reduce<T>(p, grads, scratch, mean))) return;
+    for (int k = 0; k < R && st.good(); ++k) {
+      int64_t b, e;
+      shard(p, k, &b, &e);
+      cudaSetDevice(grads.device[k]);
+      Replicas<const T> in{};
+      in.ptr[0] = grads.data[k] + b;
+      st.ok(reduce_square_sum<T>(in, 1, nullptr, e - b, false, partials_of(k),
+                                 p.stream[grads.device[k]]));
+    }
+  }
+  barrier(p, st);  // every partial sum is written before any device combines them
+  for (int d : p.devices) {
+    if (!st.good()) break;
+    cudaSetDevice(d);
+    Arena staged;
+    staged.base = static_cast<char*>(clip.workspace[d]) + lay.staged_at;
+    NormParts parts{};
+    parts.n = R;
+    for (int k = 0; k < R; ++k) {
+      parts.ptr[k] = readable_from<double>(p, d, partials_of(k), grads.device[k], lay.count[k],
+                                           staged, st);
+      parts.count[k] = lay.count[k];
+    }
+    st.ok(clip_coefficient<T>(parts, clip.max_norm, at_bytes(clip.workspace[d], lay.coef_at),
+                              d == grads.device[0] ? clip.norm_out : nullptr, p.stream[d]));
+  }
+  for (int k = 0; k < R && st.good(); ++k) {
+    int64_t b, e;
+    shard(p, k, &b, &e);
+    const int d = grads.device[k];
+    cudaSetDevice(d);
+    Replicas<const T> in{};
+    in.ptr[0] = grads.data[k] + b;
+    Replicas<T> out{};
+    const int nout = one_device && gather ? R : 1;
+    for (int o = 0; o < nout; ++o) out.ptr[o] = params[one_device ? o : k] + b;
+    update_shard(k, in, 1, out, nout, false, at_bytes(clip.workspace[d], lay.coef_at));
+  }
+}
+
 }  // namespace
+
+size_t clip_workspace_bytes(const AllReducePlan& plan) { return ClipLayout(plan).bytes; }
 
 template <typename T>
 cudaError_t reduce_update(const AllReducePlan& p, const ScheduleReplicas<T>& grads,
                           const std::vector<T*>& params, const UpdateState<T>& state,
                           optim::Kind kind, const std::vector<UpdateSegment>& segments,
                           const std::vector<std::vector<const double*>>& hyper, bool mean,
-                          const std::vector<void*>& scratch, bool gather) {
+                          const std::vector<void*>& scratch, bool gather,
+                          const ClipArgs<T>* clip) {
   const size_t R = grads.data.size();
   auto fits = [&](const std::vector<T*>& s) { return s.empty() || s.size() == R; };
   if (!valid_call(p, grads, scratch) || params.size() != R || !fits(state.state1) ||
@@ -532,11 +635,32 @@ cudaError_t reduce_update(const AllReducePlan& p, const ScheduleReplicas<T>& gra
     covered = seg.end;
   }
   if (covered != p.n) return cudaErrorInvalidValue;
-  if (p.n == 0) return cudaSuccess;
+  if (clip != nullptr) {
+    for (int d : p.devices) {
+      if (d >= static_cast<int>(clip->workspace.size()) || clip->workspace[d] == nullptr) {
+        return cudaErrorInvalidValue;
+      }
+    }
+  }
   const DeviceScope scope;
+  if (p.n == 0) {
+    // The norm of no gradient is 0, as torch's.
+    if (clip == nullptr || clip->norm_out == nullptr) return cudaSuccess;
+    cudaSetDevice(grads.device[0]);
+    return cudaMemsetAsync(clip->norm_out, 0, sizeof(T), p.stream[grads.device[0]]);
+  }
   Status st;
   const Shard<T> update_shard{p, grads.device, state, kind, segments, hyper, st};
   const int nr = static_cast<int>(R);
+  if (clip != nullptr) {
+    clipped_update<T>(p, grads, params, update_shard, *clip, mean, gather, scratch, st);
+    if (p.devices.size() > 1) {
+      barrier(p, st);  // every shard's weights are updated before any peer copies them
+      if (gather) gather_weights(p, grads, params, st);
+      barrier(p, st);  // nobody reuses a buffer or scratch before every peer is done with it
+    }
+    return st.err;
+  }
   if (p.devices.size() == 1) {
     cudaSetDevice(p.devices[0]);
     for (int k = 0; k < nr && st.good(); ++k) {
@@ -600,7 +724,7 @@ cudaError_t reduce_update(const AllReducePlan& p, const ScheduleReplicas<T>& gra
                                         const std::vector<T*>&, const UpdateState<T>&,          \
                                         optim::Kind, const std::vector<UpdateSegment>&,         \
                                         const std::vector<std::vector<const double*>>&, bool,   \
-                                        const std::vector<void*>&, bool);
+                                        const std::vector<void*>&, bool, const ClipArgs<T>*);
 
 DPCUDA_FOR_EACH_TYPE(DPCUDA_INSTANTIATE)
 #undef DPCUDA_INSTANTIATE

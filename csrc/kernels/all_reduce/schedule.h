@@ -105,6 +105,20 @@ struct UpdateSegment {
   int group;
 };
 
+// Clipping by the global norm in reduce_update (optim/clip.h: torch's clip_grad_norm_ with
+// norm type 2, in an order fixed by the shards). workspace[d]: clip_workspace_bytes(plan) bytes
+// on each device d of the plan (the shards' partial sums, the copies of the peers' that a device
+// cannot read, the coefficient); norm_out: null, or where the norm is written, as T, on replica
+// 0's device.
+template <typename T>
+struct ClipArgs {
+  double max_norm = 0.0;
+  std::vector<void*> workspace;
+  T* norm_out = nullptr;
+};
+
+size_t clip_workspace_bytes(const AllReducePlan& plan);
+
 // The reduction of grads fused with an optimizer's update (optim/update.h): every params[r] ends
 // with the same updated values, and each replica updates the state of its own shard only.
 // two_shot: each owner reduces its shard and updates it in one kernel (grads untouched), then
@@ -114,13 +128,19 @@ struct UpdateSegment {
 // one kernel per shard reads every gradient and writes every replica's weights. segments cover
 // [0, n) in order; hyper[r][g] is group g's kHyper array on replica r's device. gather false
 // (replicas sharing one device only; cudaErrorInvalidValue otherwise): only params[0] takes the
-// updated weights, the caller copying them to the others before they are read.
+// updated weights, the caller copying them to the others before they are read. clip (null, or
+// clipping by the global norm): each owner reduces its shard into its own grads[k] (for
+// two_shot and replicas sharing a device; one_shot and ring all-reduce first) and takes its
+// chunks' sums of squares in the same pass; after a barrier every device combines all the
+// partial sums in shard order into the same coefficient (one block; peers' sums it cannot read
+// are staged); then each owner updates its shard from its reduced copy, scaled.
 template <typename T>
 cudaError_t reduce_update(const AllReducePlan& plan, const ScheduleReplicas<T>& grads,
                           const std::vector<T*>& params, const UpdateState<T>& state,
                           optim::Kind kind, const std::vector<UpdateSegment>& segments,
                           const std::vector<std::vector<const double*>>& hyper, bool mean,
-                          const std::vector<void*>& scratch, bool gather = true);
+                          const std::vector<void*>& scratch, bool gather = true,
+                          const ClipArgs<T>* clip = nullptr);
 
 }  // namespace cuda
 }  // namespace dpcuda

@@ -5,7 +5,8 @@
 // access on, off and mixed, under random stream delays, float, double and half. Every replica
 // must end with the weights of the CPU's fused reduce-update (csrc/cpu/all_reduce.h), bit for
 // bit, and each replica's state shard with the CPU's state for that shard (without the gather:
-// replica 0 with those weights, the others untouched). Under ASan/UBSan and TSan too (the ctest
+// replica 0 with those weights, the others untouched); with clipping by the global norm, the
+// norm too (optim/clip.h's order, on the shards of several chunks each). Under ASan/UBSan and TSan too (the ctest
 // builds of CMakeLists.txt).
 #include <cmath>
 #include <cstring>
@@ -51,6 +52,8 @@ struct Case {
   // false: only replica 0 takes the new weights (the others must keep theirs), which the
   // schedule refuses with cudaErrorInvalidValue when the replicas span several devices.
   bool gather = true;
+  // >= 0: clipping by the global norm (the norm checked too, bit for bit).
+  double max_norm = -1.0;
 };
 
 std::vector<double> hyper_of(const Case& c, int group) {
@@ -72,6 +75,14 @@ std::vector<double> hyper_of(const Case& c, int group) {
 }
 
 int g_reported = 0;
+
+// The CPU reference of the half type's clipped gradient: rounded to half, as the kernels store it.
+template <typename F>
+void round_half(F* x, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    x[i] = static_cast<F>(__half2float(__float2half_rn(static_cast<float>(x[i]))));
+  }
+}
 
 void fail(const char* what, const Case& c, int r, int64_t i) {
   ++dpcuda_test::failures();
@@ -128,6 +139,7 @@ void run_case(const Case& c, uint64_t seed) {
   // adapter runs it (the mean rounded to half, then the float update of rounded values).
   using F = std::conditional_t<std::is_same<T, double>::value, double, float>;
   std::vector<F> wp(n), wa(n), wb(n), wc(n);
+  F cpu_norm = F(-1);
   {
     std::vector<std::vector<F>> gx(R, std::vector<F>(n));
     for (int r = 0; r < R; ++r)
@@ -168,6 +180,8 @@ void run_case(const Case& c, uint64_t seed) {
       q2[k] = s2 ? s2 + b : nullptr;
       q3[k] = s3 ? s3 + b : nullptr;
     }
+    dpcuda::cpu::Clip<F> clip{c.max_norm, &cpu_norm, R, static_cast<int64_t>(16 / sizeof(T)),
+                              reduced ? &round_half<F> : nullptr};
     dpcuda::cpu::reduce_update<F>(outs.data(), gp.data(),
                                   {s1 ? q1.data() : nullptr, s2 ? q2.data() : nullptr,
                                    s3 ? q3.data() : nullptr},
@@ -175,7 +189,7 @@ void run_case(const Case& c, uint64_t seed) {
                                   AllReduceAlgorithm::kTwoShot, c.kind, segs.data(), 2, hp,
                                   nullptr, [](int64_t b, int64_t e, const auto& body) {
                                     body(b, e);
-                                  });
+                                  }, true, c.max_norm >= 0.0 ? &clip : nullptr);
   }
   // The devices' buffers: full gradients and weights per replica, one state shard each.
   const int64_t align = 16 / sizeof(T);
@@ -228,8 +242,22 @@ void run_case(const Case& c, uint64_t seed) {
     scratch[d] = scratch_bufs.back()->ptr;
   }
   const std::vector<dpcuda::cuda::UpdateSegment> cuda_segs = {{0, cut, 0}, {cut, n, 1}};
-  const cudaError_t err = dpcuda::cuda::reduce_update<T>(plan, reps, params, state, c.kind,
-                                                         cuda_segs, hpt, true, scratch, c.gather);
+  dpcuda::cuda::ClipArgs<T> clip;
+  clip.max_norm = c.max_norm;
+  std::vector<std::unique_ptr<DeviceBuffer<char>>> workspace;
+  clip.workspace.assign(D, nullptr);
+  for (int d = 0; d < D; ++d) {
+    CUDA_OK(cudaSetDevice(d));
+    workspace.push_back(
+        std::make_unique<DeviceBuffer<char>>(dpcuda::cuda::clip_workspace_bytes(plan)));
+    clip.workspace[d] = workspace.back()->ptr;
+  }
+  CUDA_OK(cudaSetDevice(0));
+  DeviceBuffer<T> norm(1);
+  clip.norm_out = norm.ptr;
+  const cudaError_t err = dpcuda::cuda::reduce_update<T>(
+      plan, reps, params, state, c.kind, cuda_segs, hpt, true, scratch, c.gather,
+      c.max_norm >= 0.0 ? &clip : nullptr);
   if (!c.gather && plan.devices.size() > 1) {
     CHECK(err == cudaErrorInvalidValue);
     // (refused before any launch: every replica keeps its weights)
@@ -270,6 +298,9 @@ void run_case(const Case& c, uint64_t seed) {
         }
       }
     };
+    if (r == 0 && c.max_norm >= 0.0 && !same(norm.download()[0], stored<T>(cpu_norm))) {
+      fail("norm", c, r, 0);
+    }
     check_state(s1, wa, "state1");
     check_state(s2, wb, "state2");
     check_state(s3, wc, "state3");
@@ -309,6 +340,20 @@ int main() {
         run_case<float>({R, 1, Peers::kAll, a, 1000, u.kind, u.flags, false}, ++seed);
       }
       run_case<float>({R, R, Peers::kAll, a, 100, optim::Kind::kAdam, 0, false}, ++seed);
+      // Clipping: active (max_norm 1), inactive (1e6) and zeroing (0); shards of many chunks.
+      for (Peers peers : {Peers::kAll, Peers::kNone, Peers::kMixed}) {
+        run_case<float>({R, R, peers, a, 20011, optim::Kind::kAdam, optim::kDecoupled, true, 1.0},
+                        ++seed);
+      }
+      run_case<float>({R, 1, Peers::kAll, a, 50001, optim::Kind::kAdam, optim::kAmsgrad, false,
+                       1.0}, ++seed);
+      run_case<float>({R, (R + 1) / 2, Peers::kMixed, a, 9000, optim::Kind::kSgd,
+                       optim::kUseMomentum, true, 1e6}, ++seed);
+      run_case<double>({R, R, Peers::kMixed, a, 9001, optim::Kind::kSgd, optim::kNesterov |
+                        optim::kUseMomentum, true, 0.5}, ++seed);
+      run_case<float>({R, R, Peers::kAll, a, 1000, optim::Kind::kSgd, 0, true, 0.0}, ++seed);
+      run_case<__half>({R, R, Peers::kMixed, a, 9001, optim::Kind::kAdam, optim::kDecoupled, true,
+                        1.0}, ++seed);
       run_case<__half>({R, 1, Peers::kAll, a, 1001, optim::Kind::kAdam, optim::kDecoupled, false},
                        ++seed);
       run_case<double>({R, R, Peers::kNone, a, 999, optim::Kind::kAdam, optim::kAmsgrad},
