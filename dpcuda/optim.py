@@ -13,6 +13,15 @@ small float64 tensor the kernel reads (a schedule changes them without a new ker
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-2, total_steps=1000)
     loss_fn(model(x), y).backward(); opt.step(); sched.step(); opt.zero_grad()
 
+max_grad_norm (keyword, every optimizer; None by default): each step first clips the gradients
+of all its parameters by their global norm, as torch.nn.utils.clip_grad_norm_(params,
+max_grad_norm) before step() would; opt.grad_norm is then the norm before clipping (the value
+clip_grad_norm_ returns; None until a step). On a plain model that is torch's clip_grad_norm_
+itself. In DataParallel.step(..., optimizer=opt), where the update is fused into the reduction,
+the norm comes from the reduction (each owner's sum of squares of its shard as it reduces it,
+one small exchange, the coefficient applied inside the update: no pass of its own over the
+gradients); it agrees with torch's to rounding (its summation order is the shards').
+
 Against torch.optim on the same device: float64 and float32 agree within rounding (torch's
 CPU kernels contract some products into fused multiply-adds); bfloat16 within two bfloat16
 roundings of torch's single-tensor path (which rounds its intermediates to bfloat16; dpcuda
@@ -44,18 +53,33 @@ class _FusedOptimizer(Optimizer):
 
     _op = None  # the kernel family: "sgd" or "adam"
 
-    def __init__(self, params, defaults):
+    def __init__(self, params, defaults, max_grad_norm=None):
         if defaults.get("differentiable"):
             raise ValueError(f"dpcuda.optim.{type(self).__name__} does not support "
                              f"differentiable=True (use torch.optim's)")
         if defaults.get("capturable"):
             raise ValueError(f"dpcuda.optim.{type(self).__name__} does not support "
                              f"capturable=True yet (its step count is read on the host)")
+        if max_grad_norm is not None and (
+                isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float))
+                or not max_grad_norm >= 0 or max_grad_norm == float("inf")):
+            raise ValueError(f"max_grad_norm must be None or a finite number >= 0, got "
+                             f"{max_grad_norm!r}")
         super().__init__(params, defaults)
+        self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
+        self.grad_norm = None
         self._hyper = {}
+
+    def __getstate__(self):
+        # (torch's keeps defaults, state and param_groups only; max_grad_norm is a setting too)
+        state = super().__getstate__()
+        state["max_grad_norm"] = self.max_grad_norm
+        return state
 
     def __setstate__(self, state):
         super().__setstate__(state)
+        self.__dict__.setdefault("max_grad_norm", None)
+        self.__dict__.setdefault("grad_norm", None)
         self._hyper = {}
 
     def _hyper_tensor(self, index, device, values):
@@ -87,6 +111,10 @@ class _FusedOptimizer(Optimizer):
             # DataParallel.step's update, fused into its reduction (dpcuda.parallel)
             fused()
             return loss
+        if self.max_grad_norm is not None:
+            with_grad = [p for group in self.param_groups for p in group["params"]
+                         if p.grad is not None]
+            self.grad_norm = torch.nn.utils.clip_grad_norm_(with_grad, self.max_grad_norm)
         for index, group in enumerate(self.param_groups):
             buckets = {}
             for p in group["params"]:
@@ -146,7 +174,7 @@ class SGD(_FusedOptimizer):
 
     def __init__(self, params, lr=1e-3, momentum=0, dampening=0, weight_decay=0,
                  nesterov=False, *, maximize=False, foreach=None, differentiable=False,
-                 fused=None):
+                 fused=None, max_grad_norm=None):
         if torch.is_tensor(lr) and lr.numel() != 1:
             raise ValueError("Tensor lr must be 1-element")
         if lr < 0.0:
@@ -160,7 +188,7 @@ class SGD(_FusedOptimizer):
         defaults = {"lr": lr, "momentum": momentum, "dampening": dampening,
                     "weight_decay": weight_decay, "nesterov": nesterov, "maximize": maximize,
                     "foreach": foreach, "differentiable": differentiable, "fused": fused}
-        super().__init__(params, defaults)
+        super().__init__(params, defaults, max_grad_norm)
 
     def __setstate__(self, state):
         super().__setstate__(state)
@@ -209,7 +237,8 @@ class Adam(_FusedOptimizer):
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0,
                  amsgrad=False, *, foreach=None, maximize=False, capturable=False,
-                 differentiable=False, fused=None, decoupled_weight_decay=False):
+                 differentiable=False, fused=None, decoupled_weight_decay=False,
+                 max_grad_norm=None):
         if torch.is_tensor(lr) and lr.numel() != 1:
             raise ValueError("Tensor lr must be 1-element")
         if not 0.0 <= lr:
@@ -227,7 +256,7 @@ class Adam(_FusedOptimizer):
                     "amsgrad": amsgrad, "maximize": maximize, "foreach": foreach,
                     "capturable": capturable, "differentiable": differentiable, "fused": fused,
                     "decoupled_weight_decay": decoupled_weight_decay}
-        super().__init__(params, defaults)
+        super().__init__(params, defaults, max_grad_norm)
 
     def __setstate__(self, state):
         super().__setstate__(state)
@@ -298,11 +327,11 @@ class AdamW(Adam):
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
                  amsgrad=False, *, maximize=False, foreach=None, capturable=False,
-                 differentiable=False, fused=None):
+                 differentiable=False, fused=None, max_grad_norm=None):
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, foreach=foreach,
                          maximize=maximize, capturable=capturable,
                          differentiable=differentiable, fused=fused,
-                         decoupled_weight_decay=True)
+                         decoupled_weight_decay=True, max_grad_norm=max_grad_norm)
 
     def __setstate__(self, state):
         super().__setstate__(state)

@@ -432,7 +432,7 @@ def train(cfg, dataset=None, dist_info=None, announce=None):
     if uses_optimizer(cfg):
         opt = make_optimizer(cfg, dp.parameters())
         sched = make_scheduler(cfg, opt, cfg.epochs * steps_per_epoch)
-        optimizer_step = OptimizerStep(dp, opt, sched, loss_fn, cfg, world)
+        optimizer_step = OptimizerStep(dp, opt, sched, loss_fn, cfg)
     order_gen = torch.Generator().manual_seed(cfg.seed)
     history, start_epoch, start_step, order = [], 0, 0, None
     partial = {"loss_sum": 0.0, "samples": 0, "seconds": 0.0}
@@ -532,8 +532,7 @@ def train(cfg, dataset=None, dist_info=None, announce=None):
                     if optimizer_step is None:
                         loss = dp.step(dataset.x_train[idx], dataset.y_train[idx], loss_fn)
                     else:
-                        loss, _ = optimizer_step(dataset.x_train[idx], dataset.y_train[idx],
-                                                 rows)
+                        loss, _ = optimizer_step(dataset.x_train[idx], dataset.y_train[idx])
                 if dp.skipped_steps > skipped:
                     bad_steps += 1
                     partial["skipped_steps"] = partial.get("skipped_steps", 0) + 1

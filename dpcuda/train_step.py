@@ -2,14 +2,14 @@
 or adamw, or SGD with an --lr-schedule, --warmup-steps, --clip-grad-norm or --accumulate):
 the optimizer, its learning-rate schedule, and one optimizer step of a global batch.
 
-Without clipping or accumulation the step is DataParallel.step(x, y, loss_fn, optimizer=opt);
-with either, it is the conventional PyTorch loop on the wrapper: the micro-batches' backward
-passes (the reduction deferred by no_sync() until the last), clip_grad_norm_, opt.step().
-A step whose gradients hold NaN or Inf is skipped (no optimizer step, no schedule step), as
-the wrapper's own step skips it.
+The step is DataParallel.step(x, y, loss_fn, optimizer=opt, accumulate=--accumulate), the
+optimizer made with max_grad_norm=--clip-grad-norm: with the replicas on one device the
+update, the clipping by the global norm and the sharded optimizer state are fused into the
+reduction, and the micro-batches are reduced once, at the update. A step whose gradients hold
+NaN or Inf is skipped (no optimizer step, no schedule step), as the wrapper's own step skips
+it.
 """
 
-import contextlib
 import math
 
 import torch
@@ -29,9 +29,10 @@ def uses_optimizer(cfg):
 def make_optimizer(cfg, params):
     if cfg.optimizer == "sgd":
         return optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum,
-                         weight_decay=cfg.weight_decay)
+                         weight_decay=cfg.weight_decay, max_grad_norm=cfg.clip_grad_norm)
     cls = optim.Adam if cfg.optimizer == "adam" else optim.AdamW
-    return cls(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    return cls(params, lr=cfg.lr, weight_decay=cfg.weight_decay,
+               max_grad_norm=cfg.clip_grad_norm)
 
 
 def make_scheduler(cfg, opt, total_steps):
@@ -68,53 +69,14 @@ def make_scheduler(cfg, opt, total_steps):
 class OptimizerStep:
     """One optimizer step of a global batch on the wrapper: returns (loss, skipped)."""
 
-    def __init__(self, dp, opt, sched, loss_fn, cfg, world=1):
+    def __init__(self, dp, opt, sched, loss_fn, cfg):
         self.dp, self.opt, self.sched, self.loss_fn = dp, opt, sched, loss_fn
-        self.clip, self.accumulate, self.world = cfg.clip_grad_norm, cfg.accumulate, world
+        self.accumulate = cfg.accumulate
 
-    def __call__(self, x, y, global_rows):
-        if self.clip is None:
-            # (accumulation inside the step: the micro-batches reduced once, at the update)
-            skipped = self.dp.skipped_steps
-            loss = self.dp.step(x, y, self.loss_fn, optimizer=self.opt,
-                                accumulate=self.accumulate)
-            stepped = self.dp.skipped_steps == skipped
-        else:
-            loss, stepped = self._conventional(x, y, global_rows)
+    def __call__(self, x, y):
+        skipped = self.dp.skipped_steps
+        loss = self.dp.step(x, y, self.loss_fn, optimizer=self.opt, accumulate=self.accumulate)
+        stepped = self.dp.skipped_steps == skipped
         if stepped:
             self.sched.step()
         return loss, not stepped
-
-    def _conventional(self, x, y, global_rows):
-        dp, opt = self.dp, self.opt
-        opt.zero_grad(set_to_none=True)
-        rows = x.shape[0]
-        # The micro-batches' mean losses weighted by their share of the global batch: their
-        # gradients add up to the gradient of the global batch's mean (as across processes,
-        # whose gradients the reducer averages, each weighted by its share times the world).
-        chunks = [c for c in torch.arange(rows).tensor_split(min(self.accumulate, rows))
-                  if c.numel()]
-        total = torch.zeros((), dtype=torch.float64)
-        for j, idx in enumerate(chunks):
-            last = j == len(chunks) - 1
-            with contextlib.nullcontext() if last else dp.no_sync():
-                loss = self.loss_fn(dp(x[idx]), y[idx]) * (idx.numel() * self.world
-                                                           / global_rows)
-                loss.backward()
-            total += loss.detach().double().cpu()
-        if self.world > 1:
-            total = total.to(dp._comm_device())
-            dp._dist.all_reduce(total, group=dp._group)
-            total /= self.world
-        grads = [p.grad for p in dp.parameters() if p.grad is not None]
-        if self.clip is not None:
-            norm = torch.nn.utils.clip_grad_norm_(dp.parameters(), self.clip)
-            finite = bool(torch.isfinite(norm))
-        else:
-            finite = all(bool(torch.isfinite(g).all()) for g in grads)
-        if finite:
-            opt.step()
-        else:
-            dp.skipped_steps += 1
-        dp.steps += 1
-        return float(total), finite

@@ -98,7 +98,7 @@ def test_fused_layers_and_the_fused_update_accumulate_as_torch():
         want = nn.functional.cross_entropy(ref(x), y)
         want.backward()
         topt.step()
-        assert abs(loss - float(want)) <= 1e-12 * abs(float(want.detach()))
+        assert abs(loss - float(want.detach())) <= 1e-12 * abs(float(want.detach()))
     assert dp._fused_update._key is not None  # (the fused reduce-update ran)
     for a, b in zip(model.parameters(), ref.parameters()):
         assert close(a, b)
@@ -192,31 +192,41 @@ def test_a_bad_label_in_a_later_micro_batch_raises_and_changes_nothing(loss_fn):
         assert close(a, b)
 
 
-def test_the_clis_accumulation_without_clipping_is_the_accumulating_step():
-    # train_step.OptimizerStep: --accumulate without --clip-grad-norm runs dp.step(...,
-    # accumulate=N) (one reduction per update), with clipping the conventional no_sync loop;
-    # both train what one device trains on the whole batch.
+def test_the_clis_step_accumulates_and_clips_inside_the_fused_step():
+    # train_step: the optimizer made with max_grad_norm=--clip-grad-norm, and every step
+    # dp.step(..., accumulate=--accumulate): what torch trains on one device with the whole
+    # batch, clip_grad_norm_ and AdamW.
     import types
 
-    from dpcuda.train_step import OptimizerStep
+    from dpcuda.train_step import OptimizerStep, make_optimizer
 
-    def run(clip):
-        torch.manual_seed(8)
-        model = Partly().double()
-        dp = DataParallel(model, ["cpu"] * 2)
-        opt = dpcuda.optim.AdamW(dp.parameters(), lr=0.01)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-        cfg = types.SimpleNamespace(clip_grad_norm=clip, accumulate=3)
-        step = OptimizerStep(dp, opt, sched, nn.CrossEntropyLoss(), cfg)
-        calls = []
-        original = dp.step
-        dp.step = lambda *a, **kw: calls.append(kw.get("accumulate")) or original(*a, **kw)
-        losses = [step(x, y, x.shape[0])[0] for x, y in _data(3, 20)]
-        return model, losses, calls
-    fused, fused_losses, calls = run(None)
+    cfg = types.SimpleNamespace(clip_grad_norm=0.05, accumulate=3, optimizer="adamw", lr=0.01,
+                                weight_decay=0.02, momentum=0.0)
+    torch.manual_seed(8)
+    # (every parameter used: a parameter no replica uses takes the unfused path)
+    model = Partly().body.double()
+    ref = Partly().body.double()
+    ref.load_state_dict(model.state_dict())
+    dp = DataParallel(model, ["cpu"] * 2)
+    opt = make_optimizer(cfg, dp.parameters())
+    assert opt.max_grad_norm == 0.05
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    step = OptimizerStep(dp, opt, sched, nn.CrossEntropyLoss(), cfg)
+    calls = []
+    original = dp.step
+    dp.step = lambda *a, **kw: calls.append(kw.get("accumulate")) or original(*a, **kw)
+    topt = torch.optim.AdamW(ref.parameters(), lr=0.01, weight_decay=0.02)
+    for x, y in _data(3, 20):
+        loss, skipped = step(x, y)
+        topt.zero_grad()
+        want = nn.functional.cross_entropy(ref(x), y)
+        want.backward()
+        norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+        topt.step()
+        assert not skipped and abs(loss - float(want.detach())) <= 1e-12
+        assert float(norm) > 0.05  # (the clipping was active)
+        assert torch.allclose(opt.grad_norm, norm, rtol=1e-12)
     assert calls == [3, 3, 3]
-    loop, loop_losses, calls = run(1e9)  # (a bound never reached: no clipping)
-    assert calls == []
-    for a, b in zip(fused.parameters(), loop.parameters()):
-        assert close(a, b)
-    assert all(abs(a - b) <= 1e-12 for a, b in zip(fused_losses, loop_losses))
+    assert dp._fused_update._key is not None
+    for a, b in zip(model.parameters(), ref.parameters()):
+        assert close(a, b, 1e-10, 1e-12)

@@ -189,13 +189,19 @@ class FusedUpdate:
                     first.append(index)
             hyper += [opt._hyper_tensor(index, plan.device, opt._values(group, key))] * R
 
+        clip = opt.max_grad_norm
+        norm = torch.empty(1, dtype=plan.buffers[0][0].dtype, device=plan.device) \
+            if clip is not None else None
+
         def run():
             # gather=False: the new weights land in replica 0's buffer only. The others take
             # them at the next forward, whose sync copies replica 0's weights to every replica
             # whatever happened in between (replicas.py), so writing them here too would move
-            # the weights twice.
+            # the weights twice. max_grad_norm: the clipping inside the reduction.
             torch.ops.dpcuda.reduce_update_(*plan.buffers, *plan.lists, hyper, plan.segments,
-                                            opt._op, False, algorithm, False)
+                                            opt._op, False, algorithm, False, clip, norm)
+            if norm is not None:
+                opt.grad_norm = norm.reshape(())
             # In place, as torch.optim's updates: autograd sees the weights changed.
             torch.autograd.graph.increment_version(plan.params)
             # What opt.step() leaves in the state once the update has happened: Adam's step
