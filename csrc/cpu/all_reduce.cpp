@@ -37,24 +37,31 @@ inline void sum_block(const T* const* in, int nin, int64_t base, int64_t len, bo
   }
 }
 
-// The SGD element formula; every path that updates parameters goes through it.
+// The wrapper's SGD step: dpcuda.optim's SGD formula (csrc/kernels/optim/update.h, the one
+// every update goes through) with dampening 0, no Nesterov, the momentum buffer from zero.
 template <typename T>
 inline void sgd_block(const T* __restrict__ g, const T* param, const T* momentum, int64_t len,
                       Sgd sgd, T* __restrict__ new_param, T* __restrict__ new_momentum) {
-  const T lr = static_cast<T>(sgd.lr);
-  const T mu = static_cast<T>(sgd.momentum);
-  const T wd = static_cast<T>(sgd.weight_decay);
-  const bool decay = sgd.weight_decay != 0.0;
+  double v[optim::kHyper] = {};
+  v[optim::kLr] = sgd.lr;
+  v[optim::kWeightDecay] = sgd.weight_decay;
+  v[optim::kMomentum] = sgd.momentum;
+  v[optim::kOneMinusDampening] = 1.0;
   const bool use_momentum = sgd.momentum != 0.0;
+  const optim::Hyper<T> h(v, use_momentum, false);
+  if (use_momentum) {
 #pragma GCC ivdep
-  for (int64_t i = 0; i < len; ++i) {
-    const T p = param[i];
-    T d = decay ? g[i] + wd * p : g[i];
-    if (use_momentum) {
-      d = mu * momentum[i] + d;
-      new_momentum[i] = d;
+    for (int64_t i = 0; i < len; ++i) {
+      T b = momentum[i];
+      new_param[i] = optim::sgd(g[i], param[i], b, h);
+      new_momentum[i] = b;
     }
-    new_param[i] = p - lr * d;
+  } else {
+#pragma GCC ivdep
+    for (int64_t i = 0; i < len; ++i) {
+      T unused = T(0);
+      new_param[i] = optim::sgd(g[i], param[i], unused, h);
+    }
   }
 }
 

@@ -614,8 +614,7 @@ void reduce_sgd_cuda(at::TensorList params, at::TensorList grads,
   for (const Tensor& s : st) records.push_back(s.data_ptr<double>());
   check_cuda_dtype(p[0], "params");
   const Algorithm algo = parse_algorithm(algorithm, p[0].nbytes(), p.size(), false);
-  const cuda::SgdArgs sgd{static_cast<float>(lr), static_cast<float>(momentum),
-                          static_cast<float>(weight_decay), lr, momentum, weight_decay};
+  const cuda::SgdArgs sgd{lr, momentum, weight_decay};
   const c10::cuda::CUDAGuard guard(p[0].device());
   for (const Tensor& t : p) check_kernel_image(t.device().index());
   const CudaCall call(g, algo);

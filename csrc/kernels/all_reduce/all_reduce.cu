@@ -12,35 +12,17 @@ namespace {
 
 constexpr int kThreads = 256;
 
-template <typename T> __device__ __forceinline__ T sgd_value(double d, float f);
-template <> __device__ __forceinline__ double sgd_value<double>(double d, float) { return d; }
-template <> __device__ __forceinline__ float sgd_value<float>(double, float f) { return f; }
-
-// The SGD hyperparameters in the accumulation type A (double for float64 buffers, else float).
+// The wrapper's SGD (DataParallel's lr, momentum and weight_decay) as dpcuda.optim's SGD
+// (optim/update.h: one element formula for every update): torch.optim.SGD with dampening 0 and
+// no Nesterov, its momentum buffer starting at zero, the values in the accumulation type A.
 template <typename A>
-struct SgdIn {
-  A lr, mu, wd;
-  bool decay;
-  __device__ __forceinline__ explicit SgdIn(const SgdArgs& s)
-      : lr(sgd_value<A>(s.lr_d, s.lr)),
-        mu(sgd_value<A>(s.momentum_d, s.momentum)),
-        wd(sgd_value<A>(s.weight_decay_d, s.weight_decay)),
-        decay(s.weight_decay_d != 0.0) {}
-};
-
-// The SGD element formula in the accumulation type: returns the new parameter; `m` holds the
-// momentum buffer's value and receives the new one (used only with momentum). Everything is
-// passed by value or by register reference, so nothing lands in local memory.
-// torch.optim.SGD's order (dampening 0, no Nesterov): d = g + wd * p; m = mu * m + d;
-// p = p - lr * d; each product and sum rounded on its own (mul_rn/add_rn), as the CPU kernels.
-template <typename A>
-__device__ __forceinline__ A sgd_step(A g, A p, bool use_m, A& m, const SgdIn<A>& s) {
-  A d = s.decay ? add_rn(g, mul_rn(s.wd, p)) : g;
-  if (use_m) {
-    d = add_rn(mul_rn(s.mu, m), d);
-    m = d;
-  }
-  return add_rn(p, -mul_rn(s.lr, d));
+__device__ __forceinline__ optim::Hyper<A> sgd_hyper(const SgdArgs& s, bool use_momentum) {
+  double v[optim::kHyper] = {};
+  v[optim::kLr] = s.lr;
+  v[optim::kWeightDecay] = s.weight_decay;
+  v[optim::kMomentum] = s.momentum;
+  v[optim::kOneMinusDampening] = 1.0;
+  return optim::Hyper<A>(v, use_momentum, false);
 }
 
 // What the records say (StepRecords): skip the update, or apply it with the gradient times fix.
@@ -188,7 +170,7 @@ struct ReduceSgdOp {
   const Replicas<T>& momenta;
   int nmomenta;
   bool mean;
-  const SgdIn<acc_t<T>>& sgd;
+  const optim::Hyper<acc_t<T>>& sgd;
   bool rescale;
   acc_t<T> fix;
 
@@ -207,7 +189,7 @@ struct ReduceSgdOp {
       // stores it, so every algorithm gives the same bits for the half types too.
       const A gk = rescaled<T>(to_acc(from_acc<T>(g[k])), rescale, fix);
       A mk = nmomenta ? to_acc(m.v[k]) : A(0);
-      np.v[k] = from_acc<T>(sgd_step(gk, to_acc(p.v[k]), nmomenta > 0, mk, sgd));
+      np.v[k] = from_acc<T>(optim::sgd(gk, to_acc(p.v[k]), mk, sgd));
       nm.v[k] = from_acc<T>(mk);
     }
     for (int o = 0; o < nparams; ++o) store_pack<K>(params.ptr[o] + i, np);
@@ -225,7 +207,7 @@ __global__ void reduce_sgd_kernel(const __grid_constant__ Replicas<const T> grad
   Verdict v{false, 1.0};
   if (records.n > 0) v = read_records(records);
   if (v.skip) return;
-  const SgdIn<acc_t<T>> in(sgd);
+  const optim::Hyper<acc_t<T>> in = sgd_hyper<acc_t<T>>(sgd, nmomenta > 0);
   const ReduceSgdOp<T> op{grads, ngrads, params, nparams, momenta, nmomenta, mean, in,
                           v.fix != 1.0, static_cast<acc_t<T>>(v.fix)};
   for_each_pack<kLanes<T>>(op, begin, end, vectorised);
@@ -416,7 +398,7 @@ struct SgdOp {
   const T* grad;
   T* param;
   T* momentum;
-  const SgdIn<acc_t<T>>& sgd;
+  const optim::Hyper<acc_t<T>>& sgd;
   bool rescale;
   acc_t<T> fix;
 
@@ -431,8 +413,8 @@ struct SgdOp {
 #pragma unroll
     for (int k = 0; k < K; ++k) {
       A mk = momentum ? to_acc(m.v[k]) : A(0);
-      np.v[k] = from_acc<T>(sgd_step(rescaled<T>(to_acc(g.v[k]), rescale, fix), to_acc(p.v[k]),
-                                     momentum != nullptr, mk, sgd));
+      np.v[k] = from_acc<T>(optim::sgd(rescaled<T>(to_acc(g.v[k]), rescale, fix),
+                                       to_acc(p.v[k]), mk, sgd));
       nm.v[k] = from_acc<T>(mk);
     }
     store_pack<K>(param + i, np);
@@ -447,7 +429,7 @@ __global__ void sgd_kernel(const T* grad, T* param, T* momentum, int64_t n,
   Verdict v{false, 1.0};
   if (records.n > 0) v = read_records(records);
   if (v.skip) return;
-  const SgdIn<acc_t<T>> in(sgd);
+  const optim::Hyper<acc_t<T>> in = sgd_hyper<acc_t<T>>(sgd, momentum != nullptr);
   const SgdOp<T> op{grad, param, momentum, in, v.fix != 1.0, static_cast<acc_t<T>>(v.fix)};
   for_each_pack<kLanes<T>>(op, 0, n, vectorised);
 }

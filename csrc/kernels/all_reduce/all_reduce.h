@@ -26,13 +26,11 @@ struct Replicas {
   T* ptr[kMaxReplicas];
 };
 
+// The wrapper's SGD hyperparameters, rounded to the accumulation type in the kernels.
 struct SgdArgs {
-  float lr;
-  float momentum;
-  float weight_decay;
-  double lr_d;  // the same values in double precision, used for float64 buffers
-  double momentum_d;
-  double weight_decay_d;
+  double lr;
+  double momentum;
+  double weight_decay;
 };
 
 // The step_status records (see step_status below: kRecord doubles each) that an update obeys,

@@ -548,8 +548,7 @@ void test_all_reduce_kernels(std::mt19937& rng) {
         }
         // reduce_sgd_range: params[0] and momenta[0] hold the state; every copy gets the update.
         for (bool momentum : {false, true}) {
-          const dpcuda::cuda::SgdArgs sgd{0.1f, momentum ? 0.9f : 0.0f, 0.01f, 0.1,
-                                          momentum ? 0.9 : 0.0, 0.01};
+          const dpcuda::cuda::SgdArgs sgd{0.1, momentum ? 0.9 : 0.0, 0.01};
           std::vector<T> p0(n), m0(n);
           for (auto& v : p0) v = from_double<T>(dist(rng));
           for (auto& v : m0) v = from_double<T>(dist(rng) * 0.01);
@@ -747,7 +746,7 @@ void test_step_status(std::mt19937& rng) {
 template <typename T>
 void test_update_obeys_records(std::mt19937& rng) {
   std::normal_distribution<double> dist(0.0, 10.0);
-  const dpcuda::cuda::SgdArgs sgd{0.1f, 0.9f, 0.01f, 0.1, 0.9, 0.01};
+  const dpcuda::cuda::SgdArgs sgd{0.1, 0.9, 0.01};
   for (int R : {1, 2, 3}) {
     for (int64_t n : {int64_t(5), int64_t(4099)}) {
       const RandomUpdate<T> w(R, n, rng);
@@ -831,7 +830,7 @@ template <typename T>
 void test_update_rescales_from_records(std::mt19937& rng) {
   using Acc = dpcuda::cuda::acc_t<T>;
   std::normal_distribution<double> dist(0.0, 10.0);
-  const dpcuda::cuda::SgdArgs sgd{0.1f, 0.9f, 0.01f, 0.1, 0.9, 0.01};
+  const dpcuda::cuda::SgdArgs sgd{0.1, 0.9, 0.01};
   const bool dbl = sizeof(Acc) == 8;
   const Acc lr = dbl ? Acc(0.1) : Acc(0.1f), mu = dbl ? Acc(0.9) : Acc(0.9f);
   const Acc wd = dbl ? Acc(0.01) : Acc(0.01f);

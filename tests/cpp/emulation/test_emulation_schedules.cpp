@@ -76,8 +76,7 @@ void run_case(const Case& c, uint64_t seed) {
   for (auto& v : m0) v = from_float<T>(dist(rng) * 0.1f);
   // The expected bits: the fixed-order mean, rounded to T, then the SGD element formula.
   std::vector<T> want(c.n), want_p(c.n), want_m(c.n);
-  const dpcuda::cuda::SgdArgs sgd{0.05f, c.momentum ? 0.9f : 0.0f, 0.01f, 0.05,
-                                  c.momentum ? 0.9 : 0.0, 0.01};
+  const dpcuda::cuda::SgdArgs sgd{0.05, c.momentum ? 0.9 : 0.0, 0.01};
   for (int64_t i = 0; i < c.n; ++i) {
     Acc acc = static_cast<Acc>(to_float(x[0][i]));
     for (int r = 1; r < R; ++r) acc = acc + static_cast<Acc>(to_float(x[r][i]));
