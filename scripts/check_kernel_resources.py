@@ -86,9 +86,10 @@ def demangle(names):
 
 
 # The kernels whose arithmetic must follow the no-contraction rule, by source and name: the
-# fused SGD of the all-reduce and dpcuda.optim's update (csrc/kernels/optim/update.h's rn::).
+# fused SGD of the all-reduce, dpcuda.optim's update (csrc/kernels/optim/update.h's rn::) and
+# the clipping's sums of squares and coefficient (csrc/kernels/optim/clip.h).
 NO_FMA_SOURCES = [(os.path.join("csrc", "kernels", "all_reduce", "all_reduce.cu"),
-                   r"sgd|update"),
+                   r"sgd|update|square_sum|clip_coefficient"),
                   (os.path.join("csrc", "kernels", "optim", "optim.cu"), r"optim_kernel")]
 # Any fma or mad, and any mul without an explicit rounding mode (.rn/.rz/.rm/.rp), predicated
 # or not, with or without .ftz/.sat.
