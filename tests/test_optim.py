@@ -673,3 +673,45 @@ def test_reduce_update_without_the_gather_writes_replica_0_only(algorithm, dtype
     assert all(torch.equal(x, y) for x, y in zip(ma + va, mb + vb))
     assert all(torch.equal(x, pa[0]) for x in pa[1:])
     assert all(x.isnan().all() for x in pb[1:])
+
+
+@pytest.mark.parametrize("replicas", [2, 3])
+def test_gradscaler_over_dataparallel_skips_a_step_any_replica_overflowed(replicas):
+    # The conventional loop with torch.amp.GradScaler (CPU) and dpcuda's AdamW with clipping:
+    # an Inf in one replica's rows makes the global gradient non-finite, so the scaler skips the
+    # step (every replica keeps its weights) and halves its scale, as on one device.
+    torch.manual_seed(12)
+    model = nn.Sequential(nn.Linear(7, 13), nn.Tanh(), nn.Linear(13, 5))
+    ref = nn.Sequential(nn.Linear(7, 13), nn.Tanh(), nn.Linear(13, 5))
+    ref.load_state_dict(model.state_dict())
+    dp = DataParallel(model, ["cpu"] * replicas)
+    opt = dpcuda.optim.AdamW(dp.parameters(), lr=0.01, max_grad_norm=0.5)
+    topt = torch.optim.AdamW(ref.parameters(), lr=0.01)
+    s1 = torch.amp.GradScaler("cpu", init_scale=64.0)
+    s2 = torch.amp.GradScaler("cpu", init_scale=64.0)
+    g = torch.Generator().manual_seed(3)
+    for step in range(4):
+        x = torch.randn(17, 7, generator=g)
+        y = torch.randint(0, 5, (17,), generator=g)
+        if step == 1:
+            x[16, 2] = math.inf  # the last replica's rows only
+        before = [p.clone() for p in model.parameters()]
+        opt.zero_grad()
+        s1.scale(nn.functional.cross_entropy(dp(x), y)).backward()
+        s1.step(opt)
+        s1.update()
+        topt.zero_grad()
+        s2.scale(nn.functional.cross_entropy(ref(x), y)).backward()
+        s2.unscale_(topt)
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+        s2.step(topt)
+        s2.update()
+        assert s1.get_scale() == s2.get_scale()
+        if step == 1:
+            assert s1.get_scale() == 32.0
+            assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    for a, b in zip(model.parameters(), ref.parameters()):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+    for r in dp.replicas[1:]:
+        for a, b in zip(r.parameters(), model.parameters()):
+            assert torch.equal(a, b)
