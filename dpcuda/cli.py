@@ -395,13 +395,6 @@ def _env(devices):
             "date": time.strftime("%Y-%m-%d"), "python": platform.python_version()}
 
 
-def _print_table(history):
-    print(f"{'epoch':>6}{'seconds':>10}{'samples/s':>12}{'train loss':>12}{'test acc':>10}")
-    for r in history:
-        print(f"{r['epoch']:>6}{r['seconds']:>10.2f}{r['samples_per_s']:>12.0f}"
-              f"{r['train_loss']:>12.4g}{100 * r['test_accuracy']:>9.2f}%")
-
-
 def _finite(value):
     """value with every non-finite float replaced by None (JSON has no NaN or Infinity)."""
     if isinstance(value, float):
@@ -651,8 +644,7 @@ def _train(args, parser):
                 dist.destroy_process_group()
     result.pop("data_parallel")
     if dist_info is None or dist_info[0] == 0:
-        print()
-        _print_table(result["epochs"])
+        # (the epochs' lines were printed as they ended; the summary does not repeat them)
         fin = result["final"]
         if fin:
             print(f"final test accuracy {100 * fin['test_accuracy']:.2f}% after "

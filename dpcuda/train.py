@@ -405,6 +405,10 @@ def train(cfg, dataset=None, dist_info=None, announce=None):
     if cfg.batch_size < replicas:
         raise ValueError(f"--batch-size {cfg.batch_size} is smaller than the {replicas} "
                          f"replicas; every replica needs at least one row")
+    if cfg.batch_size > n_train:
+        # (else every epoch would be one step over the whole set, silently)
+        raise ValueError(f"--batch-size {cfg.batch_size} is larger than the training set "
+                         f"({n_train} samples); give at most {n_train}")
     spec = _model_spec(cfg, dataset)
     resumed = load_checkpoint(cfg.resume) if cfg.resume else None
     if resumed is not None:

@@ -345,10 +345,15 @@ double clip_pass(T* const* grads, int R, int64_t n, bool mean, bool reduced, boo
       partial[w] = chunk_sum_of_squares<T>(src, len);
     }
   });
+  // (the half types' adapter rounds each result to half, as the CUDA kernels store them)
+  auto round = [&clip](T x) {
+    if (clip.round != nullptr) clip.round(&x, 1);
+    return x;
+  };
   T norm;
   const T coef = optim::clip_coefficient<T>(
       combine_partials(partial.data(), static_cast<int64_t>(partial.size())), clip.max_norm,
-      &norm);
+      &norm, round);
   if (clip.norm_out != nullptr) *clip.norm_out = norm;
   return static_cast<double>(coef);
 }

@@ -398,9 +398,12 @@ UpdateArgs check_update_args(const std::vector<Tensor>& p, const std::vector<Ten
 
 // reduce_update_'s clipping arguments: max_norm finite and >= 0 (torch's clip_grad_norm_ with
 // max_norm 0 zeroes the gradient); norm (given only with max_norm) one element of the params'
-// dtype on params[0]'s device, not aliasing the buffers.
-void check_clip_args(const std::vector<Tensor>& p, const c10::optional<double>& max_norm,
-                     const c10::optional<Tensor>& norm) {
+// dtype on params[0]'s device, sharing memory with no other argument (it is written before the
+// update reads them).
+void check_clip_args(const std::vector<Tensor>& p, const std::vector<Tensor>& g,
+                     const std::vector<Tensor>& s1, const std::vector<Tensor>& s2,
+                     const std::vector<Tensor>& s3, const std::vector<Tensor>& h,
+                     const c10::optional<double>& max_norm, const c10::optional<Tensor>& norm) {
   if (max_norm.has_value()) {
     TORCH_CHECK_VALUE(std::isfinite(*max_norm) && *max_norm >= 0.0,
                       "max_norm must be a finite number >= 0, got ", *max_norm);
@@ -414,8 +417,13 @@ void check_clip_args(const std::vector<Tensor>& p, const c10::optional<double>& 
                    ", expected the params' ", p[0].scalar_type());
   TORCH_CHECK_VALUE(t.device() == p[0].device(), "norm is on ", t.device(),
                     " but params[0] is on ", p[0].device());
-  for (size_t r = 0; r < p.size(); ++r) {
-    TORCH_CHECK_VALUE(!overlap(t, p[r]), "norm and params[", r, "] share memory");
+  // (norm against each other argument only: the groups' hyper arrays may repeat one tensor)
+  for (const auto& [name, list] : std::vector<std::pair<const char*, const std::vector<Tensor>*>>{
+           {"params", &p}, {"grads", &g}, {"state1", &s1}, {"state2", &s2}, {"state3", &s3},
+           {"hyper", &h}}) {
+    for (size_t i = 0; i < list->size(); ++i) {
+      TORCH_CHECK_VALUE(!overlap(t, (*list)[i]), "norm and ", name, "[", i, "] share memory");
+    }
   }
 }
 
@@ -432,7 +440,7 @@ void reduce_update_cpu(at::TensorList params, at::TensorList grads, at::TensorLi
   const std::vector<Tensor> p = params.vec(), g = grads.vec(), s1 = state1.vec(),
                             s2 = state2.vec(), s3 = state3.vec(), h = hyper.vec();
   const UpdateArgs a = check_update_args(p, g, s1, s2, s3, h, segments, optimizer);
-  check_clip_args(p, max_norm, norm);
+  check_clip_args(p, g, s1, s2, s3, h, max_norm, norm);
   const int R = static_cast<int>(p.size());
   const int64_t n = p[0].numel();
   std::vector<const double*> hp;
@@ -636,7 +644,7 @@ void reduce_update_cuda(at::TensorList params, at::TensorList grads, at::TensorL
   const std::vector<Tensor> p = params.vec(), g = grads.vec(), s1 = state1.vec(),
                             s2 = state2.vec(), s3 = state3.vec(), h = hyper.vec();
   const UpdateArgs a = check_update_args(p, g, s1, s2, s3, h, segments, optimizer);
-  check_clip_args(p, max_norm, norm);
+  check_clip_args(p, g, s1, s2, s3, h, max_norm, norm);
   check_cuda_dtype(p[0], "params");
   const size_t R = p.size();
   for (size_t r = 1; r < R && !gather; ++r) {

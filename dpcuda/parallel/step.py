@@ -175,9 +175,8 @@ class StepMixin(LabelChecks, PendingSteps):
             raise ValueError(f"inputs has {rows} rows but targets has {targets.shape[0]}")
         if rows == 0:
             raise ValueError("the batch is empty")
-        if rows < len(self._replicas):
-            raise ValueError(f"the batch has {rows} rows, fewer than the {len(self._replicas)} "
-                             f"replicas")
+        # (fewer rows than replicas: the replicas left without rows take part with none, as
+        # in a weighted split that gives a replica nothing)
         sizes = split_sizes(rows, len(self._replicas), self._row_weights())
         summed = summed_loss(loss_fn, targets)
         if summed is None:

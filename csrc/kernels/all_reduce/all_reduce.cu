@@ -315,6 +315,14 @@ __global__ void reduce_square_sum_kernel(const __grid_constant__ Replicas<const 
   if (l == 0) partials[blockIdx.x] = total;
 }
 
+// A value of the accumulation type stored as T and read back (clip.h's rounding).
+template <typename T>
+struct RoundTo {
+  __device__ __forceinline__ acc_t<T> operator()(acc_t<T> x) const {
+    return to_acc(from_acc<T>(x));
+  }
+};
+
 template <typename T>
 __global__ void clip_coefficient_kernel(const __grid_constant__ NormParts parts, double max_norm,
                                         double* coef, T* norm_out) {
@@ -336,7 +344,7 @@ __global__ void clip_coefficient_kernel(const __grid_constant__ NormParts parts,
   const double total = block_tree(s, l);
   if (l == 0) {
     A norm;
-    const A c = optim::clip_coefficient<A>(total, max_norm, &norm);
+    const A c = optim::clip_coefficient<A>(total, max_norm, &norm, RoundTo<T>{});
     *coef = static_cast<double>(c);
     if (norm_out) *norm_out = from_acc<T>(norm);
   }

@@ -587,8 +587,11 @@ void clipped_update(const AllReducePlan& p, const ScheduleReplicas<T>& grads,
     NormParts parts{};
     parts.n = R;
     for (int k = 0; k < R; ++k) {
-      parts.ptr[k] = readable_from<double>(p, d, partials_of(k), grads.device[k], lay.count[k],
-                                           staged, st);
+      // (an empty shard has no partial sums: no pointer to a peer the device may not read)
+      parts.ptr[k] = lay.count[k] == 0 ? nullptr
+                                       : readable_from<double>(p, d, partials_of(k),
+                                                               grads.device[k], lay.count[k],
+                                                               staged, st);
       parts.count[k] = lay.count[k];
     }
     st.ok(clip_coefficient<T>(parts, clip.max_norm, at_bytes(clip.workspace[d], lay.coef_at),

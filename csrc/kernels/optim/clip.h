@@ -10,9 +10,12 @@
 // after shard, are combined the same way (lane l sums partials l, l + kNormLanes, ...; then the
 // tree). Squares of float, half and bfloat16 values are exact in float64.
 //
-// Then, as torch computes it in the accumulation type A (float for float, half and bfloat16
-// gradients; double for float64): norm = sqrt(total); coef = max_norm / (norm + 1e-6), at most
-// 1 (NaN stays NaN, as torch.clamp). The update reads g * coef, rounded to the gradient's type.
+// Then as torch.nn.utils.clip_grad_norm_ computes it on tensors of the gradients' dtype:
+// norm = sqrt(total); coef = max_norm / (norm + 1e-6), which torch evaluates (a Python number
+// over a tensor) as reciprocal(norm + 1e-6) * max_norm; then at most 1 (NaN stays NaN, as
+// torch.clamp). Each result is computed in the accumulation type A (float for float, half and
+// bfloat16; double for float64) and stored in the gradients' dtype, as torch's tensors hold
+// them. The update reads g * coef, rounded to the gradient's type.
 #pragma once
 
 #include <cstdint>
@@ -38,12 +41,14 @@ DPCUDA_HD void lane_tree(double* s) {
   }
 }
 
-// The clip coefficient from the sum of squares; *norm receives the norm.
-template <typename A>
-DPCUDA_HD A clip_coefficient(double total, double max_norm, A* norm) {
-  const A n = static_cast<A>(rn::sqrt(total));
+// The clip coefficient from the sum of squares; *norm receives the norm. round(x): x stored in
+// the gradients' dtype and read back (the identity for float and double).
+template <typename A, typename Round>
+DPCUDA_HD A clip_coefficient(double total, double max_norm, A* norm, const Round& round) {
+  const A n = round(static_cast<A>(rn::sqrt(total)));
   *norm = n;
-  const A coef = rn::div(static_cast<A>(max_norm), rn::add(n, static_cast<A>(1e-6)));
+  const A inverse = round(rn::div(A(1), round(rn::add(n, static_cast<A>(1e-6)))));
+  const A coef = round(rn::mul(inverse, static_cast<A>(max_norm)));
   return coef > A(1) ? A(1) : coef;
 }
 

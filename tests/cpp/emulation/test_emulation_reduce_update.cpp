@@ -352,6 +352,7 @@ int main() {
       run_case<double>({R, R, Peers::kMixed, a, 9001, optim::Kind::kSgd, optim::kNesterov |
                         optim::kUseMomentum, true, 0.5}, ++seed);
       run_case<float>({R, R, Peers::kAll, a, 1000, optim::Kind::kSgd, 0, true, 0.0}, ++seed);
+      run_case<float>({R, R, Peers::kMixed, a, 7, optim::Kind::kAdam, 0, true, 0.5}, ++seed);
       run_case<__half>({R, R, Peers::kMixed, a, 9001, optim::Kind::kAdam, optim::kDecoupled, true,
                         1.0}, ++seed);
       run_case<__half>({R, 1, Peers::kAll, a, 1001, optim::Kind::kAdam, optim::kDecoupled, false},
