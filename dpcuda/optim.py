@@ -29,6 +29,9 @@ computes in float, as torch's fused=True path, whose bits it gives for Adam); se
 tests/test_optim.py for the tolerances.
 """
 
+import math
+import numbers
+
 import torch
 from torch.optim import Optimizer
 
@@ -60,11 +63,13 @@ class _FusedOptimizer(Optimizer):
         if defaults.get("capturable"):
             raise ValueError(f"dpcuda.optim.{type(self).__name__} does not support "
                              f"capturable=True yet (its step count is read on the host)")
-        if max_grad_norm is not None and (
-                isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float))
-                or not max_grad_norm >= 0 or max_grad_norm == float("inf")):
-            raise ValueError(f"max_grad_norm must be None or a finite number >= 0, got "
-                             f"{max_grad_norm!r}")
+        if max_grad_norm is not None:
+            if isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, numbers.Real):
+                raise TypeError(f"max_grad_norm must be None or a finite number >= 0, got "
+                                f"{max_grad_norm!r}")
+            if not 0 <= max_grad_norm < math.inf:
+                raise ValueError(f"max_grad_norm must be None or a finite number >= 0, got "
+                                 f"{max_grad_norm!r}")
         super().__init__(params, defaults)
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         self.grad_norm = None
@@ -114,20 +119,25 @@ class _FusedOptimizer(Optimizer):
         if self.max_grad_norm is not None:
             with_grad = [p for group in self.param_groups for p in group["params"]
                          if p.grad is not None]
+            for p in with_grad:
+                self._check_dense(p)
             self.grad_norm = torch.nn.utils.clip_grad_norm_(with_grad, self.max_grad_norm)
         for index, group in enumerate(self.param_groups):
             buckets = {}
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                if p.grad.is_sparse:
-                    raise RuntimeError(f"dpcuda.optim.{type(self).__name__} does not support "
-                                       f"sparse gradients")
+                self._check_dense(p)
                 key, tensors, commit = self._prepare(p, group)
                 buckets.setdefault((p.device, p.dtype) + key, []).append((tensors, commit))
             for key, entries in buckets.items():
                 self._update(index, group, key[0], key[2:], entries)
         return loss
+
+    def _check_dense(self, p):
+        if p.grad.is_sparse:
+            raise RuntimeError(f"dpcuda.optim.{type(self).__name__} does not support sparse "
+                               f"gradients")
 
     def _update(self, index, group, device, key, entries):
         hyper = self._hyper_tensor(index, device, self._values(group, *key))

@@ -267,8 +267,8 @@ def test_one_line_per_epoch_and_a_batch_larger_than_the_data_refused(tmp_path):
     lines = proc.stdout.splitlines()
     assert sum(line.startswith("epoch ") for line in lines) == 2  # printed once each
     assert lines[-1].startswith("final test accuracy")
-    # digits: 1437 training samples; a larger batch would make every epoch one step
+    # digits: 1438 training samples; a larger batch would make every epoch one step
     proc = run_cli("train", "--no-progress", "--epochs", "1", "--batch-size", "5000")
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and "--batch-size 5000 is larger than the " \
-        "training set (1437 samples)" in proc.stderr
+        "training set (1438 samples)" in proc.stderr

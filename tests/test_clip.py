@@ -4,6 +4,7 @@ inside the fused reduce-update (reduce_update_'s max_norm). Torch as the oracle:
 clip_grad_norm_, then torch.optim's update."""
 
 import math
+import re
 
 import pytest
 import torch
@@ -202,11 +203,24 @@ def test_bad_clipping_arguments_are_refused_by_name():
         torch.ops.dpcuda.reduce_update_(*args, 1.0, torch.zeros(1, dtype=torch.float64))
     with pytest.raises(ValueError, match="norm must be a one-element tensor"):
         torch.ops.dpcuda.reduce_update_(*args, 1.0, torch.zeros(2))
-    with pytest.raises(ValueError, match=r"norm and params\[0\] share memory"):
-        torch.ops.dpcuda.reduce_update_(*args, 1.0, ps[0][:1])
-    for bad in (-0.5, math.nan, math.inf, True, "1"):
+    # norm is written before the update reads the other arguments: it may share none's memory
+    for what, t in (("params[0]", ps[0][:1]), ("grads[1]", gs[1][3:4])):
+        with pytest.raises(ValueError, match=rf"norm and {re.escape(what)} share memory"):
+            torch.ops.dpcuda.reduce_update_(*args, 1.0, t)
+    h64 = torch.zeros(16, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"norm and hyper\[0\] share memory"):
+        torch.ops.dpcuda.reduce_update_(
+            [torch.zeros(8, dtype=torch.float64)] * 1, [torch.zeros(8, dtype=torch.float64)],
+            [], [], [], [h64], [0, 8, 0], "sgd", False, "two_shot", True, 1.0, h64[:1])
+    for bad in (-0.5, math.nan, math.inf):
         with pytest.raises(ValueError, match="max_grad_norm must be None or a finite"):
             dpcuda.optim.AdamW([torch.zeros(2, requires_grad=True)], max_grad_norm=bad)
+    for bad in (True, "1", [1.0]):
+        with pytest.raises(TypeError, match="max_grad_norm must be None or a finite"):
+            dpcuda.optim.AdamW([torch.zeros(2, requires_grad=True)], max_grad_norm=bad)
+    import numpy as np
+    assert dpcuda.optim.SGD([torch.zeros(2, requires_grad=True)],
+                            max_grad_norm=np.float32(1.5)).max_grad_norm == 1.5
 
 
 def test_max_grad_norm_survives_pickling_and_leaves_the_state_dict_torchs():
@@ -218,3 +232,36 @@ def test_max_grad_norm_survives_pickling_and_leaves_the_state_dict_torchs():
     state = opt.state_dict()
     assert "max_grad_norm" not in state["param_groups"][0]
     torch.optim.SGD([torch.zeros(3, requires_grad=True)], lr=0.1).load_state_dict(state)
+
+
+def test_a_half_norm_overflows_as_torchs():
+    # float16 gradients whose norm exceeds float16's range: torch's norm is inf, so its
+    # coefficient is 0 and the clipped gradient is 0; the update then applies the decay alone.
+    p0 = torch.linspace(-1, 1, 64).half()
+    grads = [torch.full((64,), 6e4).half(), torch.full((64,), 6e4).half()]
+    ps, m, _, norm = _op_run(p0, grads, "two_shot", 1.0)
+    w = p0.clone().requires_grad_()
+    w.grad = grads[0].clone()  # (the mean of two equal gradients)
+    want = torch.nn.utils.clip_grad_norm_([w], 1.0)
+    assert math.isinf(float(want)) and math.isinf(float(norm[0]))
+    assert torch.equal(w.grad, torch.zeros_like(w.grad)) and torch.equal(m, torch.zeros_like(m))
+    # (torch's float16 AdamW on the CPU computes in float16, where eps = 1e-8 underflows and a
+    # zero gradient gives 0 / 0; dpcuda computes in float, as torch's fused path: the decay)
+    assert torch.equal(ps[0], (p0.float() * (1 - 0.01 * 0.1)).half())
+
+
+def test_a_skipped_step_leaves_grad_norm_nan_and_no_half_reduced_grad():
+    model = _model()
+    dp = DataParallel(model, ["cpu"] * 2)
+    opt = dpcuda.optim.AdamW(dp.parameters(), lr=0.02, max_grad_norm=0.3)
+    (x, y), = _data(1)
+    dp.step(x, y, nn.CrossEntropyLoss(), optimizer=opt)
+    assert math.isfinite(float(opt.grad_norm))
+    x = x.clone()
+    x[-1, 0] = math.inf  # the second replica's rows
+    before = [p.clone() for p in model.parameters()]
+    with pytest.warns(RuntimeWarning, match="skipped"):
+        dp.step(x, y, nn.CrossEntropyLoss(), optimizer=opt)
+    assert math.isnan(float(opt.grad_norm))
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert all(p.grad is None for r in dp.replicas for p in r.parameters())

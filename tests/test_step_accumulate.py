@@ -138,7 +138,8 @@ def test_accumulate_runs_micro_batches_one_after_another():
 
 
 @pytest.mark.parametrize("bad,error", [(0, ValueError), (-2, ValueError), (1.5, TypeError),
-                                       (True, TypeError), ("2", TypeError)])
+                                       (True, TypeError), ("2", TypeError),
+                                       (torch.tensor(2.0), TypeError)])
 def test_a_bad_accumulate_is_refused_by_name(bad, error):
     dp = DataParallel(Partly().double(), ["cpu"] * 2)
     x, y = _data(1, 8)[0]
@@ -230,3 +231,47 @@ def test_the_clis_step_accumulates_and_clips_inside_the_fused_step():
     assert dp._fused_update._key is not None
     for a, b in zip(model.parameters(), ref.parameters()):
         assert close(a, b, 1e-10, 1e-12)
+
+
+def test_accumulate_takes_any_integer_and_refuses_gradient_hooks():
+    import numpy as np
+    torch.manual_seed(6)
+    model = Partly().double()
+    dp = DataParallel(model, ["cpu"])
+    x, y = _data(1, 12)[0]
+    dp.step(x, y, nn.CrossEntropyLoss(), accumulate=np.int64(3))
+    # a parameter hook would see each micro-batch's gradient, not torch's running sum
+    model.body[0].weight.register_post_accumulate_grad_hook(lambda p: None)
+    with pytest.raises(ValueError, match="gradient hooks"):
+        dp.step(x, y, nn.CrossEntropyLoss(), accumulate=2)
+    dp.step(x, y, nn.CrossEntropyLoss())  # (one micro-batch: the hook sees the gradient)
+
+
+def test_a_failed_step_leaves_no_partial_grad():
+    torch.manual_seed(5)
+    model = Partly().double()
+    dp = DataParallel(model, ["cpu"] * 2)
+    opt = torch.optim.SGD(dp.parameters(), lr=0.1)
+    x, y = _data(1, 16)[0]
+    dp.step(x, y, nn.CrossEntropyLoss(), optimizer=opt)
+    y = y.clone()
+    y[13] = 9  # a bad label in the last micro-batch of the second replica
+    with pytest.raises((IndexError, ValueError)):
+        dp.step(x, y, nn.CrossEntropyLoss(), optimizer=opt, accumulate=3)
+    assert all(p.grad is None for r in dp.replicas for p in r.parameters())
+
+
+def test_a_parameter_frozen_after_a_step_is_not_updated_again():
+    # The unfused path leaves .grad on the model; a parameter frozen afterwards must not be
+    # stepped with that old gradient at the next step (torch's loop would not).
+    torch.manual_seed(5)
+    model = Partly().double()
+    dp = DataParallel(model, ["cpu"] * 2)
+    opt = torch.optim.SGD(dp.parameters(), lr=0.1)  # (torch's: the unfused path)
+    x, y = _data(1, 16)[0]
+    dp.step(x, y, nn.CrossEntropyLoss(), optimizer=opt)
+    assert model.body[0].weight.grad is not None
+    model.body[0].weight.requires_grad_(False)
+    frozen = model.body[0].weight.clone()
+    dp.step(x, y, nn.CrossEntropyLoss(), optimizer=opt)
+    assert torch.equal(model.body[0].weight, frozen)

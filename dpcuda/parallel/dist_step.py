@@ -65,8 +65,7 @@ class DistStepMixin:
         if not (bool(torch.isfinite(comm.sum())) or bool(torch.isfinite(comm).all())):
             warnings.warn(f"dpcuda DataParallel: step {self.steps} has NaN or Inf gradients; "
                           f"skipped (weights unchanged)", RuntimeWarning, stacklevel=3)
-            self.skipped_steps += 1
-            self.steps += 1
+            self._skipped(reduced=False)
             return loss
         if self._optimizer is not None:
             # As DDP: every parameter has a gradient (0 where no process used it).

@@ -11,6 +11,7 @@ the reduction.
 """
 
 import math
+import operator
 import time
 import warnings
 
@@ -107,10 +108,20 @@ class StepMixin(LabelChecks, PendingSteps):
         updated once per micro-batch, as in a loop that accumulates."""
         if self._pending:
             self._settle(wait=False)
-        if isinstance(accumulate, bool) or not isinstance(accumulate, int):
+        if isinstance(accumulate, bool):
             raise TypeError(f"accumulate must be a positive int, got {accumulate!r}")
+        try:
+            accumulate = operator.index(accumulate)
+        except TypeError:
+            raise TypeError(f"accumulate must be a positive int, got {accumulate!r}") from None
         if accumulate < 1:
             raise ValueError(f"accumulate must be a positive int, got {accumulate}")
+        if accumulate > 1 and any(p._backward_hooks or p._post_accumulate_grad_hooks
+                                  for p in self.module.parameters()):
+            # (a hook would see each micro-batch's gradient alone, where torch's accumulating
+            # loop hands it the running sum)
+            raise ValueError("accumulate > 1 does not work with gradient hooks on the model's "
+                             "parameters; accumulate in your own loop with no_sync()")
         if accumulate > 1 and self._sync_bn:
             raise ValueError("accumulate > 1 does not work with buffers='sync': batch norm "
                              "would normalise over a micro-batch, not the global batch")
@@ -133,6 +144,10 @@ class StepMixin(LabelChecks, PendingSteps):
                 self._clear_label_flags()
             except Exception:
                 pass
+            # .grad None: what a failed step leaves in the buffers (some micro-batches' sums,
+            # one replica's share) is no gradient of the batch
+            for r in self._replicas:
+                r.drop_grads()
             if saved is not None:
                 with torch.no_grad():
                     for bs, copies in zip(self._replica_buffers, saved):
@@ -383,8 +398,7 @@ class StepMixin(LabelChecks, PendingSteps):
         if any(float(x[1]) for x in reads):
             warnings.warn(f"dpcuda DataParallel: step {self.steps} has NaN or Inf gradients; "
                           f"skipped (weights unchanged)", RuntimeWarning, stacklevel=2)
-            self.skipped_steps += 1
-            self.steps += 1
+            self._skipped(reduced=False)
             return loss
         # torch.optim.SGD leaves a parameter that got no gradient alone (no decay, no momentum):
         # so does the step for one that no replica's forward used.
@@ -404,6 +418,20 @@ class StepMixin(LabelChecks, PendingSteps):
         self._consumed()
         self.steps += 1
         return loss
+
+    def _skipped(self, reduced):
+        """A step skipped for NaN or Inf gradients: counted; .grad kept where it is the global
+        gradient (reduced), else None (never a replica's unreduced share); a clipping
+        optimizer's grad_norm NaN (the norm of a non-finite gradient is not a number to act
+        on), where it would otherwise still show the last step's."""
+        self.skipped_steps += 1
+        self.steps += 1
+        if not reduced:
+            for r in self._replicas:
+                r.drop_grads()
+        if getattr(self._optimizer, "max_grad_norm", None) is not None:
+            self._optimizer.grad_norm = torch.tensor(
+                math.nan, dtype=self._replicas[0].flat_param.dtype, device=self.devices[0])
 
     def _consumed(self):
         """After a fused update: .grad is None (the update consumed the gradient, which the
@@ -441,8 +469,7 @@ class StepMixin(LabelChecks, PendingSteps):
         if not bool(torch.isfinite(r0.flat_grad).all()):
             warnings.warn(f"dpcuda DataParallel: step {self.steps} has NaN or Inf gradients; "
                           f"skipped (weights unchanged)", RuntimeWarning, stacklevel=3)
-            self.skipped_steps += 1
-            self.steps += 1
+            self._skipped(reduced=True)
             return result
         if self._optimizer is not None:
             self._update_by_optimizer(unused)
@@ -503,6 +530,10 @@ class StepMixin(LabelChecks, PendingSteps):
 
     def _update_by_optimizer(self, unused):
         r0 = self._replicas[0]
+        # A parameter frozen since an earlier step keeps no gradient from it (the optimizer
+        # would apply it again, as torch's loop without zero_grad would not).
+        for p in r0.params:
+            p.grad = None
         for k, i in enumerate(r0.trainable):
             r0.params[i].grad = None if k in unused else r0.views[k]
         for r in self._replicas[1:]:
