@@ -20,7 +20,8 @@ clip_grad_norm_ returns; None until a step). On a plain model that is torch's cl
 itself. In DataParallel.step(..., optimizer=opt), where the update is fused into the reduction,
 the norm comes from the reduction (each owner's sum of squares of its shard as it reduces it,
 one small exchange, the coefficient applied inside the update: no pass of its own over the
-gradients); it agrees with torch's to rounding (its summation order is the shards').
+gradients); it agrees with torch's to rounding (its summation order is the shards'). A
+DataParallel step skipped for NaN or Inf gradients sets opt.grad_norm to NaN.
 
 Against torch.optim on the same device: float64 and float32 agree within rounding (torch's
 CPU kernels contract some products into fused multiply-adds); bfloat16 within two bfloat16

@@ -95,6 +95,19 @@ const V* readable_from(const AllReducePlan& p, int d, const V* src, int src_devi
   return staged;
 }
 
+// Shard [b, e) of every replica's gradient as owner k's device reads it: the buffer itself (its
+// own, a peer's it may read) or a copy staged into its arena.
+template <typename T>
+Replicas<const T> shard_inputs(const AllReducePlan& p, const ScheduleReplicas<T>& grads, int k,
+                               int64_t b, int64_t e, std::vector<Arena>& arena, Status& st) {
+  const int d = grads.device[k];
+  Replicas<const T> in{};
+  for (int i = 0; i < p.replicas; ++i) {
+    in.ptr[i] = readable_from<T>(p, d, grads.data[i] + b, grads.device[i], e - b, arena[d], st);
+  }
+  return in;
+}
+
 // Each device's view of the replicas' step records, indexed by device: the records themselves,
 // or copies staged on the device's stream into its record area (kRecord doubles each, 256 bytes
 // apart). Called after a barrier, so that every record is complete; loss_out left null.
@@ -131,10 +144,7 @@ void two_shot(const AllReducePlan& p, const ScheduleReplicas<T>& grads,
     if (e <= b) continue;
     const int d = grads.device[k];
     cudaSetDevice(d);
-    Replicas<const T> in{};
-    for (int i = 0; i < R; ++i) {
-      in.ptr[i] = readable_from<T>(p, d, grads.data[i] + b, grads.device[i], e - b, arena[d], st);
-    }
+    const Replicas<const T> in = shard_inputs(p, grads, k, b, e, arena, st);
     if (sgd) {
       // The loss is written by replica 0's shard (never empty: shard 0 starts at element 0).
       StepRecords rec = seen[d];
@@ -557,12 +567,7 @@ void clipped_update(const AllReducePlan& p, const ScheduleReplicas<T>& grads,
       if (e <= b) continue;
       const int d = grads.device[k];
       cudaSetDevice(d);
-      Replicas<const T> in{};
-      for (int i = 0; i < R; ++i) {
-        in.ptr[i] = one_device ? grads.data[i] + b
-                               : readable_from<T>(p, d, grads.data[i] + b, grads.device[i],
-                                                  e - b, arena[d], st);
-      }
+      const Replicas<const T> in = shard_inputs(p, grads, k, b, e, arena, st);
       st.ok(reduce_square_sum<T>(in, R, grads.data[k] + b, e - b, mean, partials_of(k),
                                  p.stream[d]));
     }
@@ -686,13 +691,8 @@ cudaError_t reduce_update(const AllReducePlan& p, const ScheduleReplicas<T>& gra
       int64_t b, e;
       shard(p, k, &b, &e);
       if (e <= b) continue;
-      const int d = grads.device[k];
-      cudaSetDevice(d);
-      Replicas<const T> in{};
-      for (int i = 0; i < nr; ++i) {
-        in.ptr[i] = readable_from<T>(p, d, grads.data[i] + b, grads.device[i], e - b, arena[d],
-                                     st);
-      }
+      cudaSetDevice(grads.device[k]);
+      const Replicas<const T> in = shard_inputs(p, grads, k, b, e, arena, st);
       Replicas<T> out{};
       out.ptr[0] = params[k] + b;
       update_shard(k, in, nr, out, 1, mean);
