@@ -441,7 +441,11 @@ def optimizer_cases(draw):
             "algorithm": draw(st.sampled_from(["auto", "one_shot", "two_shot", "ring"])),
             "path": draw(st.sampled_from(["loop", "step"])),
             "dtype": draw(st.sampled_from([torch.float32, torch.float64])),
-            "schedule": draw(st.booleans()), "seed": draw(st.integers(0, 2 ** 16))}
+            "schedule": draw(st.booleans()), "seed": draw(st.integers(0, 2 ** 16)),
+            # clipping by the global norm (active at 0.05, idle at 10) and, for the one-call
+            # step, micro-batches reduced once
+            "clip": draw(st.sampled_from([None, 0.05, 10.0])),
+            "accumulate": draw(st.sampled_from([1, 2, 4]))}
 
 
 @SETTINGS
@@ -461,7 +465,8 @@ def test_dpcuda_optimizers_match_torch_over_replicas(case):
                                        "lr": case["hyper"]["lr"] / 2}]
 
     dp = DataParallel(model, ["cpu"] * case["replicas"], algorithm=case["algorithm"])
-    ours = getattr(dpcuda.optim, case["name"])(groups(model), **case["hyper"])
+    ours = getattr(dpcuda.optim, case["name"])(groups(model), max_grad_norm=case["clip"],
+                                               **case["hyper"])
     theirs = getattr(torch.optim, case["name"])(groups(one), foreach=False, **case["hyper"])
     scheds = [torch.optim.lr_scheduler.StepLR(o, 1, 0.7) for o in (ours, theirs)] \
         if case["schedule"] else []
@@ -470,13 +475,16 @@ def test_dpcuda_optimizers_match_torch_over_replicas(case):
         x = torch.randn(9, 6, generator=gen, dtype=torch.float64).to(dtype)
         y = torch.randint(0, 4, (9,), generator=gen)
         if case["path"] == "step":
-            dp.step(x, y, nn.CrossEntropyLoss(), optimizer=ours)
+            dp.step(x, y, nn.CrossEntropyLoss(), optimizer=ours, accumulate=case["accumulate"])
         else:
             ours.zero_grad()
             F.cross_entropy(dp(x), y).backward()
             ours.step()
         theirs.zero_grad()
         F.cross_entropy(one(x), y).backward()
+        if case["clip"] is not None:
+            norm = torch.nn.utils.clip_grad_norm_(one.parameters(), case["clip"])
+            assert_agree(ours.grad_norm, norm, dtype, False, "grad_norm")
         theirs.step()
         for s in scheds:
             s.step()
