@@ -279,30 +279,34 @@ DPCUDA_CPU_CLONES void reduce_update_range(const T* const* grads, int ngrads, T*
 // Elements per unit of work of reduce_update.
 constexpr int64_t kUpdatePiece = 1 << 13;
 
-template <typename T>
-double chunk_sum_of_squares(const T* x, int64_t len) {
+namespace {
+
+// clip.h's order over term(0..count): lane l sums the terms l, l + kNormLanes, ... one after
+// another, then the lanes' sums are added as the tree.
+template <typename Term>
+double lane_sum(int64_t count, const Term& term) {
   double s[optim::kNormLanes];
   for (int l = 0; l < optim::kNormLanes; ++l) {
     double acc = 0.0;
-    for (int64_t i = l; i < len; i += optim::kNormLanes) {
-      const double v = static_cast<double>(x[i]);
-      acc = acc + v * v;
-    }
+    for (int64_t i = l; i < count; i += optim::kNormLanes) acc = acc + term(i);
     s[l] = acc;
   }
   optim::lane_tree(s);
   return s[0];
 }
 
+}  // namespace
+
+template <typename T>
+double chunk_sum_of_squares(const T* x, int64_t len) {
+  return lane_sum(len, [x](int64_t i) {
+    const double v = static_cast<double>(x[i]);
+    return v * v;
+  });
+}
+
 double combine_partials(const double* partials, int64_t count) {
-  double s[optim::kNormLanes];
-  for (int l = 0; l < optim::kNormLanes; ++l) {
-    double acc = 0.0;
-    for (int64_t i = l; i < count; i += optim::kNormLanes) acc = acc + partials[i];
-    s[l] = acc;
-  }
-  optim::lane_tree(s);
-  return s[0];
+  return lane_sum(count, [partials](int64_t i) { return partials[i]; });
 }
 
 namespace {

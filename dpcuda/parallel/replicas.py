@@ -163,12 +163,10 @@ class Replica:
         """Before the convenience step's forward: .grad None (autograd then takes the fused
         layers' gradients, which are views of the buffer, as they are) and each fused layer
         told where its backward writes. into=False (a later micro-batch, whose gradients add to
-        the buffer): no layer writes into the buffer."""
+        the buffer, after collect_grads, which left no layer writing into it): .grad only."""
         for i in self.trainable:
             self.params[i].grad = None
         if not into:
-            for m, _, _ in self.fused:
-                m.__dict__["_grads_into"] = None
             return
         for m, slots, pair in self.fused:
             # Not for a parameter with gradient hooks: they would be handed the buffer itself,
