@@ -76,7 +76,50 @@ class _FusedOptimizer(Optimizer):
         self.grad_norm = None
         self._hyper = {}
 
+    def _sharded_error(self, what):
+        return RuntimeError(
+            f"dpcuda.optim.{type(self).__name__}: {what} needs the whole optimizer state, which "
+            f"DataParallel.step(..., optimizer=...) holds sharded over the processes (reducer "
+            f"'dist', ZeRO-1); call opt.consolidate_state_dict(to=rank) on every process first "
+            f"(to=None gathers it on every process)")
+
+    def _is_sharded(self):
+        shards = self.__dict__.get("_shards")
+        return shards is not None and shards.sharded
+
+    def consolidate_state_dict(self, to=0):
+        """As torch's ZeroRedundancyOptimizer: gathers the optimizer state that
+        DataParallel.step(..., optimizer=self) keeps sharded over the processes (reducer
+        "dist") onto rank `to` (None: every rank), whose state_dict() is then torch's format
+        until its next step. A collective: call it on every process of the group. Without
+        sharded state it does nothing."""
+        shards = self.__dict__.get("_shards")
+        if to is not None and (isinstance(to, bool) or not isinstance(to, int)):
+            raise TypeError(f"to must be a rank (int) or None, got {to!r}")
+        if shards is None or not shards.sharded:
+            return
+        if to is not None and not 0 <= to < shards.world:
+            raise ValueError(f"to must be a rank in [0, {shards.world}), got {to}")
+        shards.unshard(keep=to is None or to == shards.rank)
+
+    def state_dict(self):
+        """torch.optim's state_dict(). Where DataParallel.step keeps the state sharded over
+        the processes, call consolidate_state_dict(to=rank) on every process first."""
+        if self._is_sharded():
+            raise self._sharded_error("state_dict()")
+        return super().state_dict()
+
+    def load_state_dict(self, state_dict):
+        """torch.optim's load_state_dict(). Under DataParallel.step's sharded state, load the
+        same whole state_dict on every process; the next step takes each process's shard."""
+        super().load_state_dict(state_dict)
+        shards = self.__dict__.get("_shards")
+        if shards is not None:
+            shards.sharded = False  # (opt.state is whole again: the next step re-shards it)
+
     def __getstate__(self):
+        if self._is_sharded():
+            raise self._sharded_error("pickling or copying the optimizer")
         # (torch's keeps defaults, state and param_groups only; max_grad_norm is a setting too)
         state = super().__getstate__()
         state["max_grad_norm"] = self.max_grad_norm
@@ -117,6 +160,8 @@ class _FusedOptimizer(Optimizer):
             # DataParallel.step's update, fused into its reduction (dpcuda.parallel)
             fused()
             return loss
+        if self._is_sharded():
+            raise self._sharded_error("step() outside DataParallel.step")
         if self.max_grad_norm is not None:
             with_grad = [p for group in self.param_groups for p in group["params"]
                          if p.grad is not None]
@@ -282,7 +327,8 @@ class Adam(_FusedOptimizer):
 
     def load_state_dict(self, state_dict):
         """torch.optim's load, then every step count brought to the host as a float32 tensor
-        (a state_dict of torch's fused or capturable Adam holds it on the device)."""
+        (a state_dict of torch's fused or capturable Adam holds it on the device). Under
+        DataParallel.step's sharded state, load the same whole state_dict on every process."""
         super().load_state_dict(state_dict)
         for state in self.state.values():
             step = state.get("step")

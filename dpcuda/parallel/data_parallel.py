@@ -16,6 +16,7 @@ from .fused_update import FusedUpdate
 from .primitives import (ALGORITHMS, _devices, _map, _run_all, batch_rows, gather,
                          scatter_sizes, split_sizes)
 from .reducer import GradReduction, mark_outputs
+from .sharded import ShardedUpdate
 from .replicas import ReplicaSet
 from .step import StepMixin
 
@@ -88,7 +89,7 @@ class DataParallel(nn.Module, StepMixin, DistStepMixin):
     # (microseconds a call, several calls a step).
     _PLAIN = frozenset({"steps", "skipped_steps", "_classes", "_dist_stage", "_dist_count",
                         "_global_rows", "_speed", "_host_momentum", "_lr", "_momentum",
-                        "_weight_decay", "_optimizer"})
+                        "_weight_decay", "_optimizer", "_zero"})
 
     def __setattr__(self, name, value):
         if name in self._PLAIN:
@@ -164,6 +165,8 @@ class DataParallel(nn.Module, StepMixin, DistStepMixin):
         self.skipped_steps = 0
         self._optimizer = None  # step()'s optimizer, during the step
         self._fused_update = FusedUpdate()  # a dpcuda.optim optimizer's sharded state
+        self._sharded_update = ShardedUpdate()  # the same across processes (reducer "dist")
+        self._zero = False
         self.blocking = blocking
         self._pending = collections.deque()  # the non-blocking steps not read yet (PendingStep)
 

@@ -27,7 +27,7 @@ class DistStepMixin:
         with no further collective, whether to skip the step (a NaN or Inf anywhere) and
         applies the same update."""
         rs = self._replicas
-        inline = self._inline
+        inline = self._inline and not self._zero
         local = []  # each replica's (loss, rows, bad-label flag)
         for r, loss, den in zip(rs, losses, dens):
             local.append(torch.stack([torch.as_tensor(loss, device=r.device).detach().to(
@@ -39,21 +39,16 @@ class DistStepMixin:
         if len(rs) > 1:
             torch.ops.dpcuda.all_reduce_(buffers, "sum", self.algorithm)
         device = self._comm_device()
+        if self._zero:
+            record = torch.stack([x.to(device) for x in local]).sum(0)
+            return self._step_sharded(record, local, assumed_rows, targets, summed)
         comm = buffers[0] if buffers[0].device == device else buffers[0].to(device)
         record = None if inline else torch.stack([x.to(device) for x in local]).sum(0)
         self._exchange(comm, record, bucket_bytes)
         if inline:
             record = comm[-3:]
             comm = comm[:-3]
-        loss, global_rows, failed = record.tolist()
-        if failed:
-            # A bad label (1 per replica that saw one) or a process that failed (2): every
-            # process sees the sum, so every process raises, and none applies the step.
-            if any(float(x[2]) for x in local):
-                self._raise_label_error(targets, summed)
-            raise RuntimeError("dpcuda DataParallel: another process failed in this step (a bad "
-                               "label or an error); the step was not applied on any process")
-        self._global_rows = int(global_rows)
+        loss, global_rows = self._read_record(record, local, targets, summed)
         if global_rows == 0:
             loss = math.nan  # a mean over no rows, as torch's; the gradients are 0
         elif global_rows != assumed_rows:
@@ -83,6 +78,57 @@ class DistStepMixin:
         self.steps += 1
         return loss
 
+    def _read_record(self, record, local, targets, summed):
+        """The summed record's loss and global rows; raises where a process failed."""
+        loss, global_rows, failed = record.tolist()
+        if failed:
+            # A bad label (1 per replica that saw one) or a process that failed (2): every
+            # process sees the sum, so every process raises, and none applies the step.
+            if any(float(x[2]) for x in local):
+                self._raise_label_error(targets, summed)
+            raise RuntimeError("dpcuda DataParallel: another process failed in this step (a bad "
+                               "label or an error); the step was not applied on any process")
+        self._global_rows = int(global_rows)
+        return loss, global_rows
+
+    def _step_sharded(self, record, local, assumed_rows, targets, summed):
+        """The rest of a step whose dpcuda.optim update is sharded over the processes
+        (dpcuda/parallel/sharded.py): the reduce-scatter with the record's all-reduce, the
+        verdict (skip, the norm) from every process's shard, the owners' updates and the
+        weights' all-gather. .grad is None afterwards on every replica (no process holds the
+        whole global gradient)."""
+        rs = self._replicas
+        shards = self._sharded_update.shards
+        self._dist_stage = 2
+        shards.exchange(rs[0].flat_grad, record)
+        loss, global_rows = self._read_record(record, local, targets, summed)
+        scale = 1.0
+        if global_rows == 0:
+            loss = math.nan  # a mean over no rows, as torch's; the gradients are 0
+        elif global_rows != assumed_rows:
+            scale = assumed_rows / global_rows
+            loss *= scale
+        opt = self._optimizer
+        skip, norm = shards.verdict(scale, opt.max_grad_norm)
+        for r in rs:
+            r.drop_grads()
+        if skip:
+            warnings.warn(f"dpcuda DataParallel: step {self.steps} has NaN or Inf gradients; "
+                          f"skipped (weights unchanged)", RuntimeWarning, stacklevel=4)
+            self._skipped(reduced=False)
+            return loss
+        if norm is not None:
+            opt.grad_norm = norm
+        # Through opt.step(), so that what wraps it runs as for any step (post-hooks, the
+        # schedulers' bookkeeping).
+        opt._fused_step = lambda: shards.update(norm, rs[0].flat_param)
+        try:
+            opt.step()
+        finally:
+            opt.__dict__.pop("_fused_step", None)
+        self.steps += 1
+        return loss
+
     def _exchange(self, comm, record, bucket_bytes=25 * 1024 * 1024):
         """The step's collectives: the record (when it is not inside comm) and comm in buckets,
         all in flight together, then one wait."""
@@ -107,6 +153,10 @@ class DistStepMixin:
             count = torch.zeros(1, dtype=torch.float64, device=device)
             self._dist.all_reduce(count, group=self._group)
             self._global_rows = int(count.item())  # as the other processes have it
+        if self._zero:
+            record = torch.tensor([0.0, 0.0, 2.0], dtype=torch.float64, device=device)
+            self._sharded_update.shards.fail_exchange(record)
+            return
         with torch.no_grad():
             r.exchange.zero_()
         if self._inline:

@@ -173,6 +173,18 @@ class StepMixin(LabelChecks, PendingSteps):
         # the exchange with a failure mark, every process raises, and none applies the step.
         self._dist_count = not self._global_rows or not self._inline
         self._dist_stage = 0  # 1: the count is done; 2: the exchange has begun
+        # A dpcuda.optim optimizer's update sharded over the processes (ZeRO-1,
+        # dpcuda/parallel/sharded.py), decided alike on every process before the step's
+        # collectives begin (the failure exchange mirrors them).
+        self._zero = False
+        if self._optimizer is not None and isinstance(targets, torch.Tensor) and \
+                summed_loss(loss_fn, targets) is not None:
+            self._zero = self._sharded_update.ready(
+                self._optimizer, self._replicas, self._set.generation, self._dist, self._group,
+                self._comm_device())
+        elif self._optimizer is not None:
+            # (the gathered path: torch's own opt.step() on the whole state)
+            self._sharded_update.release()
         try:
             return self._step(inputs, targets, loss_fn, accumulate)
         except Exception:

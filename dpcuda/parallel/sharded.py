@@ -1,0 +1,348 @@
+"""ZeRO-1 across processes: DataParallel.step(..., optimizer=opt) with reducer "dist" and a
+dpcuda.optim optimizer.
+
+The flat parameters are split into one shard per process (the two_shot split over processes).
+After the local replicas' sum, one reduce-scatter gives each process the global sum of the
+gradients of its own shard only; each process updates its shard's weights with its shard's
+optimizer state (the only optimizer state it keeps: 1/W of the moments); one all-gather brings
+every process the updated weights, so every process ends with the same bits. Between the two, a
+small all-gather of each process's (non-finite flag, sum of squares) decides alike on every
+process whether to skip the step and, with max_grad_norm, the global norm (the partial sums
+added in rank order, in float64).
+
+While the state is sharded, opt.state holds Adam's step counts only and opt.state_dict()
+raises: opt.consolidate_state_dict(to=rank), called on every process, gathers the whole state
+on that rank (to=None: on every rank), whose state_dict() is then torch's format until its next
+step. opt.load_state_dict() loads a whole state on every process; the next step takes each
+process's shard of it.
+
+Collectives here pair with the same collectives on every other process: every process must
+run the same steps with the same optimizer configuration (as DDP requires).
+"""
+
+import math
+
+import torch
+
+from .fused_update import _HYPER, shard_range
+
+
+def _state_keys(opt, group):
+    if opt._op == "sgd":
+        return ("momentum_buffer",) if group["momentum"] != 0 else ()
+    return ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group["amsgrad"] else ())
+
+
+class _Shards:
+    """One optimizer's sharded state over one replica set's flat layout, on one process."""
+
+    def __init__(self, opt, r0, keys, group_of, dist, group, comm_device):
+        self.opt, self.keys, self.group_of = opt, keys, group_of
+        self.dist, self.group, self.comm = dist, group, comm_device
+        self.world = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.params = [r0.params[i] for i in r0.trainable]
+        self.spans = list(r0.spans)
+        self.n = n = r0.flat_param.numel()
+        self.dtype, self.device = r0.flat_param.dtype, r0.device
+        align = 16 // r0.flat_param.element_size()
+        b0, e0 = shard_range(n, self.world, 0, align)
+        self.per = max(e0 - b0, align)  # every process's slot in the padded buffers
+        self.begin, self.end = shard_range(n, self.world, self.rank, align)
+        size = self.end - self.begin
+        self.flat = {k: torch.zeros(size, dtype=self.dtype, device=self.device) for k in keys}
+        self.steps = torch.zeros(len(self.params), dtype=torch.float32)
+        self.step_views = list(self.steps.unbind())
+        self.started = [False] * len(opt.param_groups)  # SGD: a group's momentum has begun
+        # The reduce-scatter's input and the all-gather's output: W slots of `per` elements,
+        # the tail past n always zero.
+        self.pad = torch.zeros(self.world * self.per, dtype=self.dtype, device=comm_device)
+        self.grad = torch.zeros(self.per, dtype=self.dtype, device=comm_device)
+        # The shard's parameter groups as (begin, end, group) triples from 0, for reduce_update_.
+        segments = []
+        for (o, c), g in zip(self.spans, group_of):
+            lo, hi = max(o, self.begin), min(o + c, self.end)
+            if hi <= lo:
+                continue
+            lo, hi = lo - self.begin, hi - self.begin
+            if segments and segments[-1][2] == g and segments[-1][1] == lo:
+                segments[-1][1] = hi
+            else:
+                segments.append([lo, hi, g])
+        self.segments = [v for s in segments for v in s]
+        self.members = [[i for i, g in enumerate(group_of) if g == index]
+                        for index in range(len(opt.param_groups))]
+        self.sharded = False  # whether the state lives in self.flat only (opt.state emptied)
+
+    @property
+    def state_bytes(self):
+        """The optimizer state this process keeps (its shard of every state buffer)."""
+        return sum(t.numel() * t.element_size() for t in self.flat.values())
+
+    def _clip(self, i):
+        """Parameter i's part of the shard: (its slice, the shard's slice), or None."""
+        o, c = self.spans[i]
+        lo, hi = max(o, self.begin), min(o + c, self.end)
+        if hi <= lo:
+            return None
+        return slice(lo - o, hi - o), slice(lo - self.begin, hi - self.begin)
+
+    # -- the state between opt.state and the shards -----------------------------------------
+
+    def current(self):
+        """Whether the shards hold the optimizer's state (no load_state_dict since, no
+        consolidation on this rank, no assignment to opt.state)."""
+        if not self.sharded:
+            return False
+        adam = self.opt._op == "adam"
+        for i, p in enumerate(self.params):
+            state = self.opt.state.get(p, {})
+            if any(k in state for k in self.keys + ("momentum_buffer",)):
+                return False
+            if adam and state.get("step") is not self.step_views[i]:
+                return False
+        return True
+
+    def uniform_whole(self):
+        """Before bind(): whether each group's parameters are at the same point in
+        opt.state (the same Adam step count; SGD momentum begun for all or none)."""
+        opt = self.opt
+        for m in self.members:
+            if opt._op == "adam":
+                steps = {float(opt.state[self.params[i]]["step"])
+                         if "step" in opt.state.get(self.params[i], {}) else 0.0 for i in m}
+                if len(steps) > 1:
+                    return False
+            elif len({"momentum_buffer" in opt.state.get(self.params[i], {}) for i in m}) > 1:
+                return False
+        return True
+
+    def uniform(self):
+        """After bind(): Adam's step counts alike within each group (SGD's begun flag is per
+        group by construction)."""
+        if self.opt._op != "adam":
+            return True
+        steps = self.steps.tolist()
+        return all(len({steps[i] for i in m}) <= 1 for m in self.members)
+
+    def bind(self):
+        """This process's shard of the optimizer's whole state (opt.state) into the shards;
+        the whole tensors then dropped from opt.state (Adam's step counts become views of the
+        shards' step counts)."""
+        opt = self.opt
+        adam = opt._op == "adam"
+        with torch.no_grad():
+            for index, m in enumerate(self.members):
+                if not adam and m:
+                    self.started[index] = "momentum_buffer" in opt.state.get(self.params[m[0]],
+                                                                            {})
+            for i, p in enumerate(self.params):
+                state = opt.state[p]
+                where = self._clip(i)
+                for k in self.keys:
+                    have = state.pop(k, None)
+                    if where is None:
+                        continue
+                    mine, shard = where
+                    if have is not None:
+                        self.flat[k][shard].copy_(have.detach().reshape(-1)[mine])
+                    elif not self.sharded:
+                        # torch.optim's lazy state starts at zero (a shard that holds the
+                        # state already keeps it: an entry assigned since replaces only itself)
+                        self.flat[k][shard].zero_()
+                if not adam:
+                    state.pop("momentum_buffer", None)  # (a group whose momentum is now 0)
+                if adam:
+                    have = state.get("step")
+                    view = self.step_views[i]
+                    if have is not view:
+                        view.fill_(0.0 if have is None else float(have))
+                        state["step"] = view
+        self.sharded = True
+
+    def unshard(self, keep=True):
+        """Gathers the whole state from every process (a collective: every process calls it
+        at the same point). keep: this process puts it into opt.state (torch's format: whole
+        tensors shaped as the parameters) and stops holding it sharded; otherwise it only takes
+        part."""
+        opt = self.opt
+        adam = opt._op == "adam"
+        slot = slice(self.rank * self.per, (self.rank + 1) * self.per)
+        size = self.end - self.begin
+        gathered = {}
+        for k in self.keys:
+            whole = torch.zeros(self.world * self.per, dtype=self.dtype, device=self.comm)
+            whole[slot][:size].copy_(self.flat[k])
+            self.dist.all_gather_into_tensor(whole, whole[slot], group=self.group)
+            gathered[k] = whole[:self.n].to(self.device)
+        if not keep:
+            return
+        with torch.no_grad():
+            for index, m in enumerate(self.members):
+                for i in m:
+                    p = self.params[i]
+                    state = opt.state[p]
+                    o, c = self.spans[i]
+                    for k in self.keys:
+                        if k == "momentum_buffer" and not self.started[index]:
+                            continue
+                        state[k] = gathered[k][o:o + c].view_as(p)
+                    if adam:
+                        state["step"] = self.step_views[i].clone()
+        self.sharded = False
+
+    # -- the step -----------------------------------------------------------------------------
+
+    def exchange(self, flat_grad, record):
+        """The step's first collectives, in flight together: the record's all-reduce and the
+        reduce-scatter of the gradients (this process then holds its shard's global sum in
+        self.grad)."""
+        self.pad[:self.n].copy_(flat_grad)
+        works = [self.dist.all_reduce(record, group=self.group, async_op=True),
+                 self.dist.reduce_scatter_tensor(self.grad, self.pad, group=self.group,
+                                                 async_op=True)]
+        for w in works:
+            w.wait()
+
+    def fail_exchange(self, record):
+        """A failed step's part in exchange(): zero gradients, the record given."""
+        self.pad.zero_()
+        works = [self.dist.all_reduce(record, group=self.group, async_op=True),
+                 self.dist.reduce_scatter_tensor(self.grad, self.pad, group=self.group,
+                                                 async_op=True)]
+        for w in works:
+            w.wait()
+
+    def verdict(self, scale, clip):
+        """After exchange(): the shard's gradient scaled by `scale` (1: untouched), then one
+        all-gather of every process's (non-finite, sum of squares). Returns (skip, norm): skip
+        when any process's shard holds a NaN or an Inf; norm (clip given) the global 2-norm,
+        the shards' float64 sums of squares added in rank order, in the gradients' dtype."""
+        own = self.grad[:self.end - self.begin]
+        if scale != 1.0:
+            own.mul_(scale)
+        stats = torch.zeros(2, dtype=torch.float64, device=self.comm)
+        if own.numel():
+            stats[0] = (~torch.isfinite(own)).any().double()
+            if clip is not None:
+                wide = own.double()
+                stats[1] = torch.dot(wide, wide)
+        every = torch.empty(2 * self.world, dtype=torch.float64, device=self.comm)
+        self.dist.all_gather_into_tensor(every, stats, group=self.group)
+        values = every.tolist()
+        if any(values[0::2]):
+            return True, None
+        if clip is None:
+            return False, None
+        total = 0.0
+        for v in values[1::2]:
+            total += v
+        return False, torch.tensor(math.sqrt(total), dtype=self.dtype, device=self.device)
+
+    def update(self, norm, r0_flat):
+        """The owner's update of its shard (the gradient clipped by norm first, as
+        clip_grad_norm_ scales it), then the all-gather of the weights into r0_flat. Runs
+        inside opt.step(), as FusedUpdate.update does."""
+        opt = self.opt
+        adam = opt._op == "adam"
+        size = self.end - self.begin
+        own = self.grad[:size]
+        if own.device != self.device:
+            own = own.to(self.device)
+        if norm is not None:
+            # torch.nn.utils.clip_grad_norm_'s coefficient and its in-place scaling
+            coef = torch.clamp(opt.max_grad_norm / (norm + 1e-6), max=1.0)
+            own.mul_(coef)
+        steps = self.steps.tolist() if adam else None
+        if size:
+            hyper = []
+            for index, group in enumerate(opt.param_groups):
+                m = self.members[index]
+                if not m:
+                    hyper.append(torch.zeros(_HYPER, dtype=torch.float64, device=self.device))
+                    continue
+                if adam:
+                    key = steps[m[0]] + 1
+                else:
+                    key = not self.started[index]
+                hyper.append(opt._hyper_tensor(index, self.device, opt._values(group, key)))
+            lists = [[self.flat[k]] for k in self.keys]
+            lists += [[] for _ in range(3 - len(lists))]
+            weights = r0_flat[self.begin:self.end]
+            torch.ops.dpcuda.reduce_update_([weights], [own], *lists, hyper, self.segments,
+                                            opt._op, False, "one_shot", False, None, None)
+        slot = slice(self.rank * self.per, (self.rank + 1) * self.per)
+        self.pad[slot][:size].copy_(r0_flat[self.begin:self.end])
+        self.dist.all_gather_into_tensor(self.pad, self.pad[slot], group=self.group)
+        r0_flat.copy_(self.pad[:self.n])
+        torch.autograd.graph.increment_version(self.params)
+        # What opt.step() leaves in the state once the update has happened.
+        if adam:
+            self.steps.add_(1)
+        elif self.keys:
+            self.started = [True] * len(self.started)
+
+
+class ShardedUpdate:
+    """The ZeRO-1 update of one dpcuda.optim optimizer across processes: ready() says whether a
+    step takes this path (and re-shards or gathers the state as needed), the DataParallel
+    step drives exchange, verdict and update."""
+
+    def __init__(self):
+        self.shards = None
+        self._key = None
+
+    def release(self):
+        """Gathers a sharded state back into its optimizer on every process (a collective)."""
+        shards, self.shards, self._key = self.shards, None, None
+        if shards is not None:
+            if shards.sharded:
+                shards.unshard(keep=True)
+            shards.opt.__dict__.pop("_shards", None)
+
+    def ready(self, opt, replicas, generation, dist, group, comm_device):
+        """Whether this step's update is the sharded one: a dpcuda.optim optimizer without
+        step pre-hooks over exactly the trainable parameters, one kind of state in every group,
+        and each group's parameters at the same point. Called at the same point of the same
+        step on every process (it may gather or re-shard the state: collectives)."""
+        from torch.optim.optimizer import _global_optimizer_pre_hooks
+
+        from ..optim import _FusedOptimizer
+        ok = isinstance(opt, _FusedOptimizer) and not opt._optimizer_step_pre_hooks and \
+            not _global_optimizer_pre_hooks
+        key = None
+        if ok:
+            groups = opt.param_groups
+            structure = {_state_keys(opt, g) for g in groups}
+            ok = len(structure) == 1
+            if ok:
+                key = (id(opt), generation, structure.pop(),
+                       tuple(id(p) for g in groups for p in g["params"]),
+                       tuple(len(g["params"]) for g in groups))
+        if key != self._key or not ok:
+            self.release()
+        if not ok:
+            return False
+        if self.shards is None:
+            r0 = replicas[0]
+            group_of = {}
+            for g, entry in enumerate(opt.param_groups):
+                for p in entry["params"]:
+                    group_of[id(p)] = g
+            params = [r0.params[i] for i in r0.trainable]
+            if len(group_of) != len(params) or any(id(p) not in group_of for p in params):
+                return False
+            self.shards = _Shards(opt, r0, key[2], [group_of[id(p)] for p in params], dist,
+                                  group, comm_device)
+            self._key = key
+            opt._shards = self.shards
+        shards = self.shards
+        if not shards.current():
+            if not shards.uniform_whole():
+                self.release()
+                return False
+            shards.bind()
+        if not shards.uniform():
+            self.release()
+            return False
+        return True

@@ -1,0 +1,258 @@
+"""ZeRO-1 across processes (dpcuda/parallel/sharded.py): DataParallel.step(..., optimizer=opt)
+with reducer "dist" and a dpcuda.optim optimizer, on gloo processes over loopback, against
+torch.optim on one process as the oracle."""
+
+import copy
+import math
+import os
+import socket
+import warnings
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+
+import dpcuda.optim
+from dpcuda.parallel import DataParallel
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_model(dtype):
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(12, 19), nn.Tanh(), nn.Linear(19, 7), nn.ReLU(),
+                         nn.Linear(7, 5)).to(dtype)
+
+
+def batches():
+    """Global batches of changing sizes; step 4 holds a NaN in rank 1's rows (skipped on
+    every process), step 6 ignores every third label, step 8 ignores all of them."""
+    gen = torch.Generator().manual_seed(5)
+    out = []
+    for i, rows in enumerate([24, 24, 17, 24, 24, 9, 31, 24, 24, 24]):
+        x = torch.randn(rows, 12, generator=gen)
+        y = torch.randint(0, 5, (rows,), generator=gen)
+        if i == 4:
+            x[-1, 2] = float("nan")
+        if i == 6:
+            y[::3] = -100
+        if i == 8:
+            y[:] = -100
+        out.append((x, y))
+    return out
+
+
+def cut(step, rows, rank, world):
+    """Process rank's rows of a global batch: uneven on purpose."""
+    bounds = [0] + [min(rows, (k + 1) * rows // world + (step % 2) * (k == 0) * 2)
+                    for k in range(world - 1)] + [rows]
+    return slice(bounds[rank], bounds[rank + 1])
+
+
+def make_optimizer(name, model, clip):
+    decay = [p for p in model.parameters() if p.dim() > 1]
+    rest = [p for p in model.parameters() if p.dim() <= 1]
+    groups = [{"params": decay}, {"params": rest, "weight_decay": 0.0}]
+    mod = dpcuda.optim if clip is not False else torch.optim
+    kw = {} if clip is False else {"max_grad_norm": clip}
+    if name == "adamw":
+        return mod.AdamW(groups, lr=0.02, weight_decay=0.05, **kw)
+    if name == "adam-amsgrad":
+        return mod.Adam(groups, lr=0.02, weight_decay=0.01, amsgrad=True, **kw)
+    return mod.SGD(groups, lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-3, **kw)
+
+
+def reference(name, dtype, clip, steps=None):
+    """One process, torch.optim, the whole global batch: the weights, losses, norms and
+    optimizer state the sharded processes must reproduce."""
+    model = make_model(dtype)
+    opt = make_optimizer(name, model, False)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+    losses, norms = [], []
+    for i, (x, y) in enumerate(batches()[:steps]):
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x.to(dtype)), y)
+        losses.append(float(loss.detach()))
+        if torch.isnan(x).any():
+            norms.append(math.nan)
+            sched.step()
+            continue
+        loss.backward()
+        if clip is not None:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
+        opt.step()
+        sched.step()
+    return model, opt, losses, norms
+
+
+def _worker(rank, world, port, out_dir, name, dtype, clip, devices):
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    try:
+        model = make_model(dtype)
+        dp = DataParallel(model, ["cpu"] * devices, reducer="dist")
+        opt = make_optimizer(name, dp.module, clip)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+        losses, norms, skipped = [], [], []
+        for i, (x, y) in enumerate(batches()):
+            part = cut(i, x.shape[0], rank, world)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                losses.append(dp.step(x[part].to(dtype), y[part], F.cross_entropy,
+                                      optimizer=opt))
+            skipped.append(any("NaN or Inf" in str(w.message) for w in caught))
+            norms.append(float(opt.grad_norm) if clip is not None else None)
+            sched.step()
+            assert all(p.grad is None for p in dp.module.parameters())
+        shards = dp._sharded_update.shards
+        result = {"weights": {k: v.clone() for k, v in dp.module.state_dict().items()},
+                  "losses": losses, "norms": norms, "skipped": skipped,
+                  "state_bytes": shards.state_bytes, "sharded": shards.sharded}
+        try:
+            opt.state_dict()
+            result["unconsolidated"] = None
+        except RuntimeError as err:
+            result["unconsolidated"] = str(err)
+        try:
+            opt.step()
+            result["conventional"] = None
+        except RuntimeError as err:
+            result["conventional"] = str(err)
+        opt.consolidate_state_dict(to=0)
+        if rank == 0:
+            result["state"] = opt.state_dict()
+        else:
+            try:
+                opt.state_dict()
+            except RuntimeError as err:
+                result["other_rank"] = str(err)
+        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+CASES = [("adamw", torch.float64, 0.3, 2, 1), ("adamw", torch.float32, None, 2, 2),
+         ("adam-amsgrad", torch.float64, 0.05, 3, 1), ("sgd", torch.float64, 0.3, 2, 1),
+         ("sgd", torch.float32, None, 3, 2)]
+
+
+@pytest.mark.parametrize("name,dtype,clip,world,devices", CASES,
+                         ids=[f"{c[0]}-{str(c[1])[6:]}-clip{c[2]}-w{c[3]}-r{c[4]}"
+                              for c in CASES])
+def test_sharded_dist_step_trains_what_one_process_trains(tmp_path, name, dtype, clip, world,
+                                                          devices):
+    mp.spawn(_worker, args=(world, _free_port(), str(tmp_path), name, dtype, clip, devices),
+             nprocs=world, join=True)
+    runs = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
+    model, ref_opt, ref_losses, ref_norms = reference(name, dtype, clip)
+    tol = {torch.float32: (2e-5, 1e-4), torch.float64: (1e-11, 1e-10)}[dtype]
+    for run in runs:
+        assert run["skipped"] == [i == 4 for i in range(len(ref_losses))]
+        finite = [i for i, v in enumerate(ref_losses) if math.isfinite(v)]
+        torch.testing.assert_close([run["losses"][i] for i in finite],
+                                   [ref_losses[i] for i in finite], atol=tol[0], rtol=tol[1])
+        assert [i for i, v in enumerate(run["losses"]) if math.isnan(v)] == [4, 8]
+        if clip is not None:
+            # (the norms: a NaN for the skipped step, the clipping norm of every other)
+            assert math.isnan(run["norms"][4])
+            torch.testing.assert_close([v for i, v in enumerate(run["norms"]) if i != 4],
+                                       [v for i, v in enumerate(ref_norms) if i != 4],
+                                       atol=tol[0], rtol=tol[1])
+        for k, v in model.state_dict().items():
+            torch.testing.assert_close(run["weights"][k], v, atol=tol[0], rtol=tol[1])
+            # every process the same bits
+            assert torch.equal(run["weights"][k], runs[0]["weights"][k])
+        assert run["sharded"]
+        assert "consolidate_state_dict" in run["unconsolidated"]
+        assert "consolidate_state_dict" in run["conventional"]
+    assert "consolidate_state_dict" in runs[1]["other_rank"]
+    # State bytes per process: its shard, about 1/world of the whole.
+    n = sum(p.numel() for p in model.parameters())
+    keys = {"adamw": 2, "adam-amsgrad": 3, "sgd": 1}[name]
+    whole = n * keys * torch.tensor([], dtype=dtype).element_size()
+    assert sum(r["state_bytes"] for r in runs) == whole
+    for r in runs:
+        assert r["state_bytes"] <= whole / world + 16 * keys
+    # The consolidated state_dict is torch's: it matches the oracle's and loads into it.
+    state = runs[0]["state"]
+    ref_state = ref_opt.state_dict()
+    assert state["param_groups"] == ref_state["param_groups"]
+    assert state["state"].keys() == ref_state["state"].keys()
+    for i, entry in ref_state["state"].items():
+        assert entry.keys() == state["state"][i].keys()
+        for k, v in entry.items():
+            torch.testing.assert_close(state["state"][i][k].to(v.dtype), v, atol=tol[0],
+                                       rtol=tol[1])
+    torch_opt = make_optimizer(name, copy.deepcopy(model), False)
+    torch_opt.load_state_dict(state)
+
+
+def _resume_worker(rank, world, port, out_dir, saved):
+    """Loads a consolidated whole state on every process mid-run, trains on: the same as
+    training straight through; a bad label on one process fails the step on all."""
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    try:
+        data = batches()
+        model = make_model(torch.float64)
+        dp = DataParallel(model, ["cpu"], reducer="dist")
+        opt = make_optimizer("adamw", dp.module, 1.0)
+        errors = []
+        for i, (x, y) in enumerate(data[:4]):
+            part = cut(i, x.shape[0], rank, world)
+            y = y.clone()
+            if i == 2 and rank == 1:
+                y[part.start] = 9  # a bad label on rank 1's rows
+            try:
+                dp.step(x[part].double(), y[part], F.cross_entropy, optimizer=opt)
+                errors.append(None)
+            except Exception as err:  # noqa: BLE001 (recorded and compared)
+                errors.append(f"{type(err).__name__}: {err}")
+        opt.consolidate_state_dict(to=None)  # every rank: a whole copy, then reload it
+        state = copy.deepcopy(opt.state_dict())
+        weights = copy.deepcopy(dp.state_dict())
+        fresh = make_model(torch.float64)
+        dp2 = DataParallel(fresh, ["cpu"], reducer="dist")
+        dp2.load_state_dict(weights)
+        opt2 = make_optimizer("adamw", dp2.module, 1.0)
+        opt2.load_state_dict(state)
+        for i, (x, y) in enumerate(data[5:8], start=5):
+            part = cut(i, x.shape[0], rank, world)
+            dp2.step(x[part].double(), y[part], F.cross_entropy, optimizer=opt2)
+        torch.save({"errors": errors, "weights": dp2.state_dict()},
+                   os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_sharded_state_reloads_and_a_failed_step_fails_everywhere(tmp_path):
+    world = 2
+    mp.spawn(_resume_worker, args=(world, _free_port(), str(tmp_path), None), nprocs=world,
+             join=True)
+    runs = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
+    assert runs[0]["errors"][:2] == [None, None] and runs[0]["errors"][3] is None
+    assert "another process failed" in runs[0]["errors"][2]
+    assert "Target 9 is out of bounds" in runs[1]["errors"][2]
+    # The oracle: one process, torch's AdamW, clip_grad_norm_, without step 2.
+    model = make_model(torch.float64)
+    opt = make_optimizer("adamw", model, False)
+    for i, (x, y) in enumerate(batches()):
+        if i in (2, 4, 8, 9) or i > 7:
+            continue
+        opt.zero_grad()
+        F.cross_entropy(model(x.double()), y).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(runs[0]["weights"][k], v, atol=1e-11, rtol=1e-10)
+        assert torch.equal(runs[0]["weights"][k], runs[1]["weights"][k])
