@@ -496,7 +496,14 @@ def train(cfg, dataset=None, dist_info=None, announce=None):
                 "partial": dict(partial), "config": asdict(cfg)}
 
     def save(epoch, step, order, partial):
-        if cfg.checkpoint and lead:
+        if not cfg.checkpoint:
+            return
+        if opt is not None:
+            # Under reducer "dist" the optimizer state is sharded over the processes (ZeRO-1):
+            # every process takes part in gathering it on rank 0 (save runs on every process
+            # at the same points: an epoch's end, an agreed stop).
+            opt.consolidate_state_dict(to=0)
+        if lead:
             save_checkpoint(cfg.checkpoint, checkpoint_payload(epoch, step, order, partial))
 
     if announce is not None:
