@@ -96,7 +96,7 @@ class _FusedOptimizer(Optimizer):
         shards = self.__dict__.get("_shards")
         if to is not None and (isinstance(to, bool) or not isinstance(to, int)):
             raise TypeError(f"to must be a rank (int) or None, got {to!r}")
-        if shards is None or not shards.sharded:
+        if shards is None or not shards.bound:
             return
         if to is not None and not 0 <= to < shards.world:
             raise ValueError(f"to must be a rank in [0, {shards.world}), got {to}")
@@ -115,7 +115,8 @@ class _FusedOptimizer(Optimizer):
         super().load_state_dict(state_dict)
         shards = self.__dict__.get("_shards")
         if shards is not None:
-            shards.sharded = False  # (opt.state is whole again: the next step re-shards it)
+            # (opt.state is whole again on every process: the next step re-shards it)
+            shards.sharded = shards.bound = False
 
     def __getstate__(self):
         if self._is_sharded():

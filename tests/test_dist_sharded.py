@@ -3,6 +3,7 @@ with reducer "dist" and a dpcuda.optim optimizer, on gloo processes over loopbac
 torch.optim on one process as the oracle."""
 
 import copy
+import datetime
 import math
 import os
 import socket
@@ -16,6 +17,10 @@ from torch import nn
 
 import dpcuda.optim
 from dpcuda.parallel import DataParallel
+
+
+# A collective that one process skips fails the test in a minute instead of hanging it.
+TIMEOUT = datetime.timedelta(seconds=60)
 
 
 def _free_port():
@@ -95,7 +100,7 @@ def _worker(rank, world, port, out_dir, name, dtype, clip, devices):
     torch.set_num_threads(1)
     import torch.distributed as dist
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world)
+                            world_size=world, timeout=TIMEOUT)
     try:
         model = make_model(dtype)
         dp = DataParallel(model, ["cpu"] * devices, reducer="dist")
@@ -201,7 +206,7 @@ def _resume_worker(rank, world, port, out_dir, saved):
     torch.set_num_threads(1)
     import torch.distributed as dist
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world)
+                            world_size=world, timeout=TIMEOUT)
     try:
         data = batches()
         model = make_model(torch.float64)
@@ -256,3 +261,110 @@ def test_sharded_state_reloads_and_a_failed_step_fails_everywhere(tmp_path):
     for k, v in model.state_dict().items():
         torch.testing.assert_close(runs[0]["weights"][k], v, atol=1e-11, rtol=1e-10)
         assert torch.equal(runs[0]["weights"][k], runs[1]["weights"][k])
+
+
+def _scenario_worker(rank, world, port, out_dir, scenario):
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=TIMEOUT)
+    try:
+        model, data, opt_fn, accumulate = SCENARIOS[scenario]()
+        dp = DataParallel(model, ["cpu"], reducer="dist")
+        opt = opt_fn(dp.module)
+        sharded = []
+        for i, (x, y) in enumerate(data):
+            CHANGES[scenario](i, dp.module, opt)
+            part = cut(i, x.shape[0], rank, world)
+            loss_fn = F.cross_entropy
+            if scenario == "consolidate" and i in (2, 3):
+                # rank 0 gathers the state (twice), then a step on the gathered path (a loss
+                # the step cannot compute per replica) gives it back to the optimizer whole
+                for _ in range(2 if i == 2 else 1):
+                    opt.consolidate_state_dict(to=0)
+                if rank == 0:
+                    opt.state_dict()
+                if i == 3:
+                    loss_fn = lambda out, y: F.cross_entropy(out, y)  # noqa: E731
+                    part = slice(rank * x.shape[0] // world, (rank + 1) * x.shape[0] // world)
+            dp.step(x[part], y[part], loss_fn, optimizer=opt, accumulate=accumulate)
+            sharded.append(dp._zero)
+        opt.consolidate_state_dict(to=0)
+        torch.save({"weights": dp.state_dict(), "sharded": sharded,
+                    "state": opt.state_dict() if rank == 0 else None},
+                   os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _tiny():
+    # 4 parameters over 3 processes: shards of 2, 2 and 0 elements (float64 aligns to 2)
+    torch.manual_seed(1)
+    gen = torch.Generator().manual_seed(2)
+    data = [(torch.randn(9, 1, generator=gen, dtype=torch.float64),
+             torch.randint(0, 2, (9,), generator=gen)) for _ in range(6)]
+    return (nn.Linear(1, 2).double(), data,
+            lambda m: dpcuda.optim.Adam(m.parameters(), lr=0.1, max_grad_norm=0.2), 1)
+
+
+def _changing():
+    gen = torch.Generator().manual_seed(4)
+    data = [(torch.randn(20, 12, generator=gen, dtype=torch.float64),
+             torch.randint(0, 5, (20,), generator=gen)) for _ in range(9)]
+    return (make_model(torch.float64), data,
+            lambda m: dpcuda.optim.AdamW(m.parameters(), lr=0.02, max_grad_norm=0.3), 2)
+
+
+def _change(i, model, opt):
+    # frozen at step 3 (the sharded state gathered, the step counts then part ways: the
+    # optimizer's own step on the whole state from then on), unfrozen at step 6
+    if i == 3:
+        model[2].weight.requires_grad_(False)
+    if i == 6:
+        model[2].weight.requires_grad_(True)
+
+
+def _consolidating():
+    model, data, _, _ = _changing()
+    return model, data, lambda m: dpcuda.optim.AdamW(m.parameters(), lr=0.02,
+                                                     max_grad_norm=0.3), 1
+
+
+SCENARIOS = {"tiny": _tiny, "changing": _changing, "consolidate": _consolidating}
+CHANGES = {"tiny": lambda i, m, o: None, "changing": _change,
+           "consolidate": lambda i, m, o: None}
+
+
+@pytest.mark.parametrize("scenario,world", [("tiny", 3), ("changing", 2), ("consolidate", 2)])
+def test_sharded_steps_with_empty_shards_and_changes_after_wrapping(tmp_path, scenario, world):
+    mp.spawn(_scenario_worker, args=(world, _free_port(), str(tmp_path), scenario),
+             nprocs=world, join=True)
+    runs = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
+    model, data, opt_fn, accumulate = SCENARIOS[scenario]()
+    clip = 0.2 if scenario == "tiny" else 0.3
+    opt = getattr(torch.optim, type(opt_fn(copy.deepcopy(model))).__name__)(
+        model.parameters(), **{k: v for k, v in opt_fn(copy.deepcopy(model)).defaults.items()
+                               if k in ("lr", "weight_decay", "betas", "eps")})
+    for i, (x, y) in enumerate(data):
+        CHANGES[scenario](i, model, opt)
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None],
+                                       clip)
+        opt.step()
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(runs[0]["weights"][k], v, atol=1e-11, rtol=1e-10)
+        for run in runs[1:]:
+            assert torch.equal(run["weights"][k], runs[0]["weights"][k])
+    ref = opt.state_dict()["state"]
+    for i, entry in ref.items():
+        for k, v in entry.items():
+            torch.testing.assert_close(runs[0]["state"]["state"][i][k].to(v.dtype), v,
+                                       atol=1e-11, rtol=1e-10)
+    if scenario == "tiny":
+        assert all(runs[0]["sharded"])
+    elif scenario == "consolidate":
+        assert runs[0]["sharded"] == [True] * 3 + [False] + [True] * 5
+    else:
+        # sharded until the freeze; after it the frozen weight's step count lags its group's
+        assert runs[0]["sharded"] == [True] * 3 + [False] * 6

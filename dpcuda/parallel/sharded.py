@@ -49,15 +49,10 @@ class _Shards:
         b0, e0 = shard_range(n, self.world, 0, align)
         self.per = max(e0 - b0, align)  # every process's slot in the padded buffers
         self.begin, self.end = shard_range(n, self.world, self.rank, align)
-        size = self.end - self.begin
-        self.flat = {k: torch.zeros(size, dtype=self.dtype, device=self.device) for k in keys}
+        self.flat = self.pad = self.grad = None  # (made by bind(): see _allocate)
         self.steps = torch.zeros(len(self.params), dtype=torch.float32)
         self.step_views = list(self.steps.unbind())
         self.started = [False] * len(opt.param_groups)  # SGD: a group's momentum has begun
-        # The reduce-scatter's input and the all-gather's output: W slots of `per` elements,
-        # the tail past n always zero.
-        self.pad = torch.zeros(self.world * self.per, dtype=self.dtype, device=comm_device)
-        self.grad = torch.zeros(self.per, dtype=self.dtype, device=comm_device)
         # The shard's parameter groups as (begin, end, group) triples from 0, for reduce_update_.
         segments = []
         for (o, c), g in zip(self.spans, group_of):
@@ -72,12 +67,26 @@ class _Shards:
         self.segments = [v for s in segments for v in s]
         self.members = [[i for i, g in enumerate(group_of) if g == index]
                         for index in range(len(opt.param_groups))]
-        self.sharded = False  # whether the state lives in self.flat only (opt.state emptied)
+        # bound: the shards hold the optimizer's state on every process (set by bind(), alike
+        # everywhere; cleared by a load_state_dict, which every process makes): what decides
+        # the collectives. sharded: this process's opt.state lacks the whole state (its
+        # state_dict() raises); a consolidation on this rank clears it.
+        self.bound = False
+        self.sharded = False
+
+    def _allocate(self):
+        size = self.end - self.begin
+        self.flat = {k: torch.zeros(size, dtype=self.dtype, device=self.device)
+                     for k in self.keys}
+        # The reduce-scatter's input and the all-gather's output: W slots of `per` elements,
+        # the tail past n always zero.
+        self.pad = torch.zeros(self.world * self.per, dtype=self.dtype, device=self.comm)
+        self.grad = torch.zeros(self.per, dtype=self.dtype, device=self.comm)
 
     @property
     def state_bytes(self):
         """The optimizer state this process keeps (its shard of every state buffer)."""
-        return sum(t.numel() * t.element_size() for t in self.flat.values())
+        return sum(t.numel() * t.element_size() for t in (self.flat or {}).values())
 
     def _clip(self, i):
         """Parameter i's part of the shard: (its slice, the shard's slice), or None."""
@@ -131,6 +140,8 @@ class _Shards:
         shards' step counts)."""
         opt = self.opt
         adam = opt._op == "adam"
+        if self.flat is None:
+            self._allocate()
         with torch.no_grad():
             for index, m in enumerate(self.members):
                 if not adam and m:
@@ -158,7 +169,7 @@ class _Shards:
                     if have is not view:
                         view.fill_(0.0 if have is None else float(have))
                         state["step"] = view
-        self.sharded = True
+        self.bound = self.sharded = True
 
     def unshard(self, keep=True):
         """Gathers the whole state from every process (a collective: every process calls it
@@ -296,7 +307,7 @@ class ShardedUpdate:
         """Gathers a sharded state back into its optimizer on every process (a collective)."""
         shards, self.shards, self._key = self.shards, None, None
         if shards is not None:
-            if shards.sharded:
+            if shards.bound:
                 shards.unshard(keep=True)
             shards.opt.__dict__.pop("_shards", None)
 
