@@ -215,6 +215,10 @@ def _parser():
                         "CPU-only machine this is how k devices are simulated")
     t.add_argument("--reducer", choices=REDUCERS, default="p2p",
                    help="dist: across processes with torch.distributed, under torchrun")
+    t.add_argument("--shard-optimizer", choices=("auto", "on", "off"), default="auto",
+                   help="--reducer dist with --optimizer adam/adamw (or SGD options): keep the "
+                        "optimizer state sharded over the processes (ZeRO-1); auto: with NCCL "
+                        "on, with gloo off (slower there)")
     t.add_argument("--no-fused", action="store_true", help="plain torch.nn layers")
     t.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd",
                    help="sgd: with nothing below, DataParallel's SGD fused into the reduction; "
@@ -535,6 +539,9 @@ def _train(args, parser):
         parser.error(f"running under torchrun (WORLD_SIZE={world}) needs --reducer dist; "
                      f"without it every process would train its own copy and write the same "
                      f"files")
+    if args.shard_optimizer == "on" and args.reducer != "dist":
+        parser.error("--shard-optimizer on shards the optimizer state over processes: it needs "
+                     "--reducer dist (within one process the fused step shards it by itself)")
     devices = _replica_devices(_devices(args, parser), args.replicas, parser)
     _distinct_paths(parser, ("--checkpoint", args.checkpoint), ("--json", args.json))
     if args.resume and args.resume != "auto":
@@ -560,7 +567,7 @@ def _train(args, parser):
         cfg = _config(args, devices, reducer=args.reducer, fused=not args.no_fused,
                       optimizer=args.optimizer, lr_schedule=args.lr_schedule,
                       warmup_steps=args.warmup_steps, clip_grad_norm=args.clip_grad_norm,
-                      accumulate=args.accumulate,
+                      accumulate=args.accumulate, shard_optimizer=args.shard_optimizer,
                       checkpoint=args.checkpoint, resume=args.resume,
                       max_bad_steps=args.max_bad_steps, timeout=args.timeout)
     except ValueError as err:

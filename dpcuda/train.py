@@ -99,6 +99,7 @@ class TrainConfig:
     clip_grad_norm: float = None
     accumulate: int = 1  # micro-batches per global batch
     reducer: str = "p2p"
+    shard_optimizer: str = "auto"  # auto, on, off: the optimizer state over processes (dist)
     split: str = "even"
     split_weights: list = None
     fused: bool = True
@@ -430,7 +431,9 @@ def train(cfg, dataset=None, dist_info=None, announce=None):
     loss_fn = SoftmaxCrossEntropyLoss() if cfg.fused else F.cross_entropy
     dp = DataParallel(model, cfg.devices, reducer=cfg.reducer, split=cfg.split, lr=cfg.lr,
                       momentum=cfg.momentum, weight_decay=cfg.weight_decay,
-                      split_weights=cfg.split_weights, timeout=cfg.timeout)
+                      split_weights=cfg.split_weights, timeout=cfg.timeout,
+                      shard_optimizer={"auto": None, "on": True, "off": False}[
+                          cfg.shard_optimizer] if cfg.reducer == "dist" else None)
     steps_per_epoch = math.ceil(n_train / cfg.batch_size)
     opt = sched = optimizer_step = None
     if uses_optimizer(cfg):

@@ -236,7 +236,7 @@ def test_dist_adamw_checkpoint_holds_the_whole_state_and_resumes_exactly(tmp_pat
     # processes (ZeRO-1); the checkpoint gathers it (torch's whole format, every parameter's
     # moments) and a resumed run ends where the straight run ends.
     opts = ["--optimizer", "adamw", "--lr", "0.003", "--clip-grad-norm", "0.5",
-            "--samples", "3000"]
+            "--samples", "3000", "--shard-optimizer", "on"]
 
     def run(folder, epochs, *extra):
         folder.mkdir(exist_ok=True)

@@ -88,13 +88,14 @@ def test_what_a_resume_may_not_change_and_bad_options(tmp_path):
                       (["--clip-grad-norm", "0"], "--clip-grad-norm must be a positive"),
                       (["--accumulate", "0"], "--accumulate must be a positive"),
                       (["--warmup-steps", "-1"], "--warmup-steps must be a non-negative"),
-                      (["--optimizer", "lamb"], "invalid choice: 'lamb'")):
+                      (["--optimizer", "lamb"], "invalid choice: 'lamb'"),
+                      (["--shard-optimizer", "on"], "it needs --reducer dist")):
         proc = run_cli("train", "--no-progress", "--epochs", "1", *bad)
         assert proc.returncode == 2 and text in proc.stderr, (bad, proc.stderr)
         assert len(proc.stderr.strip().splitlines()) == 1
     help_text = run_cli("train", "--help").stdout
     for default in ("(default: sgd)", "(default: constant)", "(default: 0)", "(default: 1)",
-                    "(default: 256)"):
+                    "(default: 256)", "(default: auto)"):
         assert default in help_text, default
 
 

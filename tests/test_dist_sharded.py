@@ -103,7 +103,7 @@ def _worker(rank, world, port, out_dir, name, dtype, clip, devices):
                             world_size=world, timeout=TIMEOUT)
     try:
         model = make_model(dtype)
-        dp = DataParallel(model, ["cpu"] * devices, reducer="dist")
+        dp = DataParallel(model, ["cpu"] * devices, reducer="dist", shard_optimizer=True)
         opt = make_optimizer(name, dp.module, clip)
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
         losses, norms, skipped = [], [], []
@@ -210,7 +210,7 @@ def _resume_worker(rank, world, port, out_dir, saved):
     try:
         data = batches()
         model = make_model(torch.float64)
-        dp = DataParallel(model, ["cpu"], reducer="dist")
+        dp = DataParallel(model, ["cpu"], reducer="dist", shard_optimizer=True)
         opt = make_optimizer("adamw", dp.module, 1.0)
         errors = []
         for i, (x, y) in enumerate(data[:4]):
@@ -227,7 +227,7 @@ def _resume_worker(rank, world, port, out_dir, saved):
         state = copy.deepcopy(opt.state_dict())
         weights = copy.deepcopy(dp.state_dict())
         fresh = make_model(torch.float64)
-        dp2 = DataParallel(fresh, ["cpu"], reducer="dist")
+        dp2 = DataParallel(fresh, ["cpu"], reducer="dist", shard_optimizer=True)
         dp2.load_state_dict(weights)
         opt2 = make_optimizer("adamw", dp2.module, 1.0)
         opt2.load_state_dict(state)
@@ -270,7 +270,7 @@ def _scenario_worker(rank, world, port, out_dir, scenario):
                             world_size=world, timeout=TIMEOUT)
     try:
         model, data, opt_fn, accumulate = SCENARIOS[scenario]()
-        dp = DataParallel(model, ["cpu"], reducer="dist")
+        dp = DataParallel(model, ["cpu"], reducer="dist", shard_optimizer=True)
         opt = opt_fn(dp.module)
         sharded = []
         for i, (x, y) in enumerate(data):
@@ -368,3 +368,57 @@ def test_sharded_steps_with_empty_shards_and_changes_after_wrapping(tmp_path, sc
     else:
         # sharded until the freeze; after it the frozen weight's step count lags its group's
         assert runs[0]["sharded"] == [True] * 3 + [False] * 6
+
+
+def _default_worker(rank, world, port, out_dir):
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=TIMEOUT)
+    try:
+        model, data, opt_fn, _ = _changing()
+        dp = DataParallel(model, ["cpu"], reducer="dist")
+        opt = opt_fn(dp.module)
+        flags = [dp.shard_optimizer]
+        for i, (x, y) in enumerate(data[:6]):
+            if i == 2:
+                dp.shard_optimizer = True   # sharded from here ...
+            if i == 4:
+                dp.shard_optimizer = False  # ... and whole again, gathered on every process
+            part = cut(i, x.shape[0], rank, world)
+            dp.step(x[part], y[part], F.cross_entropy, optimizer=opt)
+            flags.append(dp._zero)
+        state = opt.state_dict()  # whole: no consolidation needed
+        torch.save({"flags": flags, "weights": dp.state_dict(), "state": state},
+                   os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_gloo_keeps_the_state_whole_by_default_and_the_switch_gathers_it(tmp_path):
+    mp.spawn(_default_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    runs = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    assert runs[0]["flags"] == [False, False, False, True, True, False, False]
+    model, data, opt_fn, _ = _changing()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.02)
+    for x, y in data[:6]:
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.3)
+        opt.step()
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(runs[0]["weights"][k], v, atol=1e-11, rtol=1e-10)
+        assert torch.equal(runs[0]["weights"][k], runs[1]["weights"][k])
+    for r in runs:
+        for i, entry in opt.state_dict()["state"].items():
+            for k, v in entry.items():
+                torch.testing.assert_close(r["state"]["state"][i][k].to(v.dtype), v,
+                                           atol=1e-11, rtol=1e-10)
+
+
+def test_shard_optimizer_argument_checks():
+    model = nn.Linear(2, 2)
+    with pytest.raises(TypeError, match="shard_optimizer must be None, True or False"):
+        DataParallel(model, ["cpu"], shard_optimizer="yes")
+    with pytest.raises(ValueError, match="reducer='dist'"):
+        DataParallel(model, ["cpu"], shard_optimizer=True)

@@ -68,6 +68,12 @@ class DataParallel(nn.Module, StepMixin, DistStepMixin):
     the update is fused into the all-reduce and .grad is None afterwards; with any other loss
     the loss is computed on the gathered output and .grad keeps the global gradient.
 
+    shard_optimizer (reducer "dist"): whether step(..., optimizer=opt) with a dpcuda.optim
+    optimizer keeps its state sharded over the processes (ZeRO-1: reduce-scatter, each process
+    updates its shard, all-gather; dpcuda/parallel/sharded.py). None: with NCCL yes, with gloo
+    no (its reduce-scatter is slower than its all-reduce). While sharded, call
+    opt.consolidate_state_dict(to=rank) on every process before that rank's opt.state_dict().
+
     blocking=False (reducer "p2p", the fused losses): a step waits for nothing on the devices;
     the update skips itself there on NaN/Inf or a bad label, step() returns the loss as a
     float64 scalar tensor on devices[0], and what a step found is read at a later step() (the
@@ -99,7 +105,7 @@ class DataParallel(nn.Module, StepMixin, DistStepMixin):
 
     def __init__(self, module, devices, reducer="p2p", split="even", lr=0.01, momentum=0.0,
                  weight_decay=0.0, split_weights=None, algorithm="auto", process_group=None,
-                 buffers="broadcast", timeout=300.0, blocking=True):
+                 buffers="broadcast", timeout=300.0, blocking=True, shard_optimizer=None):
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
@@ -113,6 +119,13 @@ class DataParallel(nn.Module, StepMixin, DistStepMixin):
             raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
         if not isinstance(blocking, bool):
             raise TypeError(f"blocking must be True or False, got {blocking!r}")
+        if shard_optimizer is not None and not isinstance(shard_optimizer, bool):
+            raise TypeError(f"shard_optimizer must be None, True or False, got "
+                            f"{shard_optimizer!r}")
+        if shard_optimizer and reducer != "dist":
+            raise ValueError("shard_optimizer=True shards the optimizer state over processes "
+                             "(reducer='dist'); over the replicas of one process step() shards "
+                             "it by itself")
         if not blocking and reducer != "p2p":
             raise ValueError(f"blocking=False needs reducer='p2p' (reducer {reducer!r} reads "
                              f"the gradients on the host at every step)")
@@ -135,6 +148,14 @@ class DataParallel(nn.Module, StepMixin, DistStepMixin):
                                    "with torchrun and call dist.init_process_group first)")
             self._dist, self._group = dist, process_group
             self._global_rows = None  # the last step's global batch
+            if shard_optimizer is None:
+                # NCCL's all-reduce is a reduce-scatter and an all-gather, so sharding costs no
+                # bytes there and saves (W-1)/W of the state and of the update (reasoned: NCCL
+                # across GPUs has never run here). gloo's reduce-scatter is slower than its
+                # all-reduce: a sharded AdamW step measured 1.4x the replicated one on 2 CPU
+                # processes (docs/results.md), so there the state stays whole by default.
+                shard_optimizer = dist.get_backend(process_group) == "nccl"
+        self.shard_optimizer = bool(shard_optimizer)
         self.buffer_mode, self.timeout = buffers, float(timeout)
         self._sync_bn = False
         if buffers == "sync":

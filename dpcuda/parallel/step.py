@@ -177,8 +177,8 @@ class StepMixin(LabelChecks, PendingSteps):
         # dpcuda/parallel/sharded.py), decided alike on every process before the step's
         # collectives begin (the failure exchange mirrors them).
         self._zero = False
-        if self._optimizer is not None and isinstance(targets, torch.Tensor) and \
-                summed_loss(loss_fn, targets) is not None:
+        if self._optimizer is not None and self.shard_optimizer and \
+                isinstance(targets, torch.Tensor) and summed_loss(loss_fn, targets) is not None:
             self._zero = self._sharded_update.ready(
                 self._optimizer, self._replicas, self._set.generation, self._dist, self._group,
                 self._comm_device())
