@@ -8,6 +8,9 @@ order rotating every step) so that the machine's drift falls on all alike:
   dpcuda        dpcuda.parallel.DataParallel(reducer="dist") over dpcuda.nn.FusedMLP (with
                 --optimizer adamw: step(optimizer=dpcuda.optim.AdamW))
   dpcuda-plain  the same over nn.Linear/ReLU (the reduction and the fused update alone)
+  dpcuda-zero   (--optimizer adamw) dpcuda with the AdamW state sharded over the processes
+                (shard_optimizer=True, ZeRO-1: reduce-scatter, update of the own shard,
+                all-gather), over FusedMLP
 
 gloo on the CPU (one process per core, one torch thread each), NCCL with one GPU per process
 where GPUs exist (there, torch.nn.DataParallel over all GPUs in one process is timed too). A
@@ -49,6 +52,10 @@ from dpcuda.parallel import DataParallel  # noqa: E402
 SHAPES = {"784-256-10": ([784, 256, 10], 256, 300),
           "784-1024-1024-10": ([784, 1024, 1024, 10], 512, 60)}
 CONTENDERS = ("ddp", "ddp-tuned", "dpcuda", "dpcuda-plain")
+
+
+def contenders(optimizer):
+    return CONTENDERS + (("dpcuda-zero",) if optimizer == "adamw" else ())
 # The models are compared after this many steps, before training has amplified rounding
 # differences (a pre-activation near 0 that flips a relu sign, then momentum): each must be
 # within 1% of how far DDP's weights moved by then. At the end they are only reported.
@@ -93,8 +100,10 @@ def run_shape(rank, world, device, sizes, global_batch, steps, warmup, lr, momen
     # Learnable labels (a fixed random linear teacher), not noise.
     teacher = torch.randn(sizes[0], sizes[-1], generator=torch.Generator().manual_seed(seed))
 
+    names = contenders(optimizer)
     models = {"ddp": plain_mlp(sizes), "ddp-tuned": plain_mlp(sizes), "dpcuda": FusedMLP(sizes),
-              "dpcuda-plain": plain_mlp(sizes)}
+              "dpcuda-plain": plain_mlp(sizes), "dpcuda-zero": FusedMLP(sizes)}
+    models = {n: models[n] for n in names}
     with torch.no_grad():
         for model in models.values():
             model.to(device)
@@ -120,6 +129,10 @@ def run_shape(rank, world, device, sizes, global_batch, steps, warmup, lr, momen
                             momentum=momentum)
     ours = {"dpcuda": dpcuda.optim.AdamW(dp_fused.parameters(), lr=lr) if adamw else None,
             "dpcuda-plain": dpcuda.optim.AdamW(dp_plain.parameters(), lr=lr) if adamw else None}
+    if adamw:
+        dp_zero = DataParallel(models["dpcuda-zero"], [device], reducer="dist",
+                               shard_optimizer=True)
+        ours["dpcuda-zero"] = dpcuda.optim.AdamW(dp_zero.parameters(), lr=lr)
     fused_loss = SoftmaxCrossEntropyLoss()
 
     def ddp_step(model, optimizer):
@@ -134,25 +147,30 @@ def run_shape(rank, world, device, sizes, global_batch, steps, warmup, lr, momen
                                                      optimizer=ours["dpcuda"]),
                 "dpcuda-plain": lambda x, y: dp_plain.step(x, y, F.cross_entropy,
                                                            optimizer=ours["dpcuda-plain"])}
+    if adamw:
+        steps_fn["dpcuda-zero"] = lambda x, y: dp_zero.step(x, y, fused_loss,
+                                                            optimizer=ours["dpcuda-zero"])
     params = {"ddp": lambda: ddp.module.parameters(),
               "ddp-tuned": lambda: tuned.module.parameters(),
               "dpcuda": lambda: dp_fused.module.parameters(),
               "dpcuda-plain": lambda: dp_plain.module.parameters()}
+    if adamw:
+        params["dpcuda-zero"] = lambda: dp_zero.module.parameters()
 
     def differences():
         ref = [p.detach().clone() for p in params["ddp"]()]
         out = {"ddp_moved": _max_diff(ref, init)}
-        for name in CONTENDERS[1:]:
+        for name in names[1:]:
             out[f"{name}_vs_ddp"] = _max_diff(params[name](), ref)
         return out
 
-    times = {name: [] for name in CONTENDERS}
+    times = {name: [] for name in names}
     total = warmup + steps
     early = None
-    n = len(CONTENDERS)
+    n = len(names)
     for i in range(total):
         x, y = _batch(i, seed, sizes, global_batch, rank, world, teacher, device)
-        for name in CONTENDERS[i % n:] + CONTENDERS[:i % n]:
+        for name in names[i % n:] + names[:i % n]:
             dist.barrier()
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
@@ -167,15 +185,15 @@ def run_shape(rank, world, device, sizes, global_batch, steps, warmup, lr, momen
             early["steps"] = i + 1
 
     # The slowest rank's time of every step.
-    stacked = torch.tensor([times[n] for n in CONTENDERS], dtype=torch.float64)
+    stacked = torch.tensor([times[n] for n in names], dtype=torch.float64)
     dist.all_reduce(stacked, op=dist.ReduceOp.MAX)
-    times = {n: stacked[k].tolist() for k, n in enumerate(CONTENDERS)}
+    times = {n: stacked[k].tolist() for k, n in enumerate(names)}
 
     final = differences()
     final["steps"] = total
     # Every rank must hold the same dpcuda weights, bit for bit.
     spread = 0.0
-    for name in ("dpcuda", "dpcuda-plain"):
+    for name in [n for n in names if n.startswith("dpcuda")]:
         for p in params[name]():
             lo, hi = p.detach().clone(), p.detach().clone()
             dist.all_reduce(lo, op=dist.ReduceOp.MIN)
@@ -300,7 +318,8 @@ def main(argv=None):
                                            else f"SGD lr {args.lr} momentum {args.momentum}"))
     print("ms per step, median [q1, q3], the slowest rank; ratios: median of the per-step "
           "ratios [quartiles]")
-    print(f"{'shape':<18}{'batch':>6}" + "".join(f"{n:>22}" for n in CONTENDERS) +
+    names = contenders(args.optimizer)
+    print(f"{'shape':<18}{'batch':>6}" + "".join(f"{n:>22}" for n in names) +
           f"{'ddp/dpcuda':>19}{'tuned/dpcuda':>19}")
     rows = []
     bad = []
@@ -308,20 +327,29 @@ def main(argv=None):
         times, diffs = results[shape]
         sizes, batch, steps = SHAPES[shape]
         row = {"steps": args.steps or steps, "shape": shape, "sizes": sizes,
-               "global_batch": batch, **{n: _summary(times[n]) for n in CONTENDERS},
+               "global_batch": batch, **{n: _summary(times[n]) for n in names},
                "ratio_ddp_over_dpcuda": paired_ratio(times["ddp"], times["dpcuda"]),
                "ratio_ddp_tuned_over_dpcuda": paired_ratio(times["ddp-tuned"], times["dpcuda"]),
                "ratio_ddp_over_dpcuda_plain": paired_ratio(times["ddp"], times["dpcuda-plain"]),
                "param_diff": diffs, "samples_ms": times}
+        if "dpcuda-zero" in names:
+            row["ratio_dpcuda_over_dpcuda_zero"] = paired_ratio(times["dpcuda"],
+                                                                times["dpcuda-zero"])
+            row["ratio_ddp_tuned_over_dpcuda_zero"] = paired_ratio(times["ddp-tuned"],
+                                                                   times["dpcuda-zero"])
         if device == "cuda":
             row["torch_dataparallel"] = time_torch_dataparallel(
                 sizes, batch, args.steps or steps, args.warmup, args.lr, args.momentum, args.seed)
         rows.append(row)
         cell = lambda s: f"{s['median_ms']:.2f} [{s['q1_ms']:.2f}, {s['q3_ms']:.2f}]"  # noqa: E731
         ratio = lambda r: f"{r['median']:.2f} [{r['q1']:.2f},{r['q3']:.2f}]"  # noqa: E731
-        print(f"{shape:<18}{batch:>6}" + "".join(f"{cell(row[n]):>22}" for n in CONTENDERS) +
+        print(f"{shape:<18}{batch:>6}" + "".join(f"{cell(row[n]):>22}" for n in names) +
               f"{ratio(row['ratio_ddp_over_dpcuda']):>19}"
               f"{ratio(row['ratio_ddp_tuned_over_dpcuda']):>19}")
+        if "dpcuda-zero" in names:
+            print(f"{'':<18}dpcuda/dpcuda-zero {ratio(row['ratio_dpcuda_over_dpcuda_zero'])}, "
+                  f"ddp-tuned/dpcuda-zero "
+                  f"{ratio(row['ratio_ddp_tuned_over_dpcuda_zero'])}")
         if "torch_dataparallel" in row:
             print(f"{'':<18}torch.nn.DataParallel (1 process): "
                   f"{cell(row['torch_dataparallel'])} ms")
