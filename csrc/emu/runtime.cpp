@@ -10,6 +10,23 @@
 // misuses a barrier or a shuffle, puts the device in a sticky error state; an event recorded on
 // a stream of another device is an invalid handle; so is a launch onto a stream of a device
 // other than the current one. Every host wait is bounded.
+//
+// Stream capture (cudaStreamBeginCapture ... cudaStreamEndCapture, global mode) records the
+// stream's operations as graph nodes instead of running them; an event recorded on a capturing
+// stream forks the capture into the streams that wait on it (each a lane of the graph), and the
+// origin must wait on events of every forked stream before the capture ends (else
+// cudaErrorStreamCaptureUnjoined). During a capture the calls the real runtime refuses fail as
+// it fails them, and invalidate the capture (cudaStreamEndCapture then returns
+// cudaErrorStreamCaptureInvalidated): a synchronising call (cudaStreamSynchronize of the
+// capturing stream, cudaDeviceSynchronize, cudaMemcpy, cudaMemset, cudaMalloc, cudaFree) and a
+// query of the capturing stream give cudaErrorStreamCaptureUnsupported, a query or wait of an
+// event recorded in the capture cudaErrorCapturedEvent, the legacy default stream
+// cudaErrorStreamCaptureImplicit, a wait on an event recorded outside the capture
+// cudaErrorStreamCaptureIsolation. Each is also reported. cudaGraphLaunch replays the nodes on
+// worker streams of their own, one per lane and on the lane's device, each node after the
+// nodes it depends on (across lanes through completion counters, as events), the whole after
+// the launching stream's earlier work and before its later work.
+#include <algorithm>
 #include <chrono>
 #include <condition_variable>
 #include <cstdio>
@@ -60,10 +77,54 @@ struct EventState {
 }  // namespace emu
 }  // namespace dpcuda
 
+namespace dpcuda {
+namespace emu {
+namespace {
+
+// One operation of a capture: what the stream would have run, the nodes it waits for, and the
+// lane (the captured stream) and device it ran on.
+struct CaptureNode {
+  std::function<void()> task;
+  std::vector<size_t> deps;
+  int lane;
+  int device;
+};
+
+struct CaptureState {
+  std::vector<CaptureNode> nodes;
+  std::vector<int> lane_device;
+  CUstream_st* origin = nullptr;
+  std::vector<CUstream_st*> members;  // the origin, then every stream the capture forked into
+  cudaError_t invalid = cudaSuccess;  // why the capture was invalidated
+};
+
+}  // namespace
+}  // namespace emu
+}  // namespace dpcuda
+
 struct CUevent_st {
   std::shared_ptr<dpcuda::emu::EventState> state = std::make_shared<dpcuda::emu::EventState>();
   uint64_t recorded = 0;
   int device = 0;
+  // The capture this event was last recorded in (null: recorded outside any) and the nodes
+  // its record stands for.
+  std::shared_ptr<dpcuda::emu::CaptureState> captured;
+  std::vector<size_t> captured_tail;
+};
+
+struct CUgraph_st {
+  std::vector<dpcuda::emu::CaptureNode> nodes;
+  std::vector<int> lane_device;
+};
+
+struct CUgraphExec_st {
+  std::vector<dpcuda::emu::CaptureNode> nodes;
+  std::vector<CUstream_st*> lanes;  // a worker stream per lane, on the lane's device
+  // Per node, the launch number it has completed; and the launch numbers started.
+  std::vector<std::shared_ptr<dpcuda::emu::EventState>> done;
+  std::shared_ptr<dpcuda::emu::EventState> start =
+      std::make_shared<dpcuda::emu::EventState>();
+  uint64_t launches = 0;
 };
 
 struct CUstream_st {
@@ -73,6 +134,11 @@ struct CUstream_st {
   std::deque<std::function<void()>> queue;
   bool busy = false;
   bool stop = false;
+  bool legacy = false;  // a device's default stream (cudaStreamLegacy)
+  // Capture: the sequence this stream records into, its last nodes there and its lane.
+  std::shared_ptr<dpcuda::emu::CaptureState> capture;
+  std::vector<size_t> tail;
+  int lane = 0;
   std::mt19937_64 rng;
   int max_delay_us = 0;
   std::thread worker;
@@ -155,6 +221,7 @@ struct Machine {
   int waits = 0;
   int64_t launches = 0;
   uint64_t stream_serial = 0;
+  std::vector<std::shared_ptr<CaptureState>> captures;  // the captures in progress
 };
 
 Machine& machine() {
@@ -206,7 +273,10 @@ CUstream_st* resolve(cudaStream_t stream) {
   if (stream == nullptr || stream == cudaStreamLegacy || stream == cudaStreamPerThread) {
     const QuietLock lock(mm.m);
     CUstream_st*& s = mm.default_streams[tl_device];
-    if (s == nullptr) s = new_stream(mm, tl_device);
+    if (s == nullptr) {
+      s = new_stream(mm, tl_device);
+      s->legacy = true;
+    }
     return s;
   }
   return stream;
@@ -266,6 +336,71 @@ bool copy_range_ok(const void* p, size_t bytes, int want_device, const char* wha
   return true;
 }
 
+// Marks a capture invalid (the first reason stays), with a report naming the call.
+void invalidate(const std::shared_ptr<CaptureState>& cap, cudaError_t why, const std::string& what) {
+  report(what + " during stream capture: " + cudaGetErrorName(why) + " (the capture is invalidated)");
+  if (cap->invalid == cudaSuccess) cap->invalid = why;
+}
+
+// A call the runtime refuses while any capture is in progress (global mode): fails the call
+// and invalidates every capture. Returns the error, or cudaSuccess when none is in progress.
+cudaError_t refuse_during_capture(const char* what,
+                                  cudaError_t why = cudaErrorStreamCaptureUnsupported) {
+  Machine& mm = machine();
+  std::vector<std::shared_ptr<CaptureState>> active;
+  {
+    const QuietLock lock(mm.m);
+    active = mm.captures;
+  }
+  if (active.empty()) return cudaSuccess;
+  for (const auto& cap : active) invalidate(cap, why, what);
+  return fail(why);
+}
+
+// Runs `task` on the stream in order, or, while the stream captures, records it as a node that
+// depends on the stream's last nodes.
+cudaError_t enqueue(CUstream_st* s, std::function<void()> task, const char* what) {
+  if (const auto cap = s->capture) {
+    if (cap->invalid != cudaSuccess) return fail(cudaErrorStreamCaptureInvalidated);
+    cap->nodes.push_back({std::move(task), s->tail, s->lane, s->device});
+    s->tail.assign(1, cap->nodes.size() - 1);
+    return cudaSuccess;
+  }
+  if (s->legacy) {
+    if (const cudaError_t e = refuse_during_capture(what, cudaErrorStreamCaptureImplicit)) {
+      return e;
+    }
+  }
+  s->push(std::move(task));
+  return cudaSuccess;
+}
+
+// A stream's wait (on its worker) until `state` has completed `generation`, bounded.
+void wait_on_worker(const std::shared_ptr<EventState>& state, uint64_t generation, int device,
+                    const char* what) {
+  bool done;
+  {
+    QuietLock q(state->m);
+    done = state->cv.wait_for(q.lock, kWaitBound, [&] { return state->completed >= generation; });
+  }
+  if (done) {
+    tsan_acquire(state.get());
+  } else {
+    report("a stream of device " + std::to_string(device) + " waited on " + what +
+           " past the wait bound");
+    set_sticky(device, cudaErrorLaunchTimeout);
+  }
+}
+
+void complete(const std::shared_ptr<EventState>& state, uint64_t generation) {
+  tsan_release(state.get());
+  {
+    const QuietLock lock(state->m);
+    if (state->completed < generation) state->completed = generation;
+  }
+  notify(state->cv);
+}
+
 // Queues a copy on the stream after checking both ranges (device -1: any memory).
 cudaError_t copy_async(void* dst, int dst_device, const void* src, int src_device, size_t count,
                        cudaStream_t stream, const char* what) {
@@ -275,10 +410,9 @@ cudaError_t copy_async(void* dst, int dst_device, const void* src, int src_devic
   }
   CUstream_st* s = resolve(stream);
   const int device = s->device;
-  s->push([=] {
+  return enqueue(s, [=] {
     if (sticky_error(device) == cudaSuccess && count) std::memcpy(dst, src, count);
-  });
-  return cudaSuccess;
+  }, what);
 }
 
 bool synchronize_device(int device) {
@@ -399,7 +533,7 @@ cudaError_t launch(dim3 grid, dim3 block, size_t shared_bytes, cudaStream_t stre
     const size_t close = name.find('}', open);
     name = "(" + name.substr(open + 10, close - open - 10) + ")";
   }
-  s->push([=, body = std::move(body), pointers = std::move(pointers)] {
+  return enqueue(s, [=, body = std::move(body), pointers = std::move(pointers)] {
     if (sticky_error(device) != cudaSuccess) return;
     Machine& m = machine();
     for (const void* p : pointers) {
@@ -423,14 +557,15 @@ cudaError_t launch(dim3 grid, dim3 block, size_t shared_bytes, cudaStream_t stre
     if (!run_grid(grid, block, body, name.c_str(), seed)) {
       set_sticky(device, cudaErrorLaunchFailure);
     }
-  });
-  return cudaSuccess;
+  }, "a kernel launch");
 }
 
 }  // namespace emu
 }  // namespace dpcuda
 
+using dpcuda::emu::enqueue;
 using dpcuda::emu::fail;
+using dpcuda::emu::refuse_during_capture;
 using dpcuda::emu::Quiet;
 using dpcuda::emu::QuietLock;
 using dpcuda::emu::machine;
@@ -497,6 +632,15 @@ const char* cudaGetErrorName(cudaError_t error) {
     case cudaErrorPeerAccessNotEnabled: return "cudaErrorPeerAccessNotEnabled";
     case cudaErrorTooManyPeers: return "cudaErrorTooManyPeers";
     case cudaErrorNoKernelImageForDevice: return "cudaErrorNoKernelImageForDevice";
+    case cudaErrorIllegalState: return "cudaErrorIllegalState";
+    case cudaErrorStreamCaptureUnsupported: return "cudaErrorStreamCaptureUnsupported";
+    case cudaErrorStreamCaptureInvalidated: return "cudaErrorStreamCaptureInvalidated";
+    case cudaErrorStreamCaptureMerge: return "cudaErrorStreamCaptureMerge";
+    case cudaErrorStreamCaptureUnmatched: return "cudaErrorStreamCaptureUnmatched";
+    case cudaErrorStreamCaptureUnjoined: return "cudaErrorStreamCaptureUnjoined";
+    case cudaErrorStreamCaptureIsolation: return "cudaErrorStreamCaptureIsolation";
+    case cudaErrorStreamCaptureImplicit: return "cudaErrorStreamCaptureImplicit";
+    case cudaErrorCapturedEvent: return "cudaErrorCapturedEvent";
     default: return "cudaErrorUnknown";
   }
 }
@@ -520,11 +664,28 @@ const char* cudaGetErrorString(cudaError_t error) {
     case cudaErrorTooManyPeers: return "peer mapping resources exhausted";
     case cudaErrorNoKernelImageForDevice:
       return "no kernel image is available for execution on the device";
+    case cudaErrorIllegalState: return "operation not permitted when stream is in this state";
+    case cudaErrorStreamCaptureUnsupported:
+      return "operation not permitted when stream is capturing";
+    case cudaErrorStreamCaptureInvalidated:
+      return "operation failed due to a previous error during capture";
+    case cudaErrorStreamCaptureMerge:
+      return "operation would result in a merge of separate capture sequences";
+    case cudaErrorStreamCaptureUnmatched: return "capture was not ended in the same stream";
+    case cudaErrorStreamCaptureUnjoined:
+      return "capturing stream has unjoined work";
+    case cudaErrorStreamCaptureIsolation:
+      return "dependency created on uncaptured work in another stream";
+    case cudaErrorStreamCaptureImplicit:
+      return "operation would make the legacy stream depend on a capturing blocking stream";
+    case cudaErrorCapturedEvent:
+      return "operation not permitted on an event last recorded in a capturing stream";
     default: return "unknown error";
   }
 }
 
 cudaError_t cudaMalloc(void** ptr, size_t size) {
+  if (const cudaError_t e = refuse_during_capture("cudaMalloc")) return e;
   void* p = nullptr;
   // The runtime's 256-byte alignment; the allocation's exact size, so ASan's redzone starts at
   // its end. Fresh memory is all ones bits (NaN in every float type), never zeros by luck.
@@ -539,6 +700,7 @@ cudaError_t cudaMalloc(void** ptr, size_t size) {
 
 cudaError_t cudaFree(void* ptr) {
   if (ptr == nullptr) return cudaSuccess;
+  if (const cudaError_t e = refuse_during_capture("cudaFree")) return e;
   // cudaFree waits for the device, as the real one does.
   dpcuda::emu::synchronize_all();
   auto& mm = machine();
@@ -554,6 +716,7 @@ cudaError_t cudaFree(void* ptr) {
 
 cudaError_t cudaMemcpy(void* dst, const void* src, size_t count, enum cudaMemcpyKind) {
   // The legacy default stream: the copy waits for all work and is complete on return.
+  if (const cudaError_t e = refuse_during_capture("cudaMemcpy")) return e;
   if (!dpcuda::emu::synchronize_all()) return fail(cudaErrorLaunchTimeout);
   if (!dpcuda::emu::copy_range_ok(dst, count, -1, "cudaMemcpy destination") ||
       !dpcuda::emu::copy_range_ok(src, count, -1, "cudaMemcpy source")) {
@@ -579,11 +742,11 @@ cudaError_t cudaMemsetAsync(void* ptr, int value, size_t count, cudaStream_t str
     return fail(cudaErrorInvalidValue);
   }
   CUstream_st* s = resolve(stream);
-  s->push([=] { std::memset(ptr, value, count); });
-  return cudaSuccess;
+  return enqueue(s, [=] { std::memset(ptr, value, count); }, "cudaMemsetAsync");
 }
 
 cudaError_t cudaMemset(void* ptr, int value, size_t count) {
+  if (const cudaError_t e = refuse_during_capture("cudaMemset")) return e;
   const cudaError_t err = cudaMemsetAsync(ptr, value, count, nullptr);
   if (err != cudaSuccess) return err;
   return dpcuda::emu::synchronize_all() ? cudaSuccess : fail(cudaErrorLaunchTimeout);
@@ -614,6 +777,17 @@ cudaError_t cudaStreamDestroy(cudaStream_t stream) {
 
 cudaError_t cudaStreamSynchronize(cudaStream_t stream) {
   CUstream_st* s = resolve(stream);
+  if (s->capture) {
+    dpcuda::emu::invalidate(s->capture, cudaErrorStreamCaptureUnsupported,
+                            "cudaStreamSynchronize of the capturing stream");
+    return fail(cudaErrorStreamCaptureUnsupported);
+  }
+  if (s->legacy) {
+    if (const cudaError_t e = refuse_during_capture("cudaStreamSynchronize of the legacy stream",
+                                                    cudaErrorStreamCaptureImplicit)) {
+      return e;
+    }
+  }
   if (!s->drain()) {
     dpcuda::emu::report("cudaStreamSynchronize: the stream did not finish within the wait bound");
     return fail(cudaErrorLaunchTimeout);
@@ -623,6 +797,11 @@ cudaError_t cudaStreamSynchronize(cudaStream_t stream) {
 
 cudaError_t cudaStreamQuery(cudaStream_t stream) {
   CUstream_st* s = resolve(stream);
+  if (s->capture) {
+    dpcuda::emu::invalidate(s->capture, cudaErrorStreamCaptureUnsupported,
+                            "cudaStreamQuery of the capturing stream");
+    return fail(cudaErrorStreamCaptureUnsupported);
+  }
   bool done;
   {
     const QuietLock lock(s->m);
@@ -634,6 +813,7 @@ cudaError_t cudaStreamQuery(cudaStream_t stream) {
 }
 
 cudaError_t cudaDeviceSynchronize(void) {
+  if (const cudaError_t e = refuse_during_capture("cudaDeviceSynchronize")) return e;
   if (!dpcuda::emu::synchronize_device(tl_device)) return fail(cudaErrorLaunchTimeout);
   return dpcuda::emu::sticky_error(tl_device);
 }
@@ -660,21 +840,31 @@ cudaError_t cudaEventDestroy(cudaEvent_t event) {
 cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream) {
   CUstream_st* s = resolve(stream);
   if (s->device != event->device) return fail(cudaErrorInvalidResourceHandle);
+  if (const auto cap = s->capture) {
+    // In a capture a record makes no node: it names the stream's last nodes, for the streams
+    // that wait on it (a fork, or a join back into the origin).
+    if (cap->invalid != cudaSuccess) return fail(cudaErrorStreamCaptureInvalidated);
+    const Quiet quiet;
+    event->captured = cap;
+    event->captured_tail = s->tail;
+    return cudaSuccess;
+  }
+  if (s->legacy) {
+    if (const cudaError_t e = refuse_during_capture("cudaEventRecord on the legacy stream",
+                                                    cudaErrorStreamCaptureImplicit)) {
+      return e;
+    }
+  }
   const uint64_t generation = ++event->recorded;
   std::shared_ptr<dpcuda::emu::EventState> state;
   {
     const Quiet quiet;
     state = event->state;
+    event->captured = nullptr;
+    event->captured_tail.clear();
   }
-  s->push([state, generation] {
-    // What the stream did so far happens before whatever waits on this record.
-    dpcuda::emu::tsan_release(state.get());
-    {
-      const QuietLock lock(state->m);
-      if (state->completed < generation) state->completed = generation;
-    }
-    dpcuda::emu::notify(state->cv);
-  });
+  // What the stream did so far happens before whatever waits on this record.
+  s->push([state, generation] { dpcuda::emu::complete(state, generation); });
   return cudaSuccess;
 }
 
@@ -684,35 +874,69 @@ cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t event, unsigned
     const QuietLock lock(mm.m);
     if (mm.waits++ == mm.drop_wait) return cudaSuccess;  // fault injection
   }
+  CUstream_st* waiting = resolve(stream);
+  if (const auto cap = event->captured) {
+    bool active;
+    {
+      const QuietLock lock(mm.m);
+      active = std::find(mm.captures.begin(), mm.captures.end(), cap) != mm.captures.end();
+    }
+    if (!active) return fail(cudaErrorCapturedEvent);  // (its capture has ended)
+    if (cap->invalid != cudaSuccess) return fail(cudaErrorStreamCaptureInvalidated);
+    if (waiting->capture == cap) {
+      // A join within the capture: the stream's next node also waits for the event's nodes.
+      for (size_t n : event->captured_tail) {
+        if (std::find(waiting->tail.begin(), waiting->tail.end(), n) == waiting->tail.end()) {
+          waiting->tail.push_back(n);
+        }
+      }
+    } else if (waiting->capture == nullptr) {
+      // A fork: the stream joins the capture as a lane of its own.
+      if (waiting->legacy) {
+        dpcuda::emu::invalidate(cap, cudaErrorStreamCaptureImplicit,
+                                "the legacy stream waiting on a captured event");
+        return fail(cudaErrorStreamCaptureImplicit);
+      }
+      waiting->capture = cap;
+      waiting->tail = event->captured_tail;
+      waiting->lane = static_cast<int>(cap->lane_device.size());
+      cap->lane_device.push_back(waiting->device);
+      cap->members.push_back(waiting);
+    } else {
+      dpcuda::emu::invalidate(cap, cudaErrorStreamCaptureMerge,
+                              "a wait joining two captures");
+      dpcuda::emu::invalidate(waiting->capture, cudaErrorStreamCaptureMerge,
+                              "a wait joining two captures");
+      return fail(cudaErrorStreamCaptureMerge);
+    }
+    return cudaSuccess;
+  }
   // The wait is for the event's most recent record; an event never recorded is complete.
   const uint64_t generation = event->recorded;
   if (generation == 0) return cudaSuccess;
+  if (waiting->capture) {
+    // A dependency of the capture on work outside it.
+    dpcuda::emu::invalidate(waiting->capture, cudaErrorStreamCaptureIsolation,
+                            "a wait on an event recorded outside the capture");
+    return fail(cudaErrorStreamCaptureIsolation);
+  }
   std::shared_ptr<dpcuda::emu::EventState> state;
   {
     const Quiet quiet;
     state = event->state;
   }
-  CUstream_st* s = resolve(stream);
-  const int device = s->device;
-  s->push([state, generation, device] {
-    bool done;
-    {
-      QuietLock q(state->m);
-      done = state->cv.wait_for(q.lock, dpcuda::emu::kWaitBound,
-                                [&] { return state->completed >= generation; });
-    }
-    if (done) {
-      dpcuda::emu::tsan_acquire(state.get());
-    } else {
-      dpcuda::emu::report("a stream of device " + std::to_string(device) +
-                          " waited on an event past the wait bound");
-      dpcuda::emu::set_sticky(device, cudaErrorLaunchTimeout);
-    }
-  });
-  return cudaSuccess;
+  const int device = waiting->device;
+  return enqueue(waiting, [state, generation, device] {
+    dpcuda::emu::wait_on_worker(state, generation, device, "an event");
+  }, "cudaStreamWaitEvent");
 }
 
 cudaError_t cudaEventSynchronize(cudaEvent_t event) {
+  if (event->captured) {
+    dpcuda::emu::invalidate(event->captured, cudaErrorCapturedEvent,
+                            "cudaEventSynchronize of an event recorded in the capture");
+    return fail(cudaErrorCapturedEvent);
+  }
   const uint64_t generation = event->recorded;
   bool done;
   {
@@ -729,6 +953,11 @@ cudaError_t cudaEventSynchronize(cudaEvent_t event) {
 }
 
 cudaError_t cudaEventQuery(cudaEvent_t event) {
+  if (event->captured) {
+    dpcuda::emu::invalidate(event->captured, cudaErrorCapturedEvent,
+                            "cudaEventQuery of an event recorded in the capture");
+    return fail(cudaErrorCapturedEvent);
+  }
   bool done;
   {
     const QuietLock lock(event->state->m);
@@ -760,6 +989,172 @@ cudaError_t cudaDeviceEnablePeerAccess(int peer, unsigned int) {
   for (int e = 0; e < n; ++e) count += mm.enabled[tl_device][e] ? 1 : 0;
   if (count >= 8) return fail(cudaErrorTooManyPeers);
   mm.enabled[tl_device][peer] = true;
+  return cudaSuccess;
+}
+
+cudaError_t cudaStreamBeginCapture(cudaStream_t stream, enum cudaStreamCaptureMode mode) {
+  if (mode != cudaStreamCaptureModeGlobal) return fail(cudaErrorInvalidValue);  // (only global)
+  CUstream_st* s = resolve(stream);
+  if (s->legacy) return fail(cudaErrorStreamCaptureUnsupported);
+  if (s->capture) return fail(cudaErrorIllegalState);
+  auto cap = std::make_shared<dpcuda::emu::CaptureState>();
+  cap->origin = s;
+  cap->members.push_back(s);
+  cap->lane_device.push_back(s->device);
+  s->capture = cap;
+  s->tail.clear();
+  s->lane = 0;
+  auto& mm = machine();
+  const QuietLock lock(mm.m);
+  mm.captures.push_back(cap);
+  return cudaSuccess;
+}
+
+cudaError_t cudaStreamIsCapturing(cudaStream_t stream, enum cudaStreamCaptureStatus* status) {
+  CUstream_st* s = resolve(stream);
+  *status = s->capture == nullptr ? cudaStreamCaptureStatusNone
+            : s->capture->invalid != cudaSuccess ? cudaStreamCaptureStatusInvalidated
+                                                 : cudaStreamCaptureStatusActive;
+  return cudaSuccess;
+}
+
+cudaError_t cudaStreamEndCapture(cudaStream_t stream, cudaGraph_t* graph) {
+  CUstream_st* s = resolve(stream);
+  *graph = nullptr;
+  const auto cap = s->capture;
+  if (cap == nullptr) return fail(cudaErrorIllegalState);
+  if (cap->origin != s) {
+    dpcuda::emu::invalidate(cap, cudaErrorStreamCaptureUnmatched,
+                            "cudaStreamEndCapture on a stream the capture forked into");
+    return fail(cudaErrorStreamCaptureUnmatched);
+  }
+  // Every node a forked stream ended with must precede the origin's last nodes.
+  std::vector<bool> before(cap->nodes.size(), false);
+  std::vector<size_t> stack = s->tail;
+  while (!stack.empty()) {
+    const size_t n = stack.back();
+    stack.pop_back();
+    if (before[n]) continue;
+    before[n] = true;
+    for (size_t d : cap->nodes[n].deps) stack.push_back(d);
+  }
+  bool joined = true;
+  for (CUstream_st* m : cap->members) {
+    for (size_t n : m->tail) joined = joined && before[n];
+    m->capture = nullptr;
+    m->tail.clear();
+    m->lane = 0;
+  }
+  {
+    auto& mm = machine();
+    const QuietLock lock(mm.m);
+    mm.captures.erase(std::find(mm.captures.begin(), mm.captures.end(), cap));
+  }
+  if (cap->invalid != cudaSuccess) return fail(cudaErrorStreamCaptureInvalidated);
+  if (!joined) {
+    dpcuda::emu::report("cudaStreamEndCapture: a stream the capture forked into was not joined "
+                        "back into the origin stream (cudaErrorStreamCaptureUnjoined)");
+    return fail(cudaErrorStreamCaptureUnjoined);
+  }
+  const Quiet quiet;
+  *graph = new CUgraph_st{cap->nodes, cap->lane_device};
+  return cudaSuccess;
+}
+
+cudaError_t cudaGraphDestroy(cudaGraph_t graph) {
+  if (graph == nullptr) return fail(cudaErrorInvalidValue);
+  const Quiet quiet;
+  delete graph;
+  return cudaSuccess;
+}
+
+cudaError_t cudaGraphInstantiate(cudaGraphExec_t* exec, cudaGraph_t graph,
+                                 unsigned long long) {
+  if (graph == nullptr || exec == nullptr) return fail(cudaErrorInvalidValue);
+  auto& mm = machine();
+  auto* e = [&] {
+    const Quiet quiet;
+    return new CUgraphExec_st;
+  }();
+  {
+    const Quiet quiet;
+    e->nodes = graph->nodes;
+    for (size_t i = 0; i < e->nodes.size(); ++i) {
+      e->done.push_back(std::make_shared<dpcuda::emu::EventState>());
+    }
+  }
+  const QuietLock lock(mm.m);
+  for (int device : graph->lane_device) e->lanes.push_back(dpcuda::emu::new_stream(mm, device));
+  *exec = e;
+  return cudaSuccess;
+}
+
+cudaError_t cudaGraphLaunch(cudaGraphExec_t exec, cudaStream_t stream) {
+  if (exec == nullptr) return fail(cudaErrorInvalidValue);
+  CUstream_st* s = resolve(stream);
+  if (s->capture) return fail(cudaErrorStreamCaptureUnsupported);  // (no child graphs)
+  if (s->legacy) {
+    if (const cudaError_t e = refuse_during_capture("cudaGraphLaunch on the legacy stream",
+                                                    cudaErrorStreamCaptureImplicit)) {
+      return e;
+    }
+  }
+  using dpcuda::emu::complete;
+  using dpcuda::emu::wait_on_worker;
+  const uint64_t generation = ++exec->launches;
+  const auto start = exec->start;
+  // After the launching stream's earlier work ...
+  s->push([start, generation] { complete(start, generation); });
+  for (CUstream_st* lane : exec->lanes) {
+    const int device = lane->device;
+    lane->push([start, generation, device] {
+      wait_on_worker(start, generation, device, "a graph launch's start");
+    });
+  }
+  // ... each node on its lane, after the nodes it depends on in other lanes (in its own lane
+  // the order does it) ...
+  for (size_t i = 0; i < exec->nodes.size(); ++i) {
+    const dpcuda::emu::CaptureNode& node = exec->nodes[i];
+    std::vector<std::shared_ptr<dpcuda::emu::EventState>> deps;
+    for (size_t d : node.deps) {
+      if (exec->nodes[d].lane != node.lane) deps.push_back(exec->done[d]);
+    }
+    const auto done = exec->done[i];
+    const int device = node.device;
+    const std::function<void()>* task = &node.task;
+    exec->lanes[node.lane]->push([deps, done, generation, device, task] {
+      for (const auto& d : deps) wait_on_worker(d, generation, device, "a graph node");
+      (*task)();
+      complete(done, generation);
+    });
+  }
+  // ... and before its later work: every lane's last node.
+  std::vector<std::shared_ptr<dpcuda::emu::EventState>> last(exec->lanes.size());
+  for (size_t i = 0; i < exec->nodes.size(); ++i) last[exec->nodes[i].lane] = exec->done[i];
+  const int device = s->device;
+  s->push([last, generation, device] {
+    for (const auto& d : last) {
+      if (d) wait_on_worker(d, generation, device, "a graph launch's end");
+    }
+  });
+  return cudaSuccess;
+}
+
+cudaError_t cudaGraphExecDestroy(cudaGraphExec_t exec) {
+  if (exec == nullptr) return fail(cudaErrorInvalidValue);
+  auto& mm = machine();
+  for (CUstream_st* lane : exec->lanes) {
+    bool live;
+    {
+      const QuietLock lock(mm.m);
+      auto it = std::find(mm.streams.begin(), mm.streams.end(), lane);
+      live = it != mm.streams.end();
+      if (live) mm.streams.erase(it);
+    }
+    if (live) dpcuda::emu::destroy_stream(lane);  // (waits for its launches to finish)
+  }
+  const Quiet quiet;
+  delete exec;
   return cudaSuccess;
 }
 
