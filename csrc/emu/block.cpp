@@ -4,15 +4,23 @@
 // whose threads split between a barrier and an exit, a shuffle whose mask names a lane that
 // exited or waits elsewhere, a lane outside its own mask, a source lane outside the mask.
 //
+// The blocks of a grid run at once: the stream's worker and a pool of block workers each take
+// the next block of a seeded random order until none is left, so blocks interleave for real.
+//
 // ThreadSanitizer sees each fiber as a thread of its own (its fiber API); switches carry no
 // synchronisation, and the only happens-before edges among the threads of a block are the ones
 // the hardware gives: the barrier, __syncwarp, and the start and end of the grid. A missing
-// barrier is then a race report. Blocks of one grid run one after another and are ordered for
-// TSan (they reuse the worker's shared memory), so races between blocks are not seen. This file
-// is built without TSan instrumentation (csrc/emu/tsan.h).
+// barrier is then a race report. Between blocks the edges are the device memory model's: a
+// __threadfence before an atomic read-modify-write releases what the thread wrote before it, to
+// whoever reads that atomic and then fences (acquire), as C++ fences order relaxed atomics.
+// Blocks that one worker runs one after another are ordered (they reuse its shared memory), so a
+// race between two blocks is seen when they land on different workers. This file is built
+// without TSan instrumentation (csrc/emu/tsan.h).
 #include <sys/mman.h>
 
 #include <algorithm>
+#include <atomic>
+#include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -21,6 +29,7 @@
 #include <random>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "cuda.h"
@@ -111,6 +120,11 @@ struct Fiber {
   int generation = 0;  // of the barrier or __syncwarp the fiber waits in
   void* fake_stack = nullptr;
   void* tsan = nullptr;
+  // The device memory model (thread_fence): whether the thread has fenced, and the atomics it
+  // read since its last fence.
+  bool fenced = false;
+  void* atomics[8] = {};
+  int atomic_count = 0;
 };
 
 struct Runner {
@@ -312,6 +326,8 @@ void run_block(Runner& r, uint3 block_idx, dim3 block_dim, dim3 grid_dim) {
     f->builtins.block_dim = block_dim;
     f->builtins.grid_dim = grid_dim;
     f->fake_stack = nullptr;
+    f->fenced = false;
+    f->atomic_count = 0;
 #if defined(DPCUDA_EMU_ASAN)
     // A fiber abandoned by a failure leaves its frames' redzones poisoned.
     ASAN_UNPOISON_MEMORY_REGION(f->stack + 4096, kStackBytes - 4096);
@@ -400,6 +416,47 @@ const ThreadBuiltins& builtins() {
 int lane_id() {
   (void)builtins();  // aborts outside a kernel
   return tl_runner.current->linear % 32;
+}
+
+// A device atomic and the release that follows it are one step for any other atomic on that
+// address (a lock striped by address; this file is not instrumented, so TSan does not see it):
+// a thread whose read-modify-write comes later in the address's order acquires after the
+// earlier ones' releases, with no window between an access and its release.
+std::atomic_flag g_atomic_locks[64];
+
+std::atomic_flag& atomic_lock_of(void* address) {
+  return g_atomic_locks[(reinterpret_cast<uintptr_t>(address) >> 2) % 64];
+}
+
+void before_atomic(void* address) {
+  std::atomic_flag& lock = atomic_lock_of(address);
+  while (lock.test_and_set(std::memory_order_acquire)) {
+  }
+}
+
+void after_atomic(void* address) {
+  Fiber* f = tl_runner.current;
+  if (f != nullptr) {
+    // A release after the read-modify-write: what the thread wrote before its fence, and the
+    // atomic access itself, happen before whoever acquires it.
+    if (f->fenced) tsan_release(address);
+    bool known = false;
+    for (int i = 0; i < f->atomic_count; ++i) known = known || f->atomics[i] == address;
+    if (!known && f->atomic_count < 8) {
+      f->atomics[f->atomic_count++] = address;
+    } else if (!known) {
+      tsan_acquire(address);  // (more than the list holds: an acquire at once, a stronger order)
+    }
+  }
+  atomic_lock_of(address).clear(std::memory_order_release);
+}
+
+void thread_fence() {
+  Fiber* f = tl_runner.current;
+  if (f == nullptr) return;
+  for (int i = 0; i < f->atomic_count; ++i) tsan_acquire(f->atomics[i]);
+  f->atomic_count = 0;
+  f->fenced = true;
 }
 
 int checked_width(int width, const char* what) {
@@ -496,39 +553,145 @@ uint64_t warp_exchange(unsigned mask, uint64_t bits, int src, const char* what) 
   return f->result;
 }
 
-bool run_grid(dim3 grid, dim3 block, const std::function<void()>& body, const char* site,
-              uint64_t seed) {
+namespace {
+
+// One grid being run: its blocks in a random order, handed out one at a time.
+struct GridJob {
+  const std::function<void()>* body = nullptr;
+  const char* site = "";
+  dim3 grid, block;
+  uint64_t seed = 0;
+  std::vector<uint64_t> order;
+  size_t next = 0;  // the next block to hand out (under the pool's lock)
+  int active = 0;   // workers running this grid's blocks
+  bool failed = false;
+  std::condition_variable done;
+  // What the launch did happens before every block; every block happens before the grid's end.
+  char launch_sync = 0, end_sync = 0;
+};
+
+// The block workers: threads that join whatever grid has blocks left. Their bookkeeping is
+// hidden from TSan (Quiet): the edges are the grid's own.
+struct BlockPool {
+  std::mutex m;
+  std::condition_variable work;
+  std::vector<GridJob*> jobs;
+};
+BlockPool* const g_blocks = new BlockPool;  // never destroyed: its workers run until exit
+constexpr int kBlockWorkers = 1;
+std::once_flag g_blocks_started;
+
+bool has_blocks(const GridJob& job) { return !job.failed && job.next < job.order.size(); }
+
+// Runs the grid's blocks on this thread until none is left (or one failed).
+void serve(GridJob& job) {
   Runner& r = tl_runner;
 #if defined(DPCUDA_EMU_TSAN)
   if (r.tsan_main == nullptr) r.tsan_main = __tsan_get_current_fiber();
 #endif
-  r.body = &body;
-  r.site = site;
+  r.body = job.body;
+  r.site = job.site;
   r.failed = false;
-  r.nthreads = static_cast<int>(block.x * block.y * block.z);
-  r.rng.seed(seed);
-  const uint64_t blocks = static_cast<uint64_t>(grid.x) * grid.y * grid.z;
-  // Blocks run one after another, in a random order: a kernel must not depend on it.
-  std::vector<uint64_t> order(blocks);
-  for (uint64_t b = 0; b < blocks; ++b) order[b] = b;
-  std::shuffle(order.begin(), order.end(), r.rng);
-  tsan_release(&r.launch_sync);
-  for (uint64_t b : order) {
-    // Blocks of one grid reuse the worker's shared memory one after another: everything an
-    // earlier block did happens before the next block's threads start.
+  r.nthreads = static_cast<int>(job.block.x * job.block.y * job.block.z);
+  r.rng.seed(job.seed ^ reinterpret_cast<uintptr_t>(&r));
+  tsan_acquire(&job.launch_sync);
+  const dim3 grid = job.grid;
+  const uint64_t plane = static_cast<uint64_t>(grid.x) * grid.y;
+  for (;;) {
+    uint64_t b;
+    {
+      const Quiet quiet;
+      const std::lock_guard<std::mutex> lock(g_blocks->m);
+      if (!has_blocks(job)) break;
+      b = job.order[job.next++];
+    }
+    // Blocks on one worker reuse its shared memory one after another: everything an earlier
+    // block did happens before the next block's threads start.
     tsan_acquire(&r.end_sync);
     tsan_release(&r.launch_sync);
-    const uint64_t plane = static_cast<uint64_t>(grid.x) * grid.y;
     const uint3 idx = make_uint3(static_cast<unsigned>(b % grid.x),
                                  static_cast<unsigned>(b / grid.x % grid.y),
                                  static_cast<unsigned>(b / plane));
-    run_block(r, idx, block, grid);
-    if (r.failed) break;
+    run_block(r, idx, job.block, grid);
+    if (r.failed) {
+      const Quiet quiet;
+      const std::lock_guard<std::mutex> lock(g_blocks->m);
+      job.failed = true;
+      break;
+    }
+  }
+  tsan_acquire(&r.end_sync);
+  tsan_release(&job.end_sync);
+  r.body = nullptr;
+}
+
+void block_worker() {
+  for (;;) {
+    GridJob* job = nullptr;
+    {
+      const Quiet quiet;
+      std::unique_lock<std::mutex> lock(g_blocks->m);
+      g_blocks->work.wait(lock, [&] {
+        for (GridJob* j : g_blocks->jobs) {
+          if (has_blocks(*j)) {
+            job = j;
+            return true;
+          }
+        }
+        return false;
+      });
+      ++job->active;
+    }
+    serve(*job);
+    {
+      const Quiet quiet;
+      const std::lock_guard<std::mutex> lock(g_blocks->m);
+      if (--job->active == 0) job->done.notify_all();
+    }
+  }
+}
+
+}  // namespace
+
+bool run_grid(dim3 grid, dim3 block, const std::function<void()>& body, const char* site,
+              uint64_t seed) {
+  GridJob job;
+  job.body = &body;
+  job.site = site;
+  job.grid = grid;
+  job.block = block;
+  job.seed = seed;
+  const uint64_t blocks = static_cast<uint64_t>(grid.x) * grid.y * grid.z;
+  // A random order: a kernel must not depend on which block runs first.
+  std::mt19937_64 rng(seed);
+  job.order.resize(blocks);
+  for (uint64_t b = 0; b < blocks; ++b) job.order[b] = b;
+  std::shuffle(job.order.begin(), job.order.end(), rng);
+  tsan_release(&job.launch_sync);
+  if (blocks > 1) {
+    std::call_once(g_blocks_started, [] {
+      const Quiet quiet;
+      for (int i = 0; i < kBlockWorkers; ++i) std::thread(block_worker).detach();
+    });
+    const Quiet quiet;
+    const std::lock_guard<std::mutex> lock(g_blocks->m);
+    job.active = 1;  // this thread
+    g_blocks->jobs.push_back(&job);
+    g_blocks->work.notify_all();
+  } else {
+    job.active = 1;
+  }
+  serve(job);
+  if (blocks > 1) {
+    const Quiet quiet;
+    std::unique_lock<std::mutex> lock(g_blocks->m);
+    g_blocks->jobs.erase(std::find(g_blocks->jobs.begin(), g_blocks->jobs.end(), &job));
+    --job.active;
+    job.done.wait(lock, [&] { return job.active == 0; });
   }
   // The kernel's writes happen before whatever the stream does next.
-  tsan_acquire(&r.end_sync);
-  r.body = nullptr;
-  return !r.failed;
+  tsan_acquire(&job.end_sync);
+  return !job.failed;
 }
 
 }  // namespace emu

@@ -9,10 +9,12 @@
 // What runs where (csrc/emu/runtime.cpp, csrc/emu/block.cpp):
 //   - every stream is a worker thread that runs its queue in order; events are counters with
 //     a condition variable; N devices with their own memory and a peer-access matrix;
-//   - a kernel launch runs its grid on the stream's worker, block after block in a seeded
-//     random order; the threads of a block are fibers under a seeded random schedule, switched
-//     at __syncthreads and at every warp intrinsic, so a missing barrier gives a wrong result,
-//     and, under ThreadSanitizer (which is told about the fibers), a race report;
+//   - a kernel launch runs its grid's blocks concurrently, on the stream's worker and a pool of
+//     block workers (each takes the next block of a seeded random order); the threads of a block
+//     are fibers under a seeded random schedule, switched at __syncthreads and at every warp
+//     intrinsic, so a missing barrier gives a wrong result, and, under ThreadSanitizer (which is
+//     told about the fibers), a race report; so does a block that reads another block's writes
+//     without the fence and atomic that order them (see __threadfence below);
 //   - static __shared__ variables are thread_local: one copy per worker thread, which is one
 //     copy per running block, shared by that block's fibers and by nothing else.
 #pragma once
@@ -51,6 +53,12 @@ const ThreadBuiltins& builtins();
 
 // The barrier and the warp exchange that the intrinsics below are made of (csrc/emu/block.cpp).
 void sync_block();
+// The memory model of the device atomics and __threadfence for ThreadSanitizer, as C++'s fences
+// order relaxed atomics: a fence before an atomic read-modify-write makes it a release; a fence
+// after atomic reads makes them acquires (csrc/emu/block.cpp).
+void before_atomic(void* address);
+void after_atomic(void* address);
+void thread_fence();
 // Every lane of `mask` arrives with `bits` and the lane it reads; each gets the bits of its
 // source lane back (own_on_invalid: the lane reads its own value, as the hardware does for a
 // source outside the lane's segment). Lanes that `mask` names must all arrive; a lane that has
@@ -91,19 +99,32 @@ inline void __syncwarp(unsigned mask = 0xffffffffu) {
 }
 
 // Device atomics: relaxed read-modify-writes, as CUDA's (atomicOr and friends order nothing
-// else), which ThreadSanitizer sees as atomics rather than races.
+// else), which ThreadSanitizer sees as atomics rather than races; a __threadfence around them
+// orders what they publish (above).
 inline int atomicOr(int* address, int value) {
-  return __atomic_fetch_or(address, value, __ATOMIC_RELAXED);
+  ::dpcuda::emu::before_atomic(address);
+  const int old = __atomic_fetch_or(address, value, __ATOMIC_RELAXED);
+  ::dpcuda::emu::after_atomic(address);
+  return old;
 }
 
 inline unsigned int atomicAdd(unsigned int* address, unsigned int value) {
-  return __atomic_fetch_add(address, value, __ATOMIC_RELAXED);
+  ::dpcuda::emu::before_atomic(address);
+  const unsigned int old = __atomic_fetch_add(address, value, __ATOMIC_RELAXED);
+  ::dpcuda::emu::after_atomic(address);
+  return old;
 }
 
-// A fence for the device's memory: the blocks of a launch run one after another on their
-// stream's worker thread, so what one block wrote is visible to the next; the fence only keeps
-// the compiler from moving memory accesses across it (a signal fence: one thread).
-inline void __threadfence() { __atomic_signal_fence(__ATOMIC_SEQ_CST); }
+// A fence for the device's memory: a real fence between the workers that run blocks at once,
+// and, for ThreadSanitizer, the release and acquire edges a fence gives the atomics around it.
+inline void __threadfence() {
+#if defined(__SANITIZE_THREAD__)
+  __atomic_signal_fence(__ATOMIC_SEQ_CST);  // (TSan models no fences: thread_fence tells it)
+#else
+  __atomic_thread_fence(__ATOMIC_SEQ_CST);
+#endif
+  ::dpcuda::emu::thread_fence();
+}
 
 template <typename T>
 T __shfl_sync(unsigned mask, T var, int src_lane, int width = 32) {

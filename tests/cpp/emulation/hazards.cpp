@@ -12,6 +12,11 @@
 //                    a wrong result
 //   missing_wait     a kernel reads another stream's output with no event between them, long
 //                    after it was written: TSan (the emulator's own locks must not hide it)
+//   ticket_no_fence  step_status's last-block pattern (each block publishes a value and takes
+//                    a ticket; the last block reads every value) without its __threadfence:
+//                    TSan reports the race between blocks, which run at once
+//   ticket_no_atomic the same with the ticket taken by a plain read and write: TSan
+//   ticket_intact    the pattern as written: right, and under TSan free of reports
 #include <cstdio>
 #include <cstring>
 #include <memory>
@@ -57,6 +62,34 @@ __global__ void copy_kernel(const float* x, float* y, int n) {
 __global__ void oob_store_kernel(float* out, int n) {
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i <= n) out[i] = 1.0f;  // <= : one past the end
+}
+
+// The last-block pattern of step_status (csrc/kernels/all_reduce/all_reduce.cu): each block
+// publishes a value, then takes a ticket; the block with the last ticket sums every value and
+// resets the ticket. kBroken 1: no fence on either side; 2: a plain read and write for the
+// ticket.
+template <int kBroken>
+__global__ void ticket_kernel(int* values, unsigned int* ticket, int* out) {
+  __shared__ int is_last;
+  if (threadIdx.x == 0) {
+    values[blockIdx.x] = static_cast<int>(blockIdx.x) + 1;
+    if (kBroken != 1) __threadfence();
+    unsigned int taken;
+    if (kBroken == 2) {
+      taken = *static_cast<volatile unsigned int*>(ticket);
+      *static_cast<volatile unsigned int*>(ticket) = taken + 1;
+    } else {
+      taken = atomicAdd(ticket, 1u);
+    }
+    is_last = taken == gridDim.x - 1 ? 1 : 0;
+  }
+  __syncthreads();
+  if (!is_last || threadIdx.x != 0) return;
+  if (kBroken != 1) __threadfence();
+  int sum = 0;
+  for (unsigned int b = 0; b < gridDim.x; ++b) sum += *static_cast<volatile int*>(values + b);
+  *out = sum;
+  *ticket = 0u;
 }
 
 __global__ void shuffle_lane_kernel(float* out) {
@@ -112,6 +145,32 @@ int missing_wait() {
   launch(copy_kernel, dim3(4), dim3(256), 0, b, x.ptr, y.ptr, n);
   cudaStreamSynchronize(b);
   std::printf("missing_wait: done\n");
+  return 0;
+}
+
+// The ticket kernel over 64 blocks, launched several times (the blocks spread over the
+// emulator's block workers): the intact kernel must sum right every time; a broken one is
+// TSan's to report (without TSan it may still sum right: x86 keeps stores in order).
+template <int kBroken>
+int ticket(const char* name) {
+  dpcuda::emu::reset(emu_test::config(1, 17));
+  const int blocks = 64;
+  DeviceBuffer<int> values(blocks), out(1);
+  DeviceBuffer<unsigned int> counter(1);
+  counter.upload({0u});
+  for (int trial = 0; trial < 8; ++trial) {
+    out.upload({-1});
+    if (launch(ticket_kernel<kBroken>, dim3(blocks), dim3(32), 0, nullptr, values.ptr,
+               counter.ptr, out.ptr)) {
+      return 1;
+    }
+    const int got = out.download()[0];
+    if (kBroken == 0 && got != blocks * (blocks + 1) / 2) {
+      std::printf("%s: wrong sum %d\n", name, got);
+      return 1;
+    }
+  }
+  std::printf("%s: done\n", name);
   return 0;
 }
 
@@ -227,7 +286,11 @@ int main(int argc, char** argv) {
   if (v == "dropped_wait") return dropped_wait(false);
   if (v == "dropped_wait_intact") return dropped_wait(true);
   if (v == "missing_wait") return missing_wait();
+  if (v == "ticket_intact") return ticket<0>("ticket_intact");
+  if (v == "ticket_no_fence") return ticket<1>("ticket_no_fence");
+  if (v == "ticket_no_atomic") return ticket<2>("ticket_no_atomic");
   std::fprintf(stderr, "usage: emulation_hazards shared_race|oob_store|shuffle_lane|"
-                       "misaligned_load|dropped_wait|dropped_wait_intact|missing_wait\n");
+                       "misaligned_load|dropped_wait|dropped_wait_intact|missing_wait|"
+                       "ticket_intact|ticket_no_fence|ticket_no_atomic\n");
   return 2;
 }
