@@ -96,11 +96,20 @@ class _FusedOptimizer(Optimizer):
         shards = self.__dict__.get("_shards")
         if to is not None and (isinstance(to, bool) or not isinstance(to, int)):
             raise TypeError(f"to must be a rank (int) or None, got {to!r}")
+        if to is not None:
+            world = shards.world if shards is not None else None
+            if world is None and torch.distributed.is_available() and \
+                    torch.distributed.is_initialized():
+                world = torch.distributed.get_world_size()
+            if world is not None and not 0 <= to < world:
+                raise ValueError(f"to must be a rank in [0, {world}), got {to}")
         if shards is None or not shards.bound:
             return
-        if to is not None and not 0 <= to < shards.world:
-            raise ValueError(f"to must be a rank in [0, {shards.world}), got {to}")
         shards.unshard(keep=to is None or to == shards.rank)
+        if to is None:
+            # Every process holds the whole state now: the optimizer's own again (its step()
+            # works; the next DataParallel step shards it anew).
+            shards.bound = False
 
     def state_dict(self):
         """torch.optim's state_dict(). Where DataParallel.step keeps the state sharded over

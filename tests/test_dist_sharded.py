@@ -4,6 +4,7 @@ torch.optim on one process as the oracle."""
 
 import copy
 import datetime
+import gc
 import math
 import os
 import socket
@@ -140,7 +141,9 @@ def _worker(rank, world, port, out_dir, name, dtype, clip, devices):
             except RuntimeError as err:
                 result["other_rank"] = str(err)
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.barrier()  # neither process tears the group down while the other still uses it
     finally:
+        gc.collect()  # (gloo's objects before their group: left to exit, a worker may abort)
         dist.destroy_process_group()
 
 
@@ -236,7 +239,9 @@ def _resume_worker(rank, world, port, out_dir, saved):
             dp2.step(x[part].double(), y[part], F.cross_entropy, optimizer=opt2)
         torch.save({"errors": errors, "weights": dp2.state_dict()},
                    os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.barrier()  # neither process tears the group down while the other still uses it
     finally:
+        gc.collect()  # (gloo's objects before their group: left to exit, a worker may abort)
         dist.destroy_process_group()
 
 
@@ -293,7 +298,9 @@ def _scenario_worker(rank, world, port, out_dir, scenario):
         torch.save({"weights": dp.state_dict(), "sharded": sharded,
                     "state": opt.state_dict() if rank == 0 else None},
                    os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.barrier()  # neither process tears the group down while the other still uses it
     finally:
+        gc.collect()  # (gloo's objects before their group: left to exit, a worker may abort)
         dist.destroy_process_group()
 
 
@@ -391,7 +398,9 @@ def _default_worker(rank, world, port, out_dir):
         state = opt.state_dict()  # whole: no consolidation needed
         torch.save({"flags": flags, "weights": dp.state_dict(), "state": state},
                    os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.barrier()  # neither process tears the group down while the other still uses it
     finally:
+        gc.collect()  # (gloo's objects before their group: left to exit, a worker may abort)
         dist.destroy_process_group()
 
 
@@ -422,3 +431,116 @@ def test_shard_optimizer_argument_checks():
         DataParallel(model, ["cpu"], shard_optimizer="yes")
     with pytest.raises(ValueError, match="reducer='dist'"):
         DataParallel(model, ["cpu"], shard_optimizer=True)
+
+
+def _adversarial_worker(rank, world, port, out_dir, which):
+    """What a process may do alone or a user may change mid-run, with the state sharded
+    (each must keep the processes in the same collectives and the state whole)."""
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=TIMEOUT)
+    try:
+        model, data, _, _ = _changing()
+        events = []
+        if which == "adamw":
+            dp = DataParallel(model, ["cpu"], reducer="dist", shard_optimizer=True)
+            opt = dpcuda.optim.AdamW(dp.parameters(), lr=0.02, max_grad_norm=0.3)
+            for i, (x, y) in enumerate(data[:8]):
+                part = slice(rank * 10, rank * 10 + 10)  # (even: the conventional loop's mean)
+                target = y[part]
+                handle = None
+                if i == 2 and rank == 1:
+                    target = target.tolist()  # not a tensor, on one process only
+                if i == 3 and rank == 0:
+                    handle = opt.register_step_pre_hook(lambda o, a, k: None)  # one process
+                if i == 4:
+                    # the same model and optimizer wrapped anew: the old wrapper's shards hold
+                    # the moments
+                    dp = DataParallel(model, ["cpu"], reducer="dist", shard_optimizer=True)
+                if i == 5:
+                    # every process takes the whole state, then a conventional step of its own
+                    opt.consolidate_state_dict(to=None)
+                    opt.zero_grad()
+                    F.cross_entropy(dp(x[part]), y[part]).backward()
+                    opt.step()
+                    events.append("conventional")
+                    opt.consolidate_state_dict(to=0)  # (nothing sharded: no exchange)
+                    continue
+                try:
+                    dp.step(x[part], target, F.cross_entropy, optimizer=opt)
+                    events.append(dp._zero)
+                except Exception as err:  # noqa: BLE001 (recorded and compared)
+                    events.append(type(err).__name__)
+                if handle is not None:
+                    handle.remove()
+            opt.consolidate_state_dict(to=0)
+            state = opt.state_dict() if rank == 0 else None
+        else:  # sgd: momentum off for a step, then on again; then a state that does not fit
+            dp = DataParallel(model, ["cpu"], reducer="dist", shard_optimizer=True)
+            opt = dpcuda.optim.SGD(dp.parameters(), lr=0.1, momentum=0.9)
+            for i, (x, y) in enumerate(data[:6]):
+                for g in opt.param_groups:
+                    g["momentum"] = 0.0 if i == 3 else 0.9
+                part = slice(rank * 10, rank * 10 + 10)
+                dp.step(x[part], y[part], F.cross_entropy, optimizer=opt)
+                events.append(dp._zero)
+            opt.consolidate_state_dict(to=None)
+            state = copy.deepcopy(opt.state_dict())
+            bad = copy.deepcopy(state)
+            bad["state"][0]["momentum_buffer"] = torch.zeros(3, dtype=torch.float64)
+            opt.load_state_dict(bad)
+            x, y = data[6]
+            try:
+                dp.step(x[rank * 10:rank * 10 + 10], y[rank * 10:rank * 10 + 10],
+                        F.cross_entropy, optimizer=opt)
+                events.append("no error")
+            except Exception as err:  # noqa: BLE001
+                events.append(f"{type(err).__name__}: {err}")
+        torch.save({"events": events, "weights": model.state_dict(), "state": state},
+                   os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.barrier()  # neither process tears the group down while the other still uses it
+    finally:
+        gc.collect()  # (gloo's objects before their group: left to exit, a worker may abort)
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("which", ["adamw", "sgd"])
+def test_sharded_state_survives_what_one_process_or_the_user_does(tmp_path, which):
+    mp.spawn(_adversarial_worker, args=(2, _free_port(), str(tmp_path), which), nprocs=2,
+             join=True)
+    runs = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    model, data, _, _ = _changing()
+    if which == "adamw":
+        opt = torch.optim.AdamW(model.parameters(), lr=0.02)
+        for i, (x, y) in enumerate(data[:8]):
+            if i == 2:
+                continue  # failed on every process
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.3)
+            opt.step()
+        assert runs[0]["events"] == [True, True, "RuntimeError", False, True, "conventional",
+                                     True, True]
+        assert runs[1]["events"][2] == "TypeError"
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        for i, (x, y) in enumerate(data[:6]):
+            for g in opt.param_groups:
+                g["momentum"] = 0.0 if i == 3 else 0.9
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+        assert runs[0]["events"][:6] == [True] * 6
+        for r in runs:  # a state that does not fit: the same clear error on every process
+            assert "has shape [3]" in r["events"][6] and r["events"][6].startswith("ValueError")
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(runs[0]["weights"][k], v, atol=1e-11, rtol=1e-10)
+        assert torch.equal(runs[0]["weights"][k], runs[1]["weights"][k])
+    ref = opt.state_dict()
+    assert runs[0]["state"]["state"].keys() == ref["state"].keys()
+    for i, entry in ref["state"].items():
+        assert runs[0]["state"]["state"][i].keys() == entry.keys()
+        for k, v in entry.items():
+            torch.testing.assert_close(runs[0]["state"]["state"][i][k].to(v.dtype), v,
+                                       atol=1e-11, rtol=1e-10)

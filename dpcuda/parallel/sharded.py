@@ -99,30 +99,39 @@ class _Shards:
     # -- the state between opt.state and the shards -----------------------------------------
 
     def current(self):
-        """Whether the shards hold the optimizer's state (no load_state_dict since, no
-        consolidation on this rank, no assignment to opt.state)."""
+        """Whether this process's opt.state is the sharded view the shards hold (no
+        load_state_dict, no consolidation on this rank, no assignment since bind)."""
         if not self.sharded:
             return False
         adam = self.opt._op == "adam"
         for i, p in enumerate(self.params):
             state = self.opt.state.get(p, {})
-            if any(k in state for k in self.keys + ("momentum_buffer",)):
+            if any(k in state for k in self.keys):
                 return False
             if adam and state.get("step") is not self.step_views[i]:
                 return False
         return True
 
-    def uniform_whole(self):
-        """Before bind(): whether each group's parameters are at the same point in
-        opt.state (the same Adam step count; SGD momentum begun for all or none)."""
+    def whole_ok(self):
+        """Before bind(): whether opt.state can be sharded: every state tensor it holds has its
+        parameter's number of elements (else opt.step() on the whole state raises, as it
+        should), and each group's parameters are at the same point (the same Adam step count;
+        SGD momentum begun for all or none)."""
         opt = self.opt
+        for p in self.params:
+            state = opt.state.get(p, {})
+            for k in self.keys:
+                t = state.get(k)
+                if t is not None and (not torch.is_tensor(t) or t.numel() != p.numel()):
+                    return False
         for m in self.members:
             if opt._op == "adam":
                 steps = {float(opt.state[self.params[i]]["step"])
                          if "step" in opt.state.get(self.params[i], {}) else 0.0 for i in m}
                 if len(steps) > 1:
                     return False
-            elif len({"momentum_buffer" in opt.state.get(self.params[i], {}) for i in m}) > 1:
+            elif self.keys and len({"momentum_buffer" in opt.state.get(self.params[i], {})
+                                    for i in m}) > 1:
                 return False
         return True
 
@@ -137,17 +146,21 @@ class _Shards:
     def bind(self):
         """This process's shard of the optimizer's whole state (opt.state) into the shards;
         the whole tensors then dropped from opt.state (Adam's step counts become views of the
-        shards' step counts)."""
+        shards' step counts). Entries opt.state lacks start at zero, as torch.optim's lazy
+        state, except where the shards already hold the state (an entry assigned since
+        replaces only itself)."""
         opt = self.opt
         adam = opt._op == "adam"
         if self.flat is None:
             self._allocate()
         with torch.no_grad():
             for index, m in enumerate(self.members):
-                if not adam and m:
+                if self.keys and not adam and m:
                     self.started[index] = "momentum_buffer" in opt.state.get(self.params[m[0]],
                                                                             {})
             for i, p in enumerate(self.params):
+                if not adam and not self.keys:
+                    continue  # (SGD without momentum: a buffer left from before stays whole)
                 state = opt.state[p]
                 where = self._clip(i)
                 for k in self.keys:
@@ -158,25 +171,26 @@ class _Shards:
                     if have is not None:
                         self.flat[k][shard].copy_(have.detach().reshape(-1)[mine])
                     elif not self.sharded:
-                        # torch.optim's lazy state starts at zero (a shard that holds the
-                        # state already keeps it: an entry assigned since replaces only itself)
                         self.flat[k][shard].zero_()
-                if not adam:
-                    state.pop("momentum_buffer", None)  # (a group whose momentum is now 0)
                 if adam:
                     have = state.get("step")
                     view = self.step_views[i]
                     if have is not view:
                         view.fill_(0.0 if have is None else float(have))
                         state["step"] = view
-        self.bound = self.sharded = True
+                elif not state:
+                    del opt.state[p]  # (as torch.optim: no entry before the first update)
+        self.bound = self.sharded = bool(self.keys)
 
     def unshard(self, keep=True):
         """Gathers the whole state from every process (a collective: every process calls it
-        at the same point). keep: this process puts it into opt.state (torch's format: whole
-        tensors shaped as the parameters) and stops holding it sharded; otherwise it only takes
-        part."""
+        at the same point, with bound set alike). keep: this process puts it into opt.state
+        (torch's format: whole tensors shaped as the parameters); otherwise it only takes
+        part. A process whose opt.state holds whole entries newer than its shard (a
+        consolidation on it, then a step of its own) sends those."""
         opt = self.opt
+        if not self.current():
+            self.bind()
         adam = opt._op == "adam"
         slot = slice(self.rank * self.per, (self.rank + 1) * self.per)
         size = self.end - self.begin
@@ -192,14 +206,13 @@ class _Shards:
             for index, m in enumerate(self.members):
                 for i in m:
                     p = self.params[i]
-                    state = opt.state[p]
                     o, c = self.spans[i]
                     for k in self.keys:
                         if k == "momentum_buffer" and not self.started[index]:
                             continue
-                        state[k] = gathered[k][o:o + c].view_as(p)
+                        opt.state[p][k] = gathered[k][o:o + c].view_as(p)
                     if adam:
-                        state["step"] = self.step_views[i].clone()
+                        opt.state[p]["step"] = self.step_views[i].clone()
         self.sharded = False
 
     # -- the step -----------------------------------------------------------------------------
@@ -295,65 +308,83 @@ class _Shards:
 
 
 class ShardedUpdate:
-    """The ZeRO-1 update of one dpcuda.optim optimizer across processes: ready() says whether a
-    step takes this path (and re-shards or gathers the state as needed), the DataParallel
-    step drives exchange, verdict and update."""
+    """The ZeRO-1 update of one dpcuda.optim optimizer across processes: decide() agrees with
+    the other processes whether a step takes this path (and re-shards or gathers the state as
+    needed); the DataParallel step then drives exchange, verdict and update."""
 
     def __init__(self):
         self.shards = None
         self._key = None
 
     def release(self):
-        """Gathers a sharded state back into its optimizer on every process (a collective)."""
+        """Gives the state this wrapper holds sharded back to its optimizer, whole (a
+        collective where it is sharded: bound is alike on every process)."""
         shards, self.shards, self._key = self.shards, None, None
-        if shards is not None:
-            if shards.bound:
-                shards.unshard(keep=True)
-            shards.opt.__dict__.pop("_shards", None)
+        if shards is None:
+            return
+        if shards.bound:
+            shards.unshard(keep=True)
+            shards.bound = False
+        if shards.opt.__dict__.get("_shards") is shards:
+            del shards.opt.__dict__["_shards"]
 
-    def ready(self, opt, replicas, generation, dist, group, comm_device):
-        """Whether this step's update is the sharded one: a dpcuda.optim optimizer without
-        step pre-hooks over exactly the trainable parameters, one kind of state in every group,
-        and each group's parameters at the same point. Called at the same point of the same
-        step on every process (it may gather or re-shard the state: collectives)."""
+    def _candidate(self, opt, replicas, generation, dist, group, comm_device):
+        """The shards this step would use and their key, or None where the sharded path does
+        not apply on this process: a dpcuda.optim optimizer without step pre-hooks over exactly
+        the trainable parameters, one kind of state in every group, each group's parameters at
+        the same point, state tensors that fit. Looks only, changes nothing."""
         from torch.optim.optimizer import _global_optimizer_pre_hooks
 
         from ..optim import _FusedOptimizer
-        ok = isinstance(opt, _FusedOptimizer) and not opt._optimizer_step_pre_hooks and \
-            not _global_optimizer_pre_hooks
-        key = None
-        if ok:
-            groups = opt.param_groups
-            structure = {_state_keys(opt, g) for g in groups}
-            ok = len(structure) == 1
-            if ok:
-                key = (id(opt), generation, structure.pop(),
-                       tuple(id(p) for g in groups for p in g["params"]),
-                       tuple(len(g["params"]) for g in groups))
-        if key != self._key or not ok:
-            self.release()
-        if not ok:
-            return False
-        if self.shards is None:
+        if not isinstance(opt, _FusedOptimizer) or opt._optimizer_step_pre_hooks or \
+                _global_optimizer_pre_hooks:
+            return None
+        groups = opt.param_groups
+        structure = {_state_keys(opt, g) for g in groups}
+        if len(structure) != 1:
+            return None
+        key = (id(opt), generation, structure.pop(),
+               tuple(id(p) for g in groups for p in g["params"]),
+               tuple(len(g["params"]) for g in groups))
+        shards = self.shards
+        if key != self._key or shards is None or opt.__dict__.get("_shards") is not shards:
             r0 = replicas[0]
             group_of = {}
-            for g, entry in enumerate(opt.param_groups):
+            for g, entry in enumerate(groups):
                 for p in entry["params"]:
                     group_of[id(p)] = g
             params = [r0.params[i] for i in r0.trainable]
             if len(group_of) != len(params) or any(id(p) not in group_of for p in params):
-                return False
-            self.shards = _Shards(opt, r0, key[2], [group_of[id(p)] for p in params], dist,
-                                  group, comm_device)
-            self._key = key
-            opt._shards = self.shards
-        shards = self.shards
-        if not shards.current():
-            if not shards.uniform_whole():
-                self.release()
-                return False
-            shards.bind()
-        if not shards.uniform():
+                return None
+            shards = _Shards(opt, r0, key[2], [group_of[id(p)] for p in params], dist, group,
+                             comm_device)
+        ok = shards.uniform() if shards.current() else shards.whole_ok()
+        return (shards, key) if ok else None
+
+    def decide(self, opt, replicas, generation, dist, group, comm_device, want=True):
+        """Whether this step's update is the sharded one, agreed by every process (one small
+        all-reduce: a choice made from one process's own data, hooks or state would leave the
+        processes in different collectives). Every process calls it at the same point of the
+        same step. Sharded: the state is bound (a previous owner's gathered first); whole: a
+        state this wrapper held sharded is gathered back into the optimizer."""
+        found = self._candidate(opt, replicas, generation, dist, group, comm_device) \
+            if want else None
+        flag = torch.tensor([0.0 if found is None else 1.0], dtype=torch.float64,
+                            device=comm_device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+        if flag.item() == 0.0:
             self.release()
             return False
+        shards, key = found
+        if shards is not self.shards:
+            self.release()
+            other = opt.__dict__.get("_shards")
+            if other is not None and other.bound:
+                # (another DataParallel sharded this optimizer: its shards hold the state)
+                other.unshard(keep=True)
+                other.bound = False
+            self.shards, self._key = shards, key
+            opt._shards = shards
+        if not shards.current():
+            shards.bind()
         return True

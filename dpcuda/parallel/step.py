@@ -177,13 +177,14 @@ class StepMixin(LabelChecks, PendingSteps):
         # dpcuda/parallel/sharded.py), decided alike on every process before the step's
         # collectives begin (the failure exchange mirrors them).
         self._zero = False
-        if self._optimizer is not None and self.shard_optimizer and \
-                isinstance(targets, torch.Tensor) and summed_loss(loss_fn, targets) is not None:
-            self._zero = self._sharded_update.ready(
+        if self._optimizer is not None and self.shard_optimizer:
+            want = isinstance(targets, torch.Tensor) and \
+                summed_loss(loss_fn, targets) is not None
+            self._zero = self._sharded_update.decide(
                 self._optimizer, self._replicas, self._set.generation, self._dist, self._group,
-                self._comm_device())
+                self._comm_device(), want)
         elif self._optimizer is not None:
-            # (the gathered path: torch's own opt.step() on the whole state)
+            # (sharding switched off: the optimizer's own step on the whole state)
             self._sharded_update.release()
         try:
             return self._step(inputs, targets, loss_fn, accumulate)
