@@ -24,6 +24,28 @@ def shard_range(n, replicas, k, align):
     return begin, min(per * k + per, n)
 
 
+def plan_key(opt, generation, structure):
+    """What a plan over an optimizer is made for: the optimizer, the replicas' build, the kind
+    of state, and the parameter groups' members in order."""
+    groups = opt.param_groups
+    return (id(opt), generation, structure,
+            tuple(id(p) for group in groups for p in group["params"]),
+            tuple(len(group["params"]) for group in groups))
+
+
+def group_of_trainable(opt, r0):
+    """The parameter group of each trainable parameter of replica r0, in its flat order; None
+    unless the optimizer holds exactly those parameters."""
+    group_of = {}
+    for g, group in enumerate(opt.param_groups):
+        for p in group["params"]:
+            group_of[id(p)] = g
+    params = [r0.params[i] for i in r0.trainable]
+    if len(group_of) != len(params) or any(id(p) not in group_of for p in params):
+        return None
+    return [group_of[id(p)] for p in params]
+
+
 class _Plan:
     """What stays the same from step to step for one optimizer over one replica set: the
     state's flat buffers and their views, the shards, the parameter groups as segments."""
@@ -143,21 +165,14 @@ class FusedUpdate:
         structure = {self._structure(opt, group) for group in groups}
         if len(structure) != 1:
             return False
-        key = (id(opt), generation, structure.pop(),
-               tuple(id(p) for group in groups for p in group["params"]),
-               tuple(len(group["params"]) for group in groups))
+        key = plan_key(opt, generation, structure.pop())
         if key != self._plan_key:
             self._plan = None
-            r0 = replicas[0]
-            group_of = {}
-            for g, group in enumerate(groups):
-                for p in group["params"]:
-                    group_of[id(p)] = g
-            params = [r0.params[i] for i in r0.trainable]
-            if len(group_of) != len(params) or any(id(p) not in group_of for p in params):
+            group_of = group_of_trainable(opt, replicas[0])
+            if group_of is None:
                 self._plan_key = key
                 return False
-            self._plan = _Plan(opt, replicas, key[2], [group_of[id(p)] for p in params])
+            self._plan = _Plan(opt, replicas, key[2], group_of)
             self._plan_key = key
         plan = self._plan
         if plan is None:

@@ -24,7 +24,7 @@ import math
 
 import torch
 
-from .fused_update import _HYPER, shard_range
+from .fused_update import _HYPER, group_of_trainable, plan_key, shard_range
 
 
 def _state_keys(opt, group):
@@ -343,21 +343,13 @@ class ShardedUpdate:
         structure = {_state_keys(opt, g) for g in groups}
         if len(structure) != 1:
             return None
-        key = (id(opt), generation, structure.pop(),
-               tuple(id(p) for g in groups for p in g["params"]),
-               tuple(len(g["params"]) for g in groups))
+        key = plan_key(opt, generation, structure.pop())
         shards = self.shards
         if key != self._key or shards is None or opt.__dict__.get("_shards") is not shards:
-            r0 = replicas[0]
-            group_of = {}
-            for g, entry in enumerate(groups):
-                for p in entry["params"]:
-                    group_of[id(p)] = g
-            params = [r0.params[i] for i in r0.trainable]
-            if len(group_of) != len(params) or any(id(p) not in group_of for p in params):
+            group_of = group_of_trainable(opt, replicas[0])
+            if group_of is None:
                 return None
-            shards = _Shards(opt, r0, key[2], [group_of[id(p)] for p in params], dist, group,
-                             comm_device)
+            shards = _Shards(opt, replicas[0], key[2], group_of, dist, group, comm_device)
         ok = shards.uniform() if shards.current() else shards.whole_ok()
         return (shards, key) if ok else None
 

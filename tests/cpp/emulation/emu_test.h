@@ -42,6 +42,25 @@ inline dpcuda::emu::Config config(int devices = 1, uint64_t seed = 1, int max_de
   return c;
 }
 
+// A stream on each of the machine's D devices, and peer access enabled wherever the machine
+// allows it (the hardware's limit of 8 peers per device applies; the rest is staged by the
+// schedules): readable[d][e] says whether device d's kernels may read device e's memory.
+inline std::vector<cudaStream_t> open_devices(int D, std::vector<std::vector<bool>>* readable) {
+  readable->assign(D, std::vector<bool>(D, false));
+  std::vector<cudaStream_t> streams(D);
+  for (int d = 0; d < D; ++d) {
+    CUDA_OK(cudaSetDevice(d));
+    CUDA_OK(cudaStreamCreate(&streams[d]));
+    for (int e = 0; e < D; ++e) {
+      int can = 0;
+      CUDA_OK(cudaDeviceCanAccessPeer(&can, d, e));
+      if (can) (*readable)[d][e] = cudaDeviceEnablePeerAccess(e, 0) == cudaSuccess;
+    }
+    (void)cudaGetLastError();
+  }
+  return streams;
+}
+
 // Fails the case for every report of the emulator (a misuse nobody asked for).
 inline void expect_no_reports(const char* where) {
   for (const std::string& r : dpcuda::emu::reports()) {

@@ -75,18 +75,7 @@ struct Rig {
     dpcuda::emu::Config cfg = emu_test::config(D, seed, 30);
     cfg.peer.assign(D, std::vector<bool>(D, c.peers));
     dpcuda::emu::reset(cfg);
-    readable.assign(D, std::vector<bool>(D, false));
-    streams.resize(D);
-    for (int d = 0; d < D; ++d) {
-      CUDA_OK(cudaSetDevice(d));
-      CUDA_OK(cudaStreamCreate(&streams[d]));
-      for (int e = 0; e < D; ++e) {
-        int can = 0;
-        CUDA_OK(cudaDeviceCanAccessPeer(&can, d, e));
-        if (can) readable[d][e] = cudaDeviceEnablePeerAccess(e, 0) == cudaSuccess;
-      }
-      (void)cudaGetLastError();
-    }
+    streams = emu_test::open_devices(D, &readable);
     const int64_t align = 16 / sizeof(float);
     hpt.resize(R);
     const std::vector<double> h = adam_hyper();

@@ -54,19 +54,8 @@ void run_case(const Case& c, uint64_t seed) {
       for (int e = 0; e < D; ++e) cfg.peer[d][e] = rng() % 2 == 0;
   }
   dpcuda::emu::reset(cfg);
-  // Enable what the hardware allows (at most 8 peers per device); the rest is staged.
-  std::vector<std::vector<bool>> readable(D, std::vector<bool>(D, false));
-  std::vector<cudaStream_t> streams(D);
-  for (int d = 0; d < D; ++d) {
-    CUDA_OK(cudaSetDevice(d));
-    CUDA_OK(cudaStreamCreate(&streams[d]));
-    for (int e = 0; e < D; ++e) {
-      int can = 0;
-      CUDA_OK(cudaDeviceCanAccessPeer(&can, d, e));
-      if (can) readable[d][e] = cudaDeviceEnablePeerAccess(e, 0) == cudaSuccess;
-    }
-    (void)cudaGetLastError();
-  }
+  std::vector<std::vector<bool>> readable;
+  const std::vector<cudaStream_t> streams = emu_test::open_devices(D, &readable);
   std::normal_distribution<float> dist(0.0f, 10.0f);
   std::vector<std::vector<T>> x(R, std::vector<T>(c.n));
   for (auto& b : x)
