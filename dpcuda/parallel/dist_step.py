@@ -155,7 +155,7 @@ class DistStepMixin:
             self._global_rows = int(count.item())  # as the other processes have it
         if self._zero:
             record = torch.tensor([0.0, 0.0, 2.0], dtype=torch.float64, device=device)
-            self._sharded_update.shards.fail_exchange(record)
+            self._sharded_update.shards.exchange(None, record)
             return
         with torch.no_grad():
             r.exchange.zero_()

@@ -46,6 +46,23 @@ def group_of_trainable(opt, r0):
     return [group_of[id(p)] for p in params]
 
 
+def group_segments(spans, group_of, begin=0, end=None):
+    """reduce_update_'s segments for the flat range [begin, end) (end None: to the last
+    parameter): the parameters' spans cut to it, merged where neighbours share a group, as flat
+    (begin, end, group) triples counted from `begin`."""
+    segments = []
+    for (o, c), g in zip(spans, group_of):
+        lo, hi = max(o, begin), o + c if end is None else min(o + c, end)
+        if hi <= lo:
+            continue
+        lo, hi = lo - begin, hi - begin
+        if segments and segments[-1][2] == g and segments[-1][1] == lo:
+            segments[-1][1] = hi
+        else:
+            segments.append([lo, hi, g])
+    return [v for s in segments for v in s]
+
+
 class _Plan:
     """What stays the same from step to step for one optimizer over one replica set: the
     state's flat buffers and their views, the shards, the parameter groups as segments."""
@@ -66,13 +83,7 @@ class _Plan:
         bounds = [shard_range(n, R, k, align) for k in range(R)]
         shards = [[self.flat[k][b:e] for b, e in bounds] for k in keys]
         self.lists = [shards[i] if len(shards) > i else [] for i in range(3)]
-        segments = []
-        for (o, c), g in zip(r0.spans, group_of):
-            if segments and segments[-1][2] == g and segments[-1][1] == o:
-                segments[-1][1] = o + c
-            else:
-                segments.append([o, o + c, g])
-        self.segments = [v for s in segments for v in s]
+        self.segments = group_segments(r0.spans, group_of)
         self.members = [[i for i, g in enumerate(group_of) if g == index]
                         for index in range(len(opt.param_groups))]
         self.buffers = [r.flat_param for r in replicas], [r.flat_grad for r in replicas]

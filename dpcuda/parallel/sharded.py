@@ -24,7 +24,7 @@ import math
 
 import torch
 
-from .fused_update import _HYPER, group_of_trainable, plan_key, shard_range
+from .fused_update import _HYPER, group_of_trainable, group_segments, plan_key, shard_range
 
 
 def _state_keys(opt, group):
@@ -37,7 +37,7 @@ class _Shards:
     """One optimizer's sharded state over one replica set's flat layout, on one process."""
 
     def __init__(self, opt, r0, keys, group_of, dist, group, comm_device):
-        self.opt, self.keys, self.group_of = opt, keys, group_of
+        self.opt, self.keys = opt, keys
         self.dist, self.group, self.comm = dist, group, comm_device
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
@@ -48,23 +48,14 @@ class _Shards:
         align = 16 // r0.flat_param.element_size()
         b0, e0 = shard_range(n, self.world, 0, align)
         self.per = max(e0 - b0, align)  # every process's slot in the padded buffers
+        self.slot = slice(self.rank * self.per, (self.rank + 1) * self.per)  # this process's
         self.begin, self.end = shard_range(n, self.world, self.rank, align)
         self.flat = self.pad = self.grad = None  # (made by bind(): see _allocate)
         self.steps = torch.zeros(len(self.params), dtype=torch.float32)
         self.step_views = list(self.steps.unbind())
         self.started = [False] * len(opt.param_groups)  # SGD: a group's momentum has begun
-        # The shard's parameter groups as (begin, end, group) triples from 0, for reduce_update_.
-        segments = []
-        for (o, c), g in zip(self.spans, group_of):
-            lo, hi = max(o, self.begin), min(o + c, self.end)
-            if hi <= lo:
-                continue
-            lo, hi = lo - self.begin, hi - self.begin
-            if segments and segments[-1][2] == g and segments[-1][1] == lo:
-                segments[-1][1] = hi
-            else:
-                segments.append([lo, hi, g])
-        self.segments = [v for s in segments for v in s]
+        # The shard's parameter groups, for reduce_update_.
+        self.segments = group_segments(self.spans, group_of, self.begin, self.end)
         self.members = [[i for i, g in enumerate(group_of) if g == index]
                         for index in range(len(opt.param_groups))]
         # bound: the shards hold the optimizer's state on every process (set by bind(), alike
@@ -88,7 +79,7 @@ class _Shards:
         """The optimizer state this process keeps (its shard of every state buffer)."""
         return sum(t.numel() * t.element_size() for t in (self.flat or {}).values())
 
-    def _clip(self, i):
+    def _overlap(self, i):
         """Parameter i's part of the shard: (its slice, the shard's slice), or None."""
         o, c = self.spans[i]
         lo, hi = max(o, self.begin), min(o + c, self.end)
@@ -162,7 +153,7 @@ class _Shards:
                 if not adam and not self.keys:
                     continue  # (SGD without momentum: a buffer left from before stays whole)
                 state = opt.state[p]
-                where = self._clip(i)
+                where = self._overlap(i)
                 for k in self.keys:
                     have = state.pop(k, None)
                     if where is None:
@@ -192,13 +183,12 @@ class _Shards:
         if not self.current():
             self.bind()
         adam = opt._op == "adam"
-        slot = slice(self.rank * self.per, (self.rank + 1) * self.per)
         size = self.end - self.begin
         gathered = {}
         for k in self.keys:
             whole = torch.zeros(self.world * self.per, dtype=self.dtype, device=self.comm)
-            whole[slot][:size].copy_(self.flat[k])
-            self.dist.all_gather_into_tensor(whole, whole[slot], group=self.group)
+            whole[self.slot][:size].copy_(self.flat[k])
+            self.dist.all_gather_into_tensor(whole, whole[self.slot], group=self.group)
             gathered[k] = whole[:self.n].to(self.device)
         if not keep:
             return
@@ -220,17 +210,11 @@ class _Shards:
     def exchange(self, flat_grad, record):
         """The step's first collectives, in flight together: the record's all-reduce and the
         reduce-scatter of the gradients (this process then holds its shard's global sum in
-        self.grad)."""
-        self.pad[:self.n].copy_(flat_grad)
-        works = [self.dist.all_reduce(record, group=self.group, async_op=True),
-                 self.dist.reduce_scatter_tensor(self.grad, self.pad, group=self.group,
-                                                 async_op=True)]
-        for w in works:
-            w.wait()
-
-    def fail_exchange(self, record):
-        """A failed step's part in exchange(): zero gradients, the record given."""
-        self.pad.zero_()
+        self.grad). flat_grad None: a failed step's part, with zero gradients."""
+        if flat_grad is None:
+            self.pad.zero_()
+        else:
+            self.pad[:self.n].copy_(flat_grad)
         works = [self.dist.all_reduce(record, group=self.group, async_op=True),
                  self.dist.reduce_scatter_tensor(self.grad, self.pad, group=self.group,
                                                  async_op=True)]
@@ -295,9 +279,8 @@ class _Shards:
             weights = r0_flat[self.begin:self.end]
             torch.ops.dpcuda.reduce_update_([weights], [own], *lists, hyper, self.segments,
                                             opt._op, False, "one_shot", False, None, None)
-        slot = slice(self.rank * self.per, (self.rank + 1) * self.per)
-        self.pad[slot][:size].copy_(r0_flat[self.begin:self.end])
-        self.dist.all_gather_into_tensor(self.pad, self.pad[slot], group=self.group)
+        self.pad[self.slot][:size].copy_(r0_flat[self.begin:self.end])
+        self.dist.all_gather_into_tensor(self.pad, self.pad[self.slot], group=self.group)
         r0_flat.copy_(self.pad[:self.n])
         torch.autograd.graph.increment_version(self.params)
         # What opt.step() leaves in the state once the update has happened.

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdio>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -59,6 +60,24 @@ inline std::vector<cudaStream_t> open_devices(int D, std::vector<std::vector<boo
     (void)cudaGetLastError();
   }
   return streams;
+}
+
+// Byte buffers on the devices: bytes[d] on device d (none where 0); ptrs[d] is null there.
+struct PerDevice {
+  std::vector<std::unique_ptr<DeviceBuffer<char>>> buffers;
+  std::vector<void*> ptrs;
+};
+
+inline PerDevice per_device(const std::vector<size_t>& bytes) {
+  PerDevice out;
+  out.ptrs.assign(bytes.size(), nullptr);
+  for (size_t d = 0; d < bytes.size(); ++d) {
+    if (bytes[d] == 0) continue;
+    CUDA_OK(cudaSetDevice(static_cast<int>(d)));
+    out.buffers.push_back(std::make_unique<DeviceBuffer<char>>(bytes[d]));
+    out.ptrs[d] = out.buffers.back()->ptr;
+  }
+  return out;
 }
 
 // Fails the case for every report of the emulator (a misuse nobody asked for).

@@ -59,7 +59,7 @@ struct Rig {
   std::vector<std::vector<bool>> readable;
   std::vector<std::unique_ptr<DeviceBuffer<float>>> g, p, m, s1, s2;
   std::vector<std::unique_ptr<DeviceBuffer<double>>> rec, hyper;
-  std::vector<std::unique_ptr<DeviceBuffer<char>>> scratch_bufs, workspace;
+  emu_test::PerDevice scratch_bufs, workspace;
   std::unique_ptr<DeviceBuffer<double>> loss;
   std::unique_ptr<DeviceBuffer<float>> norm;
   dpcuda::cuda::ScheduleReplicas<float> reps;
@@ -106,21 +106,15 @@ struct Rig {
     }
     plan = dpcuda::cuda::plan_all_reduce(reps.device, streams, readable, c.algorithm, c.n,
                                          sizeof(float));
-    scratch.assign(plan.scratch_bytes.size(), nullptr);
-    for (size_t d = 0; d < plan.scratch_bytes.size(); ++d) {
-      CUDA_OK(cudaSetDevice(static_cast<int>(d)));
-      scratch_bufs.push_back(std::make_unique<DeviceBuffer<char>>(plan.scratch_bytes[d] + 1));
-      scratch[d] = scratch_bufs.back()->ptr;
-    }
+    std::vector<size_t> scratch_bytes = plan.scratch_bytes;
+    for (size_t& b : scratch_bytes) b += 1;
+    scratch_bufs = emu_test::per_device(scratch_bytes);
+    scratch = scratch_bufs.ptrs;
     if (c.op == Op::kAdamClip) {
       clip.max_norm = 0.5;
-      clip.workspace.assign(D, nullptr);
-      for (int d = 0; d < D; ++d) {
-        CUDA_OK(cudaSetDevice(d));
-        workspace.push_back(
-            std::make_unique<DeviceBuffer<char>>(dpcuda::cuda::clip_workspace_bytes(plan)));
-        clip.workspace[d] = workspace.back()->ptr;
-      }
+      workspace = emu_test::per_device(
+          std::vector<size_t>(D, dpcuda::cuda::clip_workspace_bytes(plan)));
+      clip.workspace = workspace.ptrs;
     }
     CUDA_OK(cudaSetDevice(0));
     loss = std::make_unique<DeviceBuffer<double>>(1);

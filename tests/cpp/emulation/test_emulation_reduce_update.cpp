@@ -223,25 +223,14 @@ void run_case(const Case& c, uint64_t seed) {
   for (int r = 0; r < R; ++r) device.push_back(r % D);
   const dpcuda::cuda::AllReducePlan plan = dpcuda::cuda::plan_all_reduce(
       device, streams, readable, c.algorithm, n, sizeof(T));
-  std::vector<std::unique_ptr<DeviceBuffer<char>>> scratch_bufs;
-  std::vector<void*> scratch(plan.scratch_bytes.size(), nullptr);
-  for (size_t d = 0; d < plan.scratch_bytes.size(); ++d) {
-    if (plan.scratch_bytes[d] == 0) continue;
-    CUDA_OK(cudaSetDevice(static_cast<int>(d)));
-    scratch_bufs.push_back(std::make_unique<DeviceBuffer<char>>(plan.scratch_bytes[d]));
-    scratch[d] = scratch_bufs.back()->ptr;
-  }
+  const emu_test::PerDevice scratch_bufs = emu_test::per_device(plan.scratch_bytes);
+  const std::vector<void*>& scratch = scratch_bufs.ptrs;
   const std::vector<dpcuda::cuda::UpdateSegment> cuda_segs = {{0, cut, 0}, {cut, n, 1}};
   dpcuda::cuda::ClipArgs<T> clip;
   clip.max_norm = c.max_norm;
-  std::vector<std::unique_ptr<DeviceBuffer<char>>> workspace;
-  clip.workspace.assign(D, nullptr);
-  for (int d = 0; d < D; ++d) {
-    CUDA_OK(cudaSetDevice(d));
-    workspace.push_back(
-        std::make_unique<DeviceBuffer<char>>(dpcuda::cuda::clip_workspace_bytes(plan)));
-    clip.workspace[d] = workspace.back()->ptr;
-  }
+  const emu_test::PerDevice workspace =
+      emu_test::per_device(std::vector<size_t>(D, dpcuda::cuda::clip_workspace_bytes(plan)));
+  clip.workspace = workspace.ptrs;
   CUDA_OK(cudaSetDevice(0));
   DeviceBuffer<T> norm(1);
   clip.norm_out = norm.ptr;
