@@ -41,7 +41,7 @@ __all__ = ["SGD", "Adam", "AdamW"]
 # The hyperparameter array's slots and flag bits (csrc/kernels/optim/update.h).
 _HYPER = 16
 (_LR, _WEIGHT_DECAY, _MOMENTUM, _ONE_MINUS_DAMPENING, _ONE_MINUS_BETA1, _BETA2,
- _ONE_MINUS_BETA2, _EPS, _NEG_STEP_SIZE, _BIAS2_SQRT, _DECAY, _FLAGS) = range(12)
+ _ONE_MINUS_BETA2, _EPS, _BETA1, _STEP, _DECAY, _FLAGS) = range(12)
 _MAXIMIZE, _NESTEROV, _AMSGRAD, _FIRST, _DECOUPLED, _USE_MOMENTUM = 1, 2, 4, 8, 16, 32
 
 
@@ -296,8 +296,10 @@ class Adam(_FusedOptimizer):
     """torch.optim.Adam's update (weight decay as L2 or decoupled, amsgrad, maximize), fused:
     one kernel per device and dtype for a parameter group. Same arguments, param_groups and
     state_dict (state "step", "exp_avg", "exp_avg_sq" and, with amsgrad, "max_exp_avg_sq") as
-    torch.optim.Adam. The step count lives on the host (a float32 CPU tensor, torch's default),
-    where the bias corrections are computed as torch computes them."""
+    torch.optim.Adam. The step count is a float32 tensor, on the host (torch's default) or, under
+    a non-blocking DataParallel step on a GPU, on the parameters' device (as torch's capturable
+    Adam keeps it); the kernel derives the bias corrections from it (update.h's pow_step, within
+    a few units in the last place of a double of torch's pow)."""
 
     _op = "adam"
 
@@ -369,17 +371,16 @@ class Adam(_FusedOptimizer):
         beta1, beta2 = (_value(b) for b in group["betas"])
         lr = _value(group["lr"])
         weight_decay = _value(group["weight_decay"])
-        # torch.optim's scalars, in float64 as its Python computes them.
-        bias_correction1 = 1 - beta1 ** step
-        bias_correction2 = 1 - beta2 ** step
+        # torch.optim's scalars, in float64 as its Python computes them; the kernel derives the
+        # bias corrections from beta1, beta2 and the step (update.h's pow_step).
         h[_LR] = lr
         h[_WEIGHT_DECAY] = weight_decay
         h[_ONE_MINUS_BETA1] = 1 - beta1
         h[_BETA2] = beta2
         h[_ONE_MINUS_BETA2] = 1 - beta2
         h[_EPS] = _value(group["eps"])
-        h[_NEG_STEP_SIZE] = -(lr / bias_correction1)
-        h[_BIAS2_SQRT] = bias_correction2 ** 0.5
+        h[_BETA1] = beta1
+        h[_STEP] = step
         h[_DECAY] = 1 - lr * weight_decay
         flags = _MAXIMIZE if group["maximize"] else 0
         flags |= _AMSGRAD if group["amsgrad"] else 0

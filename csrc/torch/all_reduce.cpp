@@ -173,8 +173,10 @@ constexpr int64_t kRecord = 4;
 // status: none, or one step_status record per replica on its device; scaled_by and loss_out
 // need them. loss_out shares memory with none of the call's tensors (the kernels write it
 // while other blocks read and write those).
+// others: the call's other tensors (momentum buffers, state shards, ...) by name.
+using NamedLists = std::vector<std::pair<const char*, const std::vector<Tensor>*>>;
 void check_status_records(const std::vector<Tensor>& status, const std::vector<Tensor>& params,
-                          const std::vector<Tensor>& grads, const std::vector<Tensor>& momenta,
+                          const std::vector<Tensor>& grads, const NamedLists& others,
                           double scaled_by, const c10::optional<Tensor>& loss_out) {
   TORCH_CHECK_VALUE(status.empty() || status.size() == params.size(), "status must be empty or ",
                     "hold one step_status record per replica (", params.size(), "); got ",
@@ -200,9 +202,8 @@ void check_status_records(const std::vector<Tensor>& status, const std::vector<T
                       loss_out->device(), " but params[0] is on ", params[0].device());
     TORCH_CHECK_VALUE(params[0].numel() > 0, "loss_out needs parameters to update (params ",
                       "are empty)");
-    const std::pair<const char*, const std::vector<Tensor>*> lists[] = {
-        {"status", &status}, {"params", &params}, {"grads", &grads},
-        {"momentum_buffers", &momenta}};
+    NamedLists lists = {{"status", &status}, {"params", &params}, {"grads", &grads}};
+    lists.insert(lists.end(), others.begin(), others.end());
     for (const auto& list : lists) {
       for (size_t i = 0; i < list.second->size(); ++i) {
         TORCH_CHECK_VALUE(!overlap(*loss_out, (*list.second)[i]), "loss_out shares memory with ",
@@ -248,7 +249,7 @@ void reduce_sgd_cpu(at::TensorList params, at::TensorList grads, at::TensorList 
   const std::vector<Tensor> m = momentum != 0.0 ? momentum_buffers.vec() : std::vector<Tensor>();
   const std::vector<Tensor> records = status.has_value() ? status->vec() : std::vector<Tensor>();
   check_sgd_args(p, g, m, lr, momentum, weight_decay);
-  check_status_records(records, p, g, m, scaled_by, loss_out);
+  check_status_records(records, p, g, {{"momentum_buffers", &m}}, scaled_by, loss_out);
   (void)parse_algorithm(algorithm, p[0].nbytes(), p.size(), true);  // checked before any write
   if (!is_half_type(p[0])) check_cpu_dtype(p[0], "params");
   const HostVerdict v = read_records(records, scaled_by);
@@ -432,25 +433,67 @@ void round_to(float* x, int64_t n) {
   for (int64_t i = 0; i < n; ++i) x[i] = static_cast<float>(static_cast<H>(x[i]));
 }
 
+// reduce_update_'s step records (status, scaled_by, loss_out: as reduce_sgd_'s), checked.
+std::vector<Tensor> check_update_records(const c10::optional<at::TensorList>& status,
+                                         const std::vector<Tensor>& p,
+                                         const std::vector<Tensor>& g,
+                                         const std::vector<Tensor>& s1,
+                                         const std::vector<Tensor>& s2,
+                                         const std::vector<Tensor>& s3,
+                                         const std::vector<Tensor>& h, double scaled_by,
+                                         const c10::optional<Tensor>& loss_out,
+                                         const c10::optional<Tensor>& norm) {
+  std::vector<Tensor> records = status.has_value() ? status->vec() : std::vector<Tensor>();
+  const std::vector<Tensor> n = norm.has_value() ? std::vector<Tensor>{*norm} : std::vector<Tensor>();
+  check_status_records(records, p, g,
+                       {{"state1", &s1}, {"state2", &s2}, {"state3", &s3}, {"hyper", &h},
+                        {"norm", &n}},
+                       scaled_by, loss_out);
+  return records;
+}
+
 void reduce_update_cpu(at::TensorList params, at::TensorList grads, at::TensorList state1,
                        at::TensorList state2, at::TensorList state3, at::TensorList hyper,
                        at::IntArrayRef segments, c10::string_view optimizer, bool mean,
                        c10::string_view algorithm, bool gather, c10::optional<double> max_norm,
-                       const c10::optional<Tensor>& norm) {
+                       const c10::optional<Tensor>& norm, c10::optional<at::TensorList> status,
+                       double scaled_by, const c10::optional<Tensor>& loss_out) {
   const std::vector<Tensor> p = params.vec(), g = grads.vec(), s1 = state1.vec(),
                             s2 = state2.vec(), s3 = state3.vec(), h = hyper.vec();
   const UpdateArgs a = check_update_args(p, g, s1, s2, s3, h, segments, optimizer);
   check_clip_args(p, g, s1, s2, s3, h, max_norm, norm);
+  const std::vector<Tensor> records =
+      check_update_records(status, p, g, s1, s2, s3, h, scaled_by, loss_out, norm);
+  (void)parse_algorithm(algorithm, p[0].nbytes(), p.size(), true);  // checked before any write
+  if (!is_half_type(p[0])) check_cpu_dtype(p[0], "params");
+  const HostVerdict v = read_records(records, scaled_by);
+  if (loss_out.has_value() && loss_out->defined()) loss_out->fill_(v.loss);
+  if (v.skip) {
+    // a NaN/Inf gradient or a bad label: no update; the norm of a skipped step is NaN
+    if (norm.has_value()) norm->fill_(std::nan(""));
+    return;
+  }
   const int R = static_cast<int>(p.size());
   const int64_t n = p[0].numel();
   std::vector<const double*> hp;
   for (int grp = 0; grp < a.groups; ++grp) hp.push_back(h[grp * R].data_ptr<double>());
+  // The records' fix (scaled_by): the reduced gradient, rounded to the buffer type, times fix,
+  // rounded again (in float for the half types), as the CUDA kernels apply it.
+  auto apply_fix = [&](const Tensor& reduced) {
+    if (v.fix == 1.0) return;
+    if (is_half_type(reduced)) {
+      reduced.copy_(reduced.to(at::kFloat).mul_(v.fix));
+    } else {
+      reduced.mul_(v.fix);
+    }
+  };
   if (is_half_type(p[0])) {
     // bfloat16/half: the gradients all-reduced as all_reduce_ does it (float accumulation, one
     // rounding), then the update in float on float copies of replica 0's weights and the whole
     // state (one shard: the float buffers' split differs from the half ones'), each stored
     // value rounded once, as the CUDA kernels compute it.
     all_reduce_cpu(g, mean ? "mean" : "sum", algorithm);
+    apply_fix(g[0]);
     auto whole = [](const std::vector<Tensor>& s) {
       return s.empty() ? std::vector<Tensor>() : std::vector<Tensor>{at::cat(s).to(at::kFloat)};
     };
@@ -488,8 +531,14 @@ void reduce_update_cpu(at::TensorList params, at::TensorList grads, at::TensorLi
     if (!s3.empty()) split_back(s3, f3);
     return;
   }
-  check_cpu_dtype(p[0], "params");
   const Algorithm algo = parse_algorithm(algorithm, p[0].nbytes(), R, true);
+  // With a fix the gradients are reduced first (every replica's buffer holds the sum), the fix
+  // applied to replica 0's, and each shard updated from it.
+  const bool reduced = v.fix != 1.0;
+  if (reduced) {
+    all_reduce_cpu(g, mean ? "mean" : "sum", algorithm);
+    apply_fix(g[0]);
+  }
   const Tensor scratch = cpu_scratch(algo, g);
   AT_DISPATCH_FLOATING_TYPES(p[0].scalar_type(), "reduce_update_cpu", [&] {
     std::vector<scalar_t*> a1 = pointers<scalar_t>(s1), a2 = pointers<scalar_t>(s2),
@@ -500,9 +549,9 @@ void reduce_update_cpu(at::TensorList params, at::TensorList grads, at::TensorLi
                                  {a1.empty() ? nullptr : a1.data(),
                                   a2.empty() ? nullptr : a2.data(),
                                   a3.empty() ? nullptr : a3.data()},
-                                 R, n, mean, false, algo, a.kind, a.segments.data(),
-                                 static_cast<int>(a.segments.size()), hp.data(),
-                                 scratch.data_ptr<scalar_t>(), torch_threads(), gather,
+                                 R, n, mean && !reduced, reduced, algo, a.kind,
+                                 a.segments.data(), static_cast<int>(a.segments.size()),
+                                 hp.data(), scratch.data_ptr<scalar_t>(), torch_threads(), gather,
                                  max_norm.has_value() ? &clip : nullptr);
   });
 }
@@ -614,7 +663,7 @@ void reduce_sgd_cuda(at::TensorList params, at::TensorList grads,
   const std::vector<Tensor> m = momentum != 0.0 ? momentum_buffers.vec() : std::vector<Tensor>();
   const std::vector<Tensor> st = status.has_value() ? status->vec() : std::vector<Tensor>();
   check_sgd_args(p, g, m, lr, momentum, weight_decay);
-  check_status_records(st, p, g, m, scaled_by, loss_out);
+  check_status_records(st, p, g, {{"momentum_buffers", &m}}, scaled_by, loss_out);
   double* loss_ptr = loss_out.has_value() && loss_out->defined()
                          ? loss_out->data_ptr<double>()
                          : nullptr;
@@ -640,11 +689,19 @@ void reduce_update_cuda(at::TensorList params, at::TensorList grads, at::TensorL
                         at::TensorList state2, at::TensorList state3, at::TensorList hyper,
                         at::IntArrayRef segments, c10::string_view optimizer, bool mean,
                         c10::string_view algorithm, bool gather, c10::optional<double> max_norm,
-                        const c10::optional<Tensor>& norm) {
+                        const c10::optional<Tensor>& norm, c10::optional<at::TensorList> status,
+                        double scaled_by, const c10::optional<Tensor>& loss_out) {
   const std::vector<Tensor> p = params.vec(), g = grads.vec(), s1 = state1.vec(),
                             s2 = state2.vec(), s3 = state3.vec(), h = hyper.vec();
   const UpdateArgs a = check_update_args(p, g, s1, s2, s3, h, segments, optimizer);
   check_clip_args(p, g, s1, s2, s3, h, max_norm, norm);
+  const std::vector<Tensor> st =
+      check_update_records(status, p, g, s1, s2, s3, h, scaled_by, loss_out, norm);
+  std::vector<const double*> records;
+  for (const Tensor& x : st) records.push_back(x.data_ptr<double>());
+  double* loss_ptr = loss_out.has_value() && loss_out->defined()
+                         ? loss_out->data_ptr<double>()
+                         : nullptr;
   check_cuda_dtype(p[0], "params");
   const size_t R = p.size();
   for (size_t r = 1; r < R && !gather; ++r) {
@@ -688,7 +745,8 @@ void reduce_update_cuda(at::TensorList params, at::TensorList grads, at::TensorL
     check_cuda(cuda::reduce_update<CT<scalar_t>>(call.plan, replicas_of<scalar_t>(g),
                                                  replicas_of<scalar_t>(p).data, state, a.kind,
                                                  seg, hp, mean, call.scratch_ptrs, gather,
-                                                 max_norm.has_value() ? &clip : nullptr),
+                                                 max_norm.has_value() ? &clip : nullptr,
+                                                 records, scaled_by, loss_ptr),
                "reduce_update");
   });
 }

@@ -80,10 +80,14 @@ TORCH_LIBRARY(dpcuda, m) {
   // max_norm: clipping by the global norm, as torch's clip_grad_norm_(max_norm) before the
   // update (csrc/kernels/optim/clip.h), with the norm written to `norm` (one element of the
   // params' dtype) where given; each owner's shard of grads then holds the reduced gradient.
+  // status, scaled_by, loss_out: step records the update obeys on the device, as reduce_sgd_'s
+  // (nothing written when a record says skip, the norm then NaN; the reduced gradient times the
+  // records' fix before clipping and the update; the step's loss into loss_out).
   m.def("reduce_update_(Tensor(a!)[] params, Tensor(b!)[] grads, Tensor(c!)[] state1,"
         " Tensor(d!)[] state2, Tensor(e!)[] state3, Tensor[] hyper, int[] segments,"
         " str optimizer, bool mean, str algorithm, bool gather=True, float? max_norm=None,"
-        " Tensor(f!)? norm=None) -> ()");
+        " Tensor(f!)? norm=None, Tensor[]? status=None, float scaled_by=0.0,"
+        " Tensor(g!)? loss_out=None) -> ()");
   // dpcuda.optim's update of params on one device (CPU or one CUDA device; one kernel per 24
   // tensors there): optimizer "sgd" (state1: momentum buffers, or none) or "adam" (state1:
   // exp_avg, state2: exp_avg_sq, state3: max_exp_avg_sq or none), with the hyperparameters read

@@ -229,12 +229,18 @@ struct ReduceUpdateOp {
   optim::Kind kind;
   const optim::Hyper<acc_t<T>>& h;
   const double* scale;
+  bool rescale;
+  acc_t<T> fix;
 
   template <int K>
   __device__ __forceinline__ void run(int64_t i) const {
     using A = acc_t<T>;
     A g[K];
     sum_pack<K>(grads, ngrads, i, mean, g);
+    if (rescale) {
+#pragma unroll
+      for (int k = 0; k < K; ++k) g[k] = rescaled<T>(to_acc(from_acc<T>(g[k])), true, fix);
+    }
     if (scale) {
       // torch's clip_grad_norm_: grad.mul_(clip_coef), the product rounded to T.
       const A s = static_cast<A>(*scale);
@@ -275,9 +281,14 @@ __global__ void reduce_update_kernel(const __grid_constant__ Replicas<const T> g
                                      const __grid_constant__ Replicas<T> params, int nparams,
                                      T* s1, T* s2, T* s3, int64_t begin, int64_t end, bool mean,
                                      optim::Kind kind, const double* hyper, bool vectorised,
-                                     const double* scale) {
+                                     const double* scale,
+                                     const __grid_constant__ StepRecords records) {
+  Verdict v{false, 1.0};
+  if (records.n > 0) v = read_records(records);
+  if (v.skip) return;
   const optim::Hyper<acc_t<T>> h(hyper, s1 != nullptr, s3 != nullptr);
-  const ReduceUpdateOp<T> op{grads, ngrads, params, nparams, s1, s2, s3, mean, kind, h, scale};
+  const ReduceUpdateOp<T> op{grads, ngrads, params, nparams, s1, s2, s3, mean, kind, h, scale,
+                             v.fix != 1.0, static_cast<acc_t<T>>(v.fix)};
   for_each_pack<kLanes<T>>(op, begin, end, vectorised);
 }
 
@@ -293,8 +304,13 @@ __device__ __forceinline__ double block_tree(double* s, int l) {
 
 template <typename T>
 __global__ void reduce_square_sum_kernel(const __grid_constant__ Replicas<const T> in, int nin,
-                                         T* out, int64_t len, bool mean, double* partials) {
+                                         T* out, int64_t len, bool mean, double* partials,
+                                         const __grid_constant__ StepRecords records) {
   using A = acc_t<T>;
+  Verdict v{false, 1.0};
+  if (records.n > 0) v = read_records(records);
+  const bool rescale = v.fix != 1.0;
+  const A fix = static_cast<A>(v.fix);
   __shared__ double s[optim::kNormLanes];
   const int l = threadIdx.x;
   const int64_t base = static_cast<int64_t>(blockIdx.x) * optim::kNormChunk;
@@ -305,7 +321,7 @@ __global__ void reduce_square_sum_kernel(const __grid_constant__ Replicas<const 
     A x = to_acc(in.ptr[0][i]);
     for (int r = 1; r < nin; ++r) x = x + to_acc(in.ptr[r][i]);
     if (mean) x = x / static_cast<A>(nin);
-    const T t = from_acc<T>(x);
+    const T t = from_acc<T>(rescaled<T>(to_acc(from_acc<T>(x)), rescale, fix));
     if (out) out[i] = t;
     const double v = static_cast<double>(to_acc(t));
     acc = add_rn(acc, mul_rn(v, v));
@@ -325,8 +341,11 @@ struct RoundTo {
 
 template <typename T>
 __global__ void clip_coefficient_kernel(const __grid_constant__ NormParts parts, double max_norm,
-                                        double* coef, T* norm_out) {
+                                        double* coef, T* norm_out,
+                                        const __grid_constant__ StepRecords records) {
   using A = acc_t<T>;
+  Verdict v{false, 1.0};
+  if (records.n > 0) v = read_records(records);
   __shared__ double s[optim::kNormLanes];
   const int l = threadIdx.x;
   // Lane l sums the partials at l, l + kNormLanes, ... of the shards' concatenation.
@@ -346,7 +365,8 @@ __global__ void clip_coefficient_kernel(const __grid_constant__ NormParts parts,
     A norm;
     const A c = optim::clip_coefficient<A>(total, max_norm, &norm, RoundTo<T>{});
     *coef = static_cast<double>(c);
-    if (norm_out) *norm_out = from_acc<T>(norm);
+    // (a skipped step's norm is NaN: nothing was clipped, and no number to act on)
+    if (norm_out) *norm_out = from_acc<T>(v.skip ? static_cast<A>(NAN) : norm);
   }
 }
 
@@ -569,7 +589,7 @@ template <typename T>
 cudaError_t reduce_update_range(Replicas<const T> grads, int ngrads, Replicas<T> params,
                                 int nparams, T* s1, T* s2, T* s3, int64_t begin, int64_t end,
                                 bool mean, optim::Kind kind, const double* hyper,
-                                cudaStream_t stream, const double* scale) {
+                                cudaStream_t stream, const double* scale, StepRecords records) {
   if (end <= begin) return cudaSuccess;
   bool vectorised = pack_aligned<T>(s1 ? s1 + begin : nullptr) &&
                     pack_aligned<T>(s2 ? s2 + begin : nullptr) &&
@@ -579,22 +599,22 @@ cudaError_t reduce_update_range(Replicas<const T> grads, int ngrads, Replicas<T>
   const int64_t work = vectorised ? ceil_div(end - begin, kLanes<T>) : end - begin;
   return launch(reduce_update_kernel<T>, dim3(blocks_for(work)), dim3(kThreads), 0, stream,
                 grads, ngrads, params, nparams, s1, s2, s3, begin, end, mean, kind, hyper,
-                vectorised, scale);
+                vectorised, scale, records);
 }
 
 template <typename T>
 cudaError_t reduce_square_sum(Replicas<const T> in, int nin, T* out, int64_t len, bool mean,
-                              double* partials, cudaStream_t stream) {
+                              double* partials, cudaStream_t stream, StepRecords records) {
   if (len <= 0) return cudaSuccess;
   return launch(reduce_square_sum_kernel<T>, dim3(static_cast<unsigned>(optim::norm_chunks(len))),
-                dim3(optim::kNormLanes), 0, stream, in, nin, out, len, mean, partials);
+                dim3(optim::kNormLanes), 0, stream, in, nin, out, len, mean, partials, records);
 }
 
 template <typename T>
 cudaError_t clip_coefficient(const NormParts& parts, double max_norm, double* coef, T* norm_out,
-                             cudaStream_t stream) {
+                             cudaStream_t stream, StepRecords records) {
   return launch(clip_coefficient_kernel<T>, dim3(1), dim3(optim::kNormLanes), 0, stream, parts,
-                max_norm, coef, norm_out);
+                max_norm, coef, norm_out, records);
 }
 
 template <typename T, typename A>
@@ -636,10 +656,12 @@ cudaError_t sgd_range(const T* grad, T* param, T* momentum, int64_t n, SgdArgs s
                                     cudaStream_t);                                             \
   template cudaError_t reduce_update_range<T>(Replicas<const T>, int, Replicas<T>, int, T*,    \
                                               T*, T*, int64_t, int64_t, bool, optim::Kind,     \
-                                              const double*, cudaStream_t, const double*);     \
+                                              const double*, cudaStream_t, const double*,      \
+                                              StepRecords);                                    \
   template cudaError_t reduce_square_sum<T>(Replicas<const T>, int, T*, int64_t, bool, double*, \
-                                            cudaStream_t);                                     \
-  template cudaError_t clip_coefficient<T>(const NormParts&, double, double*, T*, cudaStream_t); \
+                                            cudaStream_t, StepRecords);                        \
+  template cudaError_t clip_coefficient<T>(const NormParts&, double, double*, T*, cudaStream_t, \
+                                           StepRecords);                                       \
   template cudaError_t step_status<T, float>(const T*, int64_t, const float*, int64_t,        \
                                              const int64_t*, int64_t, int64_t, int*, bool,    \
                                              int*, double*, cudaStream_t);                    \

@@ -77,21 +77,24 @@ cudaError_t reduce_sgd_range(Replicas<const T> grads, int ngrads, Replicas<T> pa
 // path stores it); the update of `kind` with the kHyper values at hyper (device memory) on
 // params.ptr[0]'s values and the state s1..s3 (null where the optimizer has none; element i at
 // s[i]: the caller offsets the pointers); the new parameter written to every
-// params.ptr[0..nparams), the new state to s1..s3. scale (device memory, or null): the clip
-// coefficient; the update reads g * scale, rounded to T (clip.h).
+// params.ptr[0..nparams), the new state to s1..s3. records: as reduce_sgd_range's (nothing
+// written when one says skip; g times their fix, rounded to T). scale (device memory, or null):
+// the clip coefficient; the update reads g (times fix) * scale, rounded to T (clip.h).
 template <typename T>
 cudaError_t reduce_update_range(Replicas<const T> grads, int ngrads, Replicas<T> params,
                                 int nparams, T* s1, T* s2, T* s3, int64_t begin, int64_t end,
                                 bool mean, optim::Kind kind, const double* hyper,
-                                cudaStream_t stream, const double* scale = nullptr);
+                                cudaStream_t stream, const double* scale = nullptr,
+                                StepRecords records = {});
 
 // Clipping's pass over one shard of len elements (optim/clip.h's order): block c takes chunk c
 // (kNormChunk elements): the fixed-order sum (or mean) of in.ptr[0..nin), rounded to T, written
 // to out (null: read only; out may be one of the ins) and its sum of squares to partials[c]
-// (norm_chunks(len) values).
+// (norm_chunks(len) values). records: their fix applied to the rounded sum (rounded to T again)
+// before it is written and squared; block 0 writes records.loss_out where given.
 template <typename T>
 cudaError_t reduce_square_sum(Replicas<const T> in, int nin, T* out, int64_t len, bool mean,
-                              double* partials, cudaStream_t stream);
+                              double* partials, cudaStream_t stream, StepRecords records = {});
 
 // The shards' partial sums, in shard order, as one device reads them.
 struct NormParts {
@@ -102,10 +105,10 @@ struct NormParts {
 
 // The clip coefficient (clip.h) from every shard's partial sums, in one block: written to *coef
 // (device memory, a double holding the accumulation type's value) and the norm to *norm_out as
-// T (null: not written).
+// T (null: not written; NaN when a record says skip).
 template <typename T>
 cudaError_t clip_coefficient(const NormParts& parts, double max_norm, double* coef, T* norm_out,
-                             cudaStream_t stream);
+                             cudaStream_t stream, StepRecords records = {});
 
 // The ring (chain) step in the accumulation type A (float for half types, else T):
 // acc = (first ? A(prev_x[i]) : prev_acc[i]) + A(own[i]); written to work[i], or, on the last

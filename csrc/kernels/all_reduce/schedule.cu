@@ -481,14 +481,25 @@ struct Shard {
   const std::vector<UpdateSegment>& segments;
   const std::vector<std::vector<const double*>>& hyper;
   Status& st;
+  // Each device's step records (stage_records; set once they are staged) and where shard 0's
+  // first launch writes the step's loss.
+  const std::vector<StepRecords>* seen = nullptr;
+  double* loss_out = nullptr;
 
+  // fixed: the records' fix is already in `in` (the clipped path): the records only skip.
   void operator()(int k, const Replicas<const T>& in, int ngrads, const Replicas<T>& out,
-                  int nout, bool mean, const double* scale = nullptr) const {
+                  int nout, bool mean, const double* scale = nullptr, bool fixed = false) const {
     int64_t b, e;
     shard(p, k, &b, &e);
+    StepRecords rec{};
+    if (seen != nullptr) rec = (*seen)[device[k]];
+    if (fixed) rec.scaled_by = 0.0;
+    bool first = k == 0 && !fixed;
     for (const UpdateSegment& seg : segments) {
       const int64_t lo = std::max(b, seg.begin), hi = std::min(e, seg.end);
       if (hi <= lo || !st.good()) continue;
+      rec.loss_out = first ? loss_out : nullptr;
+      first = false;
       Replicas<const T> i2{};
       Replicas<T> o2{};
       for (int r = 0; r < ngrads; ++r) i2.ptr[r] = in.ptr[r] + (lo - b);
@@ -496,7 +507,7 @@ struct Shard {
       st.ok(reduce_update_range<T>(i2, ngrads, o2, nout, state_at(state.state1, k, lo - b),
                                    state_at(state.state2, k, lo - b),
                                    state_at(state.state3, k, lo - b), 0, hi - lo, mean, kind,
-                                   hyper[k][seg.group], p.stream[device[k]], scale));
+                                   hyper[k][seg.group], p.stream[device[k]], scale, rec));
     }
   }
 };
@@ -549,18 +560,28 @@ double* at_bytes(void* base, size_t offset) {
 // coefficient on every device, the scaled update of each shard from its owner's copy.
 template <typename T>
 void clipped_update(const AllReducePlan& p, const ScheduleReplicas<T>& grads,
-                    const std::vector<T*>& params, const Shard<T>& update_shard,
+                    const std::vector<T*>& params, Shard<T>& update_shard,
                     const ClipArgs<T>& clip, bool mean, bool gather,
-                    const std::vector<void*>& scratch, Status& st) {
+                    const std::vector<void*>& scratch, const std::vector<const double*>& records,
+                    double scaled_by, Status& st) {
   const int R = p.replicas;
   const bool one_device = p.devices.size() == 1;
   const ClipLayout lay(p);
   auto partials_of = [&](int k) {
     return at_bytes(clip.workspace[grads.device[k]], 0) + lay.offset[k];
   };
+  // The records' fix is applied as each owner's shard is reduced and squared (shard 0's pass
+  // writes the loss); the coefficient and the update then obey their skip.
+  std::vector<StepRecords> seen;
+  auto rec_of = [&](int k) {
+    StepRecords rec = seen[grads.device[k]];
+    if (k == 0) rec.loss_out = update_shard.loss_out;
+    return rec;
+  };
   if (one_device || p.algorithm == AllReduceAlgorithm::kTwoShot) {
     std::vector<Arena> arena = arenas(scratch);
     barrier(p, st);  // every gradient is complete before any peer reads it
+    seen = stage_records(p, records, scaled_by, grads.device, scratch, st);
     for (int k = 0; k < R && st.good(); ++k) {
       int64_t b, e;
       shard(p, k, &b, &e);
@@ -569,20 +590,24 @@ void clipped_update(const AllReducePlan& p, const ScheduleReplicas<T>& grads,
       cudaSetDevice(d);
       const Replicas<const T> in = shard_inputs(p, grads, k, b, e, arena, st);
       st.ok(reduce_square_sum<T>(in, R, grads.data[k] + b, e - b, mean, partials_of(k),
-                                 p.stream[d]));
+                                 p.stream[d], rec_of(k)));
     }
   } else {
     if (!st.ok(all_reduce<T>(p, grads, scratch, mean))) return;
+    seen = stage_records(p, records, scaled_by, grads.device, scratch, st);
     for (int k = 0; k < R && st.good(); ++k) {
       int64_t b, e;
       shard(p, k, &b, &e);
       cudaSetDevice(grads.device[k]);
       Replicas<const T> in{};
       in.ptr[0] = grads.data[k] + b;
-      st.ok(reduce_square_sum<T>(in, 1, nullptr, e - b, false, partials_of(k),
-                                 p.stream[grads.device[k]]));
+      // (with a fix the owner's copy takes the fixed gradient, which the update reads)
+      const bool fix = !records.empty() && scaled_by > 0.0;
+      st.ok(reduce_square_sum<T>(in, 1, fix ? grads.data[k] + b : nullptr, e - b, false,
+                                 partials_of(k), p.stream[grads.device[k]], rec_of(k)));
     }
   }
+  update_shard.seen = &seen;
   barrier(p, st);  // every partial sum is written before any device combines them
   for (int d : p.devices) {
     if (!st.good()) break;
@@ -600,7 +625,8 @@ void clipped_update(const AllReducePlan& p, const ScheduleReplicas<T>& grads,
       parts.count[k] = lay.count[k];
     }
     st.ok(clip_coefficient<T>(parts, clip.max_norm, at_bytes(clip.workspace[d], lay.coef_at),
-                              d == grads.device[0] ? clip.norm_out : nullptr, p.stream[d]));
+                              d == grads.device[0] ? clip.norm_out : nullptr, p.stream[d],
+                              seen[d]));
   }
   for (int k = 0; k < R && st.good(); ++k) {
     int64_t b, e;
@@ -612,8 +638,9 @@ void clipped_update(const AllReducePlan& p, const ScheduleReplicas<T>& grads,
     Replicas<T> out{};
     const int nout = one_device && gather ? R : 1;
     for (int o = 0; o < nout; ++o) out.ptr[o] = params[one_device ? o : k] + b;
-    update_shard(k, in, 1, out, nout, false, at_bytes(clip.workspace[d], lay.coef_at));
+    update_shard(k, in, 1, out, nout, false, at_bytes(clip.workspace[d], lay.coef_at), true);
   }
+  update_shard.seen = nullptr;
 }
 
 }  // namespace
@@ -626,12 +653,15 @@ cudaError_t reduce_update(const AllReducePlan& p, const ScheduleReplicas<T>& gra
                           optim::Kind kind, const std::vector<UpdateSegment>& segments,
                           const std::vector<std::vector<const double*>>& hyper, bool mean,
                           const std::vector<void*>& scratch, bool gather,
-                          const ClipArgs<T>* clip) {
+                          const ClipArgs<T>* clip, const std::vector<const double*>& records,
+                          double scaled_by, double* loss_out) {
   const size_t R = grads.data.size();
   auto fits = [&](const std::vector<T*>& s) { return s.empty() || s.size() == R; };
   if (!valid_call(p, grads, scratch) || params.size() != R || !fits(state.state1) ||
       !fits(state.state2) || !fits(state.state3) || hyper.size() != R ||
-      (!gather && p.devices.size() != 1)) {
+      (!gather && p.devices.size() != 1) ||
+      (!records.empty() && records.size() != R) ||
+      (records.empty() && (scaled_by != 0.0 || loss_out != nullptr))) {
     return cudaErrorInvalidValue;
   }
   int64_t covered = 0;
@@ -652,16 +682,18 @@ cudaError_t reduce_update(const AllReducePlan& p, const ScheduleReplicas<T>& gra
   }
   const DeviceScope scope;
   if (p.n == 0) {
-    // The norm of no gradient is 0, as torch's.
+    // The norm of no gradient is 0, as torch's. (loss_out needs elements: the adapter checks.)
     if (clip == nullptr || clip->norm_out == nullptr) return cudaSuccess;
     cudaSetDevice(grads.device[0]);
     return cudaMemsetAsync(clip->norm_out, 0, sizeof(T), p.stream[grads.device[0]]);
   }
   Status st;
-  const Shard<T> update_shard{p, grads.device, state, kind, segments, hyper, st};
+  Shard<T> update_shard{p, grads.device, state, kind, segments, hyper, st};
+  update_shard.loss_out = loss_out;
   const int nr = static_cast<int>(R);
   if (clip != nullptr) {
-    clipped_update<T>(p, grads, params, update_shard, *clip, mean, gather, scratch, st);
+    clipped_update<T>(p, grads, params, update_shard, *clip, mean, gather, scratch, records,
+                      scaled_by, st);
     if (p.devices.size() > 1) {
       barrier(p, st);  // every shard's weights are updated before any peer copies them
       if (gather) gather_weights(p, grads, params, st);
@@ -669,8 +701,11 @@ cudaError_t reduce_update(const AllReducePlan& p, const ScheduleReplicas<T>& gra
     }
     return st.err;
   }
+  std::vector<StepRecords> seen;
   if (p.devices.size() == 1) {
     cudaSetDevice(p.devices[0]);
+    seen = stage_records(p, records, scaled_by, grads.device, scratch, st);
+    update_shard.seen = &seen;
     for (int k = 0; k < nr && st.good(); ++k) {
       int64_t b, e;
       shard(p, k, &b, &e);
@@ -687,6 +722,8 @@ cudaError_t reduce_update(const AllReducePlan& p, const ScheduleReplicas<T>& gra
   if (p.algorithm == AllReduceAlgorithm::kTwoShot) {
     std::vector<Arena> arena = arenas(scratch);
     barrier(p, st);  // every gradient is complete before any peer reads it
+    seen = stage_records(p, records, scaled_by, grads.device, scratch, st);
+    update_shard.seen = &seen;
     for (int k = 0; k < nr && st.good(); ++k) {
       int64_t b, e;
       shard(p, k, &b, &e);
@@ -699,6 +736,9 @@ cudaError_t reduce_update(const AllReducePlan& p, const ScheduleReplicas<T>& gra
     }
   } else {
     if (!st.ok(all_reduce<T>(p, grads, scratch, mean))) return st.err;
+    // (all_reduce closed with a barrier: every record is complete on every device's stream)
+    seen = stage_records(p, records, scaled_by, grads.device, scratch, st);
+    update_shard.seen = &seen;
     for (int k = 0; k < nr && st.good(); ++k) {
       int64_t b, e;
       shard(p, k, &b, &e);
@@ -727,7 +767,8 @@ cudaError_t reduce_update(const AllReducePlan& p, const ScheduleReplicas<T>& gra
                                         const std::vector<T*>&, const UpdateState<T>&,          \
                                         optim::Kind, const std::vector<UpdateSegment>&,         \
                                         const std::vector<std::vector<const double*>>&, bool,   \
-                                        const std::vector<void*>&, bool, const ClipArgs<T>*);
+                                        const std::vector<void*>&, bool, const ClipArgs<T>*,   \
+                                        const std::vector<const double*>&, double, double*);
 
 DPCUDA_FOR_EACH_TYPE(DPCUDA_INSTANTIATE)
 #undef DPCUDA_INSTANTIATE

@@ -133,14 +133,19 @@ size_t clip_workspace_bytes(const AllReducePlan& plan);
 // two_shot and replicas sharing a device; one_shot and ring all-reduce first) and takes its
 // chunks' sums of squares in the same pass; after a barrier every device combines all the
 // partial sums in shard order into the same coefficient (one block; peers' sums it cannot read
-// are staged); then each owner updates its shard from its reduced copy, scaled.
+// are staged); then each owner updates its shard from its reduced copy, scaled. records,
+// scaled_by, loss_out: as reduce_sgd's: the update (and the gather's new weights) obeys the
+// records on the devices: nothing updated when one says skip (the norm then NaN), the reduced
+// gradient times their fix before clipping and the update, the step's loss into loss_out.
 template <typename T>
 cudaError_t reduce_update(const AllReducePlan& plan, const ScheduleReplicas<T>& grads,
                           const std::vector<T*>& params, const UpdateState<T>& state,
                           optim::Kind kind, const std::vector<UpdateSegment>& segments,
                           const std::vector<std::vector<const double*>>& hyper, bool mean,
                           const std::vector<void*>& scratch, bool gather = true,
-                          const ClipArgs<T>* clip = nullptr);
+                          const ClipArgs<T>* clip = nullptr,
+                          const std::vector<const double*>& records = {}, double scaled_by = 0.0,
+                          double* loss_out = nullptr);
 
 }  // namespace cuda
 }  // namespace dpcuda

@@ -6,9 +6,14 @@
 //
 // The hyperparameters are read from memory (a float64 array of kHyper values, on the device
 // that runs the update), so that a schedule changes them without a new kernel or a host read.
-// The host computes the derived scalars in float64 as torch's Python does (1 - beta1,
-// lr / bias_correction1, ...); the kernels round each to the accumulation type (float for
-// float, half and bfloat16 storage; double for float64), as torch rounds a Scalar argument.
+// The host writes the scalars that do not change from step to step in float64 as torch's Python
+// computes them (1 - beta1, 1 - lr * weight_decay, ...). Adam's step count is a slot of its own
+// (kStep), which a device may write (DataParallel's non-blocking step counts only the updates
+// the device applied): the bias corrections are derived from it here, in float64, with
+// pow_step's fixed order of rounded products, so every backend and every path (plain step,
+// fused, non-blocking, graph replay) gives the same bits. The kernels round each scalar to the
+// accumulation type (float for float, half and bfloat16 storage; double for float64), as torch
+// rounds a Scalar argument.
 #pragma once
 
 #include <cmath>
@@ -32,8 +37,8 @@ enum Slot : int {
   kBeta2 = 5,           // Adam: exp_avg_sq * beta2 + (1 - beta2) * g * g
   kOneMinusBeta2 = 6,
   kEps = 7,
-  kNegStepSize = 8,     // Adam: -lr / (1 - beta1^step)
-  kBias2Sqrt = 9,       // Adam: sqrt(1 - beta2^step)
+  kBeta1 = 8,           // Adam: the bias correction 1 - beta1^step
+  kStep = 9,            // Adam: the step this update makes (1 for the first), a whole number
   kDecay = 10,          // AdamW: p * (1 - lr * weight_decay)
   kFlags = 11,          // the Flag bits, as a float64 integer
   kHyper = 16,          // the array's length (the rest is reserved)
@@ -80,6 +85,33 @@ DPCUDA_HD double sqrt(double a) { return std::sqrt(a); }
 #endif
 }  // namespace rn
 
+// beta^step for a whole step >= 0 (a larger one than 2^53 counts as 2^53; below 0 or NaN as 0),
+// by repeated squaring with every product rounded: one order, so the CPU and the GPU give the
+// same bits. Against the correctly rounded pow that torch's Python uses, it differs by a few
+// units in the last place of a double (about step * 2^-53 relative), far below a float's
+// rounding and below the float64 tolerance dpcuda states against torch.
+DPCUDA_HD double pow_step(double beta, double step) {
+  uint64_t n = step >= 1.0 ? static_cast<uint64_t>(step < 9007199254740992.0 ? step
+                                                                             : 9007199254740992.0)
+                           : 0;
+  double result = 1.0, base = beta;
+  while (n != 0) {
+    if (n & 1u) result = rn::mul(result, base);
+    n >>= 1;
+    if (n != 0) base = rn::mul(base, base);
+  }
+  return result;
+}
+
+// Adam's step size -lr / (1 - beta1^step) and sqrt(1 - beta2^step), in float64 as torch's
+// Python computes them (bias_correction2 ** 0.5 is the correctly rounded square root).
+DPCUDA_HD double neg_step_size(const double* h) {
+  return -rn::div(h[kLr], rn::sub(1.0, pow_step(h[kBeta1], h[kStep])));
+}
+DPCUDA_HD double bias2_sqrt(const double* h) {
+  return rn::sqrt(rn::sub(1.0, pow_step(h[kBeta2], h[kStep])));
+}
+
 // torch.maximum: NaN when either is NaN.
 template <typename A>
 DPCUDA_HD A max_nan(A a, A b) {
@@ -108,8 +140,9 @@ struct Hyper {
         beta2(static_cast<A>(h[kBeta2])),
         one_minus_beta2(static_cast<A>(h[kOneMinusBeta2])),
         eps(static_cast<A>(h[kEps])),
-        neg_step_size(static_cast<A>(h[kNegStepSize])),
-        bias2_sqrt(static_cast<A>(h[kBias2Sqrt])),
+        // (SGD leaves kStep 0: no step count, nothing to derive)
+        neg_step_size(h[kStep] >= 1.0 ? static_cast<A>(optim::neg_step_size(h)) : A(0)),
+        bias2_sqrt(h[kStep] >= 1.0 ? static_cast<A>(optim::bias2_sqrt(h)) : A(1)),
         decay(static_cast<A>(h[kDecay])),
         flags((flag_bits(h[kFlags]) & ~(kUseMomentum | kAmsgrad)) |
               (has_state1 ? kUseMomentum : 0) | (has_state3 ? kAmsgrad : 0)) {}

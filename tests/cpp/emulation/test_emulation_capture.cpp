@@ -44,8 +44,8 @@ std::vector<double> adam_hyper() {
   h[optim::kBeta2] = 0.999;
   h[optim::kOneMinusBeta2] = 1.0 - 0.999;
   h[optim::kEps] = 1e-8;
-  h[optim::kNegStepSize] = -(lr / (1.0 - std::pow(0.9, step)));
-  h[optim::kBias2Sqrt] = std::sqrt(1.0 - std::pow(0.999, step));
+  h[optim::kBeta1] = 0.9;
+  h[optim::kStep] = step;
   h[optim::kDecay] = 1.0 - lr * 0.01;
   h[optim::kFlags] = optim::kDecoupled;
   return h;

@@ -66,8 +66,8 @@ std::vector<double> hyper_of(const Config& c) {
   h[optim::kBeta2] = beta2;
   h[optim::kOneMinusBeta2] = 1.0 - beta2;
   h[optim::kEps] = 1e-8;
-  h[optim::kNegStepSize] = -(lr / (1.0 - std::pow(beta1, c.step)));
-  h[optim::kBias2Sqrt] = std::sqrt(1.0 - std::pow(beta2, c.step));
+  h[optim::kBeta1] = beta1;
+  h[optim::kStep] = c.step;
   h[optim::kDecay] = 1.0 - lr * c.weight_decay;
   h[optim::kFlags] = c.flags;
   return h;

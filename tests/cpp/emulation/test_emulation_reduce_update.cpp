@@ -6,8 +6,11 @@
 // must end with the weights of the CPU's fused reduce-update (csrc/cpu/all_reduce.h), bit for
 // bit, and each replica's state shard with the CPU's state for that shard (without the gather:
 // replica 0 with those weights, the others untouched); with clipping by the global norm, the
-// norm too (optim/clip.h's order, on the shards of several chunks each). Under ASan/UBSan and TSan too (the ctest
-// builds of CMakeLists.txt).
+// norm too (optim/clip.h's order, on the shards of several chunks each). With step records
+// (DataParallel's non-blocking step): clear records whose rows differ from scaled_by (the
+// reduced gradient times their fix, before clipping and the update, as the CPU computes it
+// after its reduction) and the step's loss; a record that says NaN/Inf (nothing written, the
+// norm NaN). Under ASan/UBSan and TSan too (the ctest builds of CMakeLists.txt).
 #include <cmath>
 #include <cstring>
 #include <memory>
@@ -54,6 +57,9 @@ struct Case {
   bool gather = true;
   // >= 0: clipping by the global norm (the norm checked too, bit for bit).
   double max_norm = -1.0;
+  // Step records: 0 none; 1 clear, counting fewer rows than scaled_by (a fix of 24/17);
+  // 2 one replica's record says NaN/Inf (the update skipped).
+  int records = 0;
 };
 
 std::vector<double> hyper_of(const Case& c, int group) {
@@ -67,14 +73,18 @@ std::vector<double> hyper_of(const Case& c, int group) {
   h[optim::kBeta2] = 0.999;
   h[optim::kOneMinusBeta2] = 1.0 - 0.999;
   h[optim::kEps] = 1e-8;
-  h[optim::kNegStepSize] = -(lr / (1.0 - std::pow(0.9, step)));
-  h[optim::kBias2Sqrt] = std::sqrt(1.0 - std::pow(0.999, step));
+  h[optim::kBeta1] = 0.9;
+  h[optim::kStep] = step;
   h[optim::kDecay] = 1.0 - lr * wd;
   h[optim::kFlags] = c.flags;
   return h;
 }
 
 int g_reported = 0;
+
+// The records' rows: scaled_by as the step scaled the losses, and the rows they count.
+constexpr double kScaledBy = 24.0;
+constexpr double kRows = 17.0;
 
 // The CPU reference of the half type's clipped gradient: rounded to half, as the kernels store it.
 template <typename F>
@@ -87,9 +97,10 @@ void round_half(F* x, int64_t n) {
 void fail(const char* what, const Case& c, int r, int64_t i) {
   ++dpcuda_test::failures();
   if (++g_reported <= 20)
-    std::printf("reduce_update %s: R=%d D=%d algo=%d n=%lld kind=%d flags=%d: replica %d element "
-                "%lld differs\n", what, c.replicas, c.devices, static_cast<int>(c.algorithm),
-                static_cast<long long>(c.n), static_cast<int>(c.kind), c.flags, r,
+    std::printf("reduce_update %s: R=%d D=%d algo=%d n=%lld kind=%d flags=%d clip=%g records=%d: "
+                "replica %d element %lld differs\n", what, c.replicas, c.devices,
+                static_cast<int>(c.algorithm), static_cast<long long>(c.n),
+                static_cast<int>(c.kind), c.flags, c.max_norm, c.records, r,
                 static_cast<long long>(i));
 }
 
@@ -141,11 +152,14 @@ void run_case(const Case& c, uint64_t seed) {
       wc[i] = widen(c0[i]);
     }
     bool reduced = false;
-    if (std::is_same<T, __half>::value) {
+    if (std::is_same<T, __half>::value || c.records == 1) {
+      // The mean rounded to T, then (records) times the fix, rounded to T again.
+      const F fix = static_cast<F>(kScaledBy / kRows);
       for (int64_t i = 0; i < n; ++i) {
         F acc = gx[0][i];
         for (int r = 1; r < R; ++r) acc = acc + gx[r][i];
-        gx[0][i] = widen(narrow<T>(acc / static_cast<F>(R)));
+        gx[0][i] = widen(stored<T>(acc / static_cast<F>(R)));
+        if (c.records == 1) gx[0][i] = widen(stored<T>(gx[0][i] * fix));
       }
       reduced = true;
     }
@@ -171,7 +185,7 @@ void run_case(const Case& c, uint64_t seed) {
       q3[k] = s3 ? s3 + b : nullptr;
     }
     dpcuda::cpu::Clip<F> clip{c.max_norm, &cpu_norm, R, static_cast<int64_t>(16 / sizeof(T)),
-                              reduced ? &round_half<F> : nullptr};
+                              std::is_same<T, __half>::value ? &round_half<F> : nullptr};
     dpcuda::cpu::reduce_update<F>(outs.data(), gp.data(),
                                   {s1 ? q1.data() : nullptr, s2 ? q2.data() : nullptr,
                                    s3 ? q3.data() : nullptr},
@@ -180,7 +194,29 @@ void run_case(const Case& c, uint64_t seed) {
                                   nullptr, [](int64_t b, int64_t e, const auto& body) {
                                     body(b, e);
                                   }, true, c.max_norm >= 0.0 ? &clip : nullptr);
+    if (c.records == 2) {  // skipped: everything as it was, the norm NaN
+      for (int64_t i = 0; i < n; ++i) {
+        wp[i] = widen(p0[i]);
+        wa[i] = widen(a0[i]);
+        wb[i] = widen(b0[i]);
+        wc[i] = widen(c0[i]);
+      }
+      cpu_norm = static_cast<F>(NAN);
+    }
   }
+  // The records, one per replica on its device: [loss, NaN/Inf, bad label, rows counted].
+  std::vector<std::unique_ptr<DeviceBuffer<double>>> record_bufs;
+  std::vector<const double*> records;
+  double want_loss = 0.0;
+  for (int r = 0; r < R && c.records != 0; ++r) {
+    CUDA_OK(cudaSetDevice(r % D));
+    const double loss = 0.25 * (r + 1), rows = r == 0 ? kRows : 0.0;
+    want_loss += loss;
+    record_bufs.push_back(std::make_unique<DeviceBuffer<double>>(4));
+    record_bufs.back()->upload({loss, c.records == 2 && r == R - 1 ? 1.0 : 0.0, 0.0, rows});
+    records.push_back(record_bufs.back()->ptr);
+  }
+  want_loss *= kScaledBy / kRows;
   // The devices' buffers: full gradients and weights per replica, one state shard each.
   const int64_t align = 16 / sizeof(T);
   std::vector<std::unique_ptr<DeviceBuffer<T>>> g, p, s1, s2, s3;
@@ -234,9 +270,11 @@ void run_case(const Case& c, uint64_t seed) {
   CUDA_OK(cudaSetDevice(0));
   DeviceBuffer<T> norm(1);
   clip.norm_out = norm.ptr;
+  DeviceBuffer<double> loss_out(1);
   const cudaError_t err = dpcuda::cuda::reduce_update<T>(
       plan, reps, params, state, c.kind, cuda_segs, hpt, true, scratch, c.gather,
-      c.max_norm >= 0.0 ? &clip : nullptr);
+      c.max_norm >= 0.0 ? &clip : nullptr, records, c.records ? kScaledBy : 0.0,
+      c.records ? loss_out.ptr : nullptr);
   if (!c.gather && plan.devices.size() > 1) {
     CHECK(err == cudaErrorInvalidValue);
     // (refused before any launch: every replica keeps its weights)
@@ -277,8 +315,13 @@ void run_case(const Case& c, uint64_t seed) {
         }
       }
     };
-    if (r == 0 && c.max_norm >= 0.0 && !same(norm.download()[0], stored<T>(cpu_norm))) {
-      fail("norm", c, r, 0);
+    if (r == 0 && c.max_norm >= 0.0) {
+      const T got_norm = norm.download()[0];
+      const bool nan_ok = c.records == 2 && widen(got_norm) != widen(got_norm);
+      if (!nan_ok && !same(got_norm, stored<T>(cpu_norm))) fail("norm", c, r, 0);
+    }
+    if (r == 0 && c.records != 0 && !same(loss_out.download()[0], want_loss)) {
+      fail("loss_out", c, r, 0);
     }
     check_state(s1, wa, "state1");
     check_state(s2, wb, "state2");
@@ -343,6 +386,19 @@ int main() {
                        ++seed);
       run_case<__half>({R, R, Peers::kNone, a, 1001, optim::Kind::kSgd, optim::kUseMomentum},
                        ++seed);
+      // Step records: a fix (with and without clipping), a skip; shared and own devices.
+      for (int rec : {1, 2}) {
+        run_case<float>({R, R, Peers::kMixed, a, 1000, optim::Kind::kAdam, optim::kDecoupled,
+                         true, -1.0, rec}, ++seed);
+        run_case<float>({R, R, Peers::kMixed, a, 9001, optim::Kind::kAdam, optim::kAmsgrad,
+                         true, 1.0, rec}, ++seed);
+        run_case<float>({R, 1, Peers::kAll, a, 1000, optim::Kind::kSgd, optim::kUseMomentum,
+                         false, 0.5, rec}, ++seed);
+        run_case<__half>({R, (R + 1) / 2, Peers::kNone, a, 1001, optim::Kind::kAdam,
+                          optim::kDecoupled, true, 1.0, rec}, ++seed);
+        run_case<double>({R, 1, Peers::kAll, a, 999, optim::Kind::kAdam, 0, false, -1.0, rec},
+                         ++seed);
+      }
     }
   }
   return emu_test::finish("test_emulation_reduce_update");
