@@ -169,6 +169,40 @@ def test_cuda_nonblocking_training_is_the_blocking_training(replicas, fused, lab
             torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("replicas", [1, 3])
+@pytest.mark.parametrize("name", ["SGD", "AdamW"])
+@pytest.mark.parametrize("labels", ["cuda", "cpu"])
+def test_cuda_nonblocking_optimizer_is_the_blocking_one(replicas, name, labels):
+    # dpcuda.optim fused into the reduction with the records read on the device: the first
+    # step skipped (no step counted, no momentum begun there), the step counts on the device,
+    # clipping; the same bits as the blocking step.
+    data = batches(torch.float32, nan_step=0, steps=5)
+    results = []
+    for blocking in (True, False):
+        model = mlp(True, torch.float32).cuda()
+        dp = DataParallel(model, ["cuda:0"] * replicas, blocking=blocking)
+        cfg = dict(lr=0.1, momentum=0.9, dampening=0.1) if name == "SGD" else dict(
+            lr=0.01, max_grad_norm=0.5)
+        opt = getattr(dpcuda.optim, name)(model.parameters(), **cfg)
+        losses = []
+        for x, y in data:
+            losses.append(dp.step(x.cuda(), y.cuda() if labels == "cuda" else y,
+                                  SoftmaxCrossEntropyLoss(), optimizer=opt))
+        if not blocking:
+            dp.synchronize()
+        state = opt.state_dict()["state"]
+        results.append(([float(v) for v in losses], [p.detach().clone() for p in
+                                                       model.parameters()], state,
+                        dp.skipped_steps))
+    (la, wa, sa, ka), (lb, wb, sb, kb) = results
+    assert ka == kb == 1
+    assert la == pytest.approx(lb, rel=0, abs=0, nan_ok=True)
+    assert all(torch.equal(a, b) for a, b in zip(wa, wb))
+    for k, entry in sa.items():
+        for key, v in entry.items():
+            assert torch.equal(torch.as_tensor(v).cpu(), torch.as_tensor(sb[k][key]).cpu())
+
+
 @pytest.mark.parametrize("replicas", [1, 2])
 def test_cuda_nonblocking_bad_label_raises_at_the_next_call(replicas):
     # The CUDA loss kernel's flag, read from the status record a step later: the bad step's

@@ -420,8 +420,8 @@ def test_the_one_call_step_skips_the_optimizer_on_nan_and_refuses_what_it_cannot
     with pytest.raises(ValueError, match="not a parameter of dp.module"):
         dp.step(x, y, nn.CrossEntropyLoss(), optimizer=other)
     nb = DataParallel(nn.Linear(3, 2).double(), ["cpu", "cpu"], blocking=False)
-    with pytest.raises(ValueError, match="blocking=True"):
-        nb.step(x, y, nn.CrossEntropyLoss(), optimizer=dpcuda.optim.SGD(nb.parameters()))
+    with pytest.raises(ValueError, match="blocking=True"):  # (tests/test_nonblocking_optim.py)
+        nb.step(x, y, nn.CrossEntropyLoss(), optimizer=torch.optim.SGD(nb.parameters()))
 
 
 def _fused_run(name, cfg, replicas, algorithm, steps=4, groups=True, dtype=torch.float64,

@@ -79,7 +79,11 @@ class DataParallel(nn.Module, StepMixin, DistStepMixin):
     float64 scalar tensor on devices[0], and what a step found is read at a later step() (the
     host runs at most `lag` steps ahead) or at synchronize(): a skipped step warns and counts
     in skipped_steps, a bad label raises there naming the step and position. state_dict() and
-    the other state functions read every pending step first.
+    the other state functions read every pending step first. With step(..., optimizer=opt) it
+    needs a dpcuda.optim optimizer over replicas on one device, whose update is fused into the
+    reduction: a skipped update counts no step there (Adam's step counts and SGD's "momentum
+    begun" live on the device), and the optimizer's post-hooks and schedulers see the step as
+    issued (the device's skip is known only when the step is read).
     """
 
     # How many non-blocking steps the host may run ahead of what it has read.

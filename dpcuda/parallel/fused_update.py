@@ -7,13 +7,19 @@ land in replica 0 (the model); the other replicas take them at the next forward.
 Here every replica shares one device (the CPU, or one GPU), so the shards are slices of one
 flat buffer per state tensor (exp_avg, ...) laid out as the replicas' flat parameters, and the
 optimizer's own state entries (opt.state[p]["exp_avg"], ...) are views of it, as are Adam's
-step counts (0-d views of one float32 tensor on the host): its state_dict() is torch's format
-and always current, and a load_state_dict() is followed at the next step.
+step counts (0-d views of one float32 tensor on the replicas' device, as torch's capturable
+Adam keeps them): its state_dict() is torch's format and always current, and a
+load_state_dict() is followed at the next step.
+
+The step counts and whether SGD's momentum has begun are kept on the device and written into
+the hyperparameter arrays there (Adam's bias corrections follow from the count in the kernel),
+so that an update the device skips (DataParallel's non-blocking step: a record that says
+NaN/Inf) counts no step, with no host read.
 """
 
 import torch
 
-_HYPER = 16
+from ..optim import _FIRST, _FLAGS, _HYPER, _STEP
 
 
 def shard_range(n, replicas, k, align):
@@ -77,8 +83,16 @@ class _Plan:
                      for k in keys}
         self.views = {k: [self.flat[k][o:o + c].view_as(p) for (o, c), p in
                           zip(r0.spans, params)] for k in keys}
-        self.steps = torch.zeros(len(params), dtype=torch.float32)
+        self.steps = torch.zeros(len(params), dtype=torch.float32, device=r0.device)
         self.step_views = list(self.steps.unbind())
+        G = len(opt.param_groups)
+        # Each group's hyperparameter array (reduce_update_ reads row g), its first member (whose
+        # step count stands for the group's), and whether SGD's momentum has begun in it.
+        self.hyper = torch.zeros(G, _HYPER, dtype=torch.float64, device=r0.device)
+        self.firsts = [min((i for i, x in enumerate(group_of) if x == g), default=-1)
+                       for g in range(G)]
+        self.first_index = torch.tensor([max(f, 0) for f in self.firsts], device=r0.device)
+        self.started = torch.zeros(G, dtype=torch.float64, device=r0.device)
         align = 16 // r0.flat_param.element_size()
         bounds = [shard_range(n, R, k, align) for k in range(R)]
         shards = [[self.flat[k][b:e] for b, e in bounds] for k in keys]
@@ -118,7 +132,12 @@ class _Plan:
                     if have is not view:
                         view.fill_(0.0 if have is None else float(have))
                         state["step"] = view
+            if not adam and self.keys:
+                self.started.copy_(torch.tensor(
+                    [f >= 0 and "momentum_buffer" in opt.state[self.params[f]]
+                     for f in self.firsts], dtype=torch.float64))
         self.bound = True
+        self.is_uniform = self.uniform(opt)
 
     def uniform(self, opt):
         """Whether each group's parameters are at the same point (Adam: the same step count;
@@ -190,30 +209,53 @@ class FusedUpdate:
             return False
         if not plan.bound or not plan.current(opt):
             plan.bind(opt)
-        return plan.uniform(opt)
+        elif plan.device.type == "cpu":
+            # (a state changed in place: on the CPU this costs nothing; on a GPU it would be a
+            # host read every step, and the plan's own updates keep each group alike)
+            plan.is_uniform = plan.uniform(opt)
+        return plan.is_uniform
 
-    def update(self, opt, replicas, algorithm):
+    def update(self, opt, replicas, algorithm, records=(), scaled_by=0.0, loss_out=None):
         """The fused reduce-update of the replicas' gradients (flat_grad) into every replica's
         weights; the optimizer's state and step counts advanced as its step() would advance
-        them; .grad None on every replica (no replica holds the global gradient)."""
+        them; .grad None on every replica (no replica holds the global gradient).
+
+        records, scaled_by, loss_out: the replicas' step_status records, which the update
+        obeys on the device (reduce_update_: skipped for NaN/Inf or a bad label, with no step
+        counted and no momentum begun; the gradient rescaled by scaled_by / the rows they
+        count; the step's loss into loss_out), for a step that does not read them first."""
         plan = self._plan
         R = len(replicas)
         adam = opt._op == "adam"
-        hyper = []
         first = []  # SGD: the groups whose momentum buffers this update makes
-        steps = plan.steps.tolist() if adam else None
+        rows = []
         for index, group in enumerate(opt.param_groups):
             m = plan.members[index]
             if not m:
-                hyper += [torch.zeros(_HYPER, dtype=torch.float64, device=plan.device)] * R
+                rows.append([0.0] * _HYPER)
                 continue
-            if adam:
-                key = steps[m[0]] + 1
+            if not adam and "momentum_buffer" not in opt.state[plan.params[m[0]]]:
+                first.append(index)
+            # (Adam's step and SGD's first-step flag are written on the device below)
+            rows.append(opt._values(group, 0.0 if adam else False))
+        with torch.no_grad():
+            values = torch.tensor(rows, dtype=torch.float64)
+            if plan.device.type == "cpu":
+                plan.hyper.copy_(values)
             else:
-                key = "momentum_buffer" not in opt.state[plan.params[m[0]]]
-                if key:
-                    first.append(index)
-            hyper += [opt._hyper_tensor(index, plan.device, opt._values(group, key))] * R
+                # (from pageable memory: staged as it is issued, in stream order after the last
+                # update that read the arrays)
+                plan.hyper.copy_(values, non_blocking=True)
+            if adam:
+                step = plan.hyper[:, _STEP]
+                step.copy_(plan.steps.index_select(0, plan.first_index)).add_(1)
+            elif plan.keys:
+                plan.hyper[:, _FLAGS].add_(plan.started.neg().add_(1).mul_(_FIRST))
+        hyper = [plan.hyper[g] for g in range(len(opt.param_groups)) for _ in range(R)]
+        # Whether the update applies (counted on the device from the records: no host read).
+        ok = None
+        if records:
+            ok = torch.stack(list(records))[:, 1:3].eq(0).all()
 
         clip = opt.max_grad_norm
         norm = torch.empty(1, dtype=plan.buffers[0][0].dtype, device=plan.device) \
@@ -225,16 +267,24 @@ class FusedUpdate:
             # whatever happened in between (replicas.py), so writing them here too would move
             # the weights twice. max_grad_norm: the clipping inside the reduction.
             torch.ops.dpcuda.reduce_update_(*plan.buffers, *plan.lists, hyper, plan.segments,
-                                            opt._op, False, algorithm, False, clip, norm)
+                                            opt._op, False, algorithm, False, clip, norm,
+                                            list(records) if records else None, scaled_by,
+                                            loss_out)
             if norm is not None:
                 opt.grad_norm = norm.reshape(())
             # In place, as torch.optim's updates: autograd sees the weights changed.
             torch.autograd.graph.increment_version(plan.params)
             # What opt.step() leaves in the state once the update has happened: Adam's step
-            # counts, SGD's momentum buffers made at its first step.
+            # counts (on the device, where a skipped update counts none), SGD's momentum
+            # buffers made at its first step (a zero buffer where the device skipped it, which
+            # the next update starts afresh, as the device's flag says).
             if adam:
-                plan.steps.add_(1)
+                plan.steps.add_(1 if ok is None else ok)
             elif plan.keys:
+                if ok is None:
+                    plan.started.fill_(1.0)
+                else:
+                    torch.maximum(plan.started, ok.to(plan.started.dtype), out=plan.started)
                 for index in first:
                     for i in plan.members[index]:
                         opt.state[plan.params[i]]["momentum_buffer"] = \

@@ -32,7 +32,17 @@ class PendingSteps:
         losses summed in replica order from 0.0, as the blocking step sums its reads) into a
         device tensor; the records copied to host memory, to be read later."""
         unused = set.intersection(*(r.unused for r in self._replicas))
-        kept = self._keep(unused) if unused else None
+        opt = self._optimizer
+        if opt is not None and not self._fused_update.ready(opt, self._replicas, unused,
+                                                            self._set.generation):
+            # (checked before anything is queued: the weights stay as they were)
+            raise ValueError(
+                "dpcuda DataParallel: blocking=False with an optimizer needs the update fused "
+                "into the reduction, which this step cannot take: it needs a dpcuda.optim "
+                "optimizer over exactly dp.parameters() with no step pre-hooks, the same kind "
+                "of state (and the same step count) in every parameter group, and a gradient "
+                "for every parameter (a replica's forward left one unused); use blocking=True")
+        kept = self._keep(unused) if unused and opt is None else None
         # Everything that can fail is made before the update is queued (a step that raises
         # leaves the weights): the loss, the records' host memory (pinned, behind an event,
         # from CUDA devices), the events.
@@ -42,7 +52,12 @@ class PendingSteps:
         host = [torch.empty(x.numel(), dtype=torch.float64, pin_memory=bool(cuda))
                 for x in records]
         events = [torch.cuda.Event() for _ in cuda]
-        self._reduce_p2p(records, float(global_den) if count_on_device else 0.0, loss)
+        scaled_by = float(global_den) if count_on_device else 0.0
+        if opt is not None:
+            self._fused_update.update(opt, self._replicas, self.algorithm, records, scaled_by,
+                                      loss)
+        else:
+            self._reduce_p2p(records, scaled_by, loss)
         if kept is not None:
             for dst, src in kept:
                 dst.copy_(src)

@@ -208,6 +208,13 @@ class StepMixin(LabelChecks, PendingSteps):
         sizes = split_sizes(rows, len(self._replicas), self._row_weights())
         summed = summed_loss(loss_fn, targets)
         if summed is None:
+            if not self.blocking and self._optimizer is not None:
+                raise ValueError(
+                    f"dpcuda DataParallel: blocking=False with an optimizer needs a loss the "
+                    f"step computes per replica (exactly nn.CrossEntropyLoss, F.cross_entropy "
+                    f"or dpcuda's SoftmaxCrossEntropyLoss, mean, no class weights, on "
+                    f"class-index targets); loss_fn {loss_fn!r} is computed on the gathered "
+                    f"output, whose check reads the device; use blocking=True")
             if accumulate > 1:
                 raise ValueError(
                     f"accumulate > 1 needs a loss the step computes per replica (exactly "
@@ -401,7 +408,7 @@ class StepMixin(LabelChecks, PendingSteps):
                 summed[1]))
         if not self.blocking:
             return self._step_async(records, targets, summed, global_den, count_on_device)
-        # (blocking=False with an optimizer is refused by _check_optimizer)
+        # (blocking=False, with or without an optimizer, took _step_async above)
         # One host read per replica of its record.
         reads = [x.cpu() for x in records]
         if any(float(x[2]) for x in reads):
@@ -507,9 +514,15 @@ class StepMixin(LabelChecks, PendingSteps):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer (dpcuda.optim's or "
                             f"torch's), got {type(optimizer).__name__}")
         if not self.blocking:
-            raise ValueError("dpcuda DataParallel: step(optimizer=...) needs blocking=True "
-                             "(the non-blocking step fuses the wrapper's SGD into the "
-                             "reduction, where the device decides to skip it)")
+            from ..optim import _FusedOptimizer
+            devices = {r.device for r in self._replicas}
+            if not isinstance(optimizer, _FusedOptimizer) or len(devices) != 1:
+                raise ValueError(
+                    "dpcuda DataParallel: blocking=False with an optimizer needs a dpcuda.optim "
+                    "optimizer (SGD, Adam, AdamW) and the replicas on one device, where its "
+                    "update is fused into the reduction and the device decides to skip it; "
+                    f"got {type(optimizer).__name__} over replicas on "
+                    f"{sorted(map(str, devices))}; use blocking=True")
         own = {id(p) for p in self.module.parameters()}
         for group in optimizer.param_groups:
             for p in group["params"]:
