@@ -1,11 +1,21 @@
-"""One full data-parallel training step (784 -> 256 -> 10 MLP, softmax cross-entropy, SGD) for
-1, 2 and 4 replicas: DataParallel.step() for each reducer, fused layers (dpcuda.nn.FusedMLP)
-and plain torch.nn layers (and the fused p2p step with blocking=False), and the conventional
-loop (dp(x), loss.backward(), torch.optim.SGD: rows "loop"), against the single-device torch
-baseline (nn.Sequential + torch.optim.SGD) and, on CUDA, torch.nn.DataParallel over the same
-devices, measured in the same run.
+"""The whole training step (an MLP, softmax cross-entropy, SGD or AdamW), timed as training runs
+it: N steps issued back to back, then one synchronisation (ms per step = the N steps' time / N).
+A synchronisation after every step would hide what a step that does not wait for the device
+saves, so that per-step latency is reported beside it (the `latency_ms` column), not instead.
 
-    python benchmarks/bench_step.py --device cpu --json benchmarks/results/step-cpu.json
+Contenders, measured round-robin in the same run (benchmarks/common.py):
+  torch eager         nn.Sequential + torch.optim (foreach=True), one device, the global batch
+  torch eager fused   the same with torch.optim's fused=True update (AdamW)
+  torch.compile       the model and the optimizer's step compiled (mode "default")
+  torch.compile r-o   mode="reduce-overhead" (CUDA graphs; CUDA only)
+  torch cuda graph    the whole step captured as one CUDA graph, torch's "whole network
+                      capture" with a capturable optimizer (CUDA only)
+  dpcuda blocking     DataParallel(FusedMLP, R replicas).step(x, y, loss, optimizer=dpcuda.optim)
+  dpcuda nonblocking  the same with blocking=False (no host read of a device value)
+dpcuda's graphed step (DataParallel(graphs=True)) is not built yet; it will join this list.
+Ratios are torch eager's time over each contender's (> 1: faster than torch eager).
+
+    python benchmarks/bench_step.py --device cpu --json benchmarks/results/step-sync-cpu.json
 """
 
 import argparse
@@ -16,91 +26,212 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import compare_ms, environment, write_json  # noqa: E402
+from common import compare_samples, environment, write_json  # noqa: E402
 
 import dpcuda  # noqa: E402
+import dpcuda.optim  # noqa: E402
 from dpcuda.nn import FusedMLP, SoftmaxCrossEntropyLoss  # noqa: E402
 from dpcuda.parallel import DataParallel  # noqa: E402
 
+CONTENDERS = ("torch eager", "torch eager fused", "torch.compile", "torch.compile r-o",
+              "torch cuda graph", "dpcuda blocking", "dpcuda nonblocking")
+CUDA_ONLY = ("torch.compile r-o", "torch cuda graph")
 
-def plain_mlp():
-    return torch.nn.Sequential(torch.nn.Linear(784, 256), torch.nn.ReLU(),
-                               torch.nn.Linear(256, 10))
+
+def plain_mlp(dims):
+    layers = []
+    for i, (a, b) in enumerate(zip(dims, dims[1:])):
+        layers.append(torch.nn.Linear(a, b))
+        if i < len(dims) - 2:
+            layers.append(torch.nn.ReLU())
+    return torch.nn.Sequential(*layers)
+
+
+def torch_optimizer(name, params, lr, **kw):
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=0.9, **kw)
+    return torch.optim.AdamW(params, lr=lr, **kw)
+
+
+def dpcuda_optimizer(name, params, lr):
+    if name == "sgd":
+        return dpcuda.optim.SGD(params, lr=lr, momentum=0.9)
+    return dpcuda.optim.AdamW(params, lr=lr)
+
+
+def torch_eager(dims, opt_name, lr, x, y, device, **opt_kw):
+    torch.manual_seed(0)
+    model = plain_mlp(dims).to(device)
+    opt = torch_optimizer(opt_name, model.parameters(), lr, **opt_kw)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    return step
+
+
+def torch_compiled(dims, opt_name, lr, x, y, device, mode):
+    torch.manual_seed(0)
+    model = plain_mlp(dims).to(device)
+    opt = torch_optimizer(opt_name, model.parameters(), lr, foreach=True)
+    compiled = torch.compile(model, mode=mode)
+
+    @torch.compile(mode=mode)
+    def opt_step():
+        opt.step()
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        F.cross_entropy(compiled(x), y).backward()
+        opt_step()
+    return step
+
+
+def torch_cuda_graph(dims, opt_name, lr, x, y, device):
+    """torch's whole-network capture (the CUDA graphs notes): warm-up on a side stream, the
+    step captured once with static inputs and a capturable optimizer, then copy and replay."""
+    torch.manual_seed(0)
+    model = plain_mlp(dims).to(device)
+    kw = {"capturable": True} if opt_name == "adamw" else {}
+    opt = torch_optimizer(opt_name, model.parameters(), lr, foreach=True, **kw)
+    static_x, static_y = x.clone(), y.clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            opt.zero_grad(set_to_none=True)
+            F.cross_entropy(model(static_x), static_y).backward()
+            opt.step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    opt.zero_grad(set_to_none=True)
+    with torch.cuda.graph(graph):
+        F.cross_entropy(model(static_x), static_y).backward()
+        opt.step()
+
+    def step():
+        static_x.copy_(x)
+        static_y.copy_(y)
+        graph.replay()
+    return step
+
+
+def dpcuda_step(dims, opt_name, lr, x, y, device, replicas, blocking):
+    torch.manual_seed(0)
+    model = FusedMLP(dims)
+    dp = DataParallel(model, [device] * replicas, blocking=blocking)
+    opt = dpcuda_optimizer(opt_name, dp.parameters(), lr)
+    loss_fn = SoftmaxCrossEntropyLoss()
+
+    def step():
+        dp.step(x, y, loss_fn, optimizer=opt)
+    step.finish = dp.synchronize if not blocking else None
+    return step
+
+
+def make(name, dims, opt_name, x, y, device, replicas):
+    lr = 0.05 if opt_name == "sgd" else 1e-3
+    if name == "torch eager":
+        return torch_eager(dims, opt_name, lr, x, y, device, foreach=True)
+    if name == "torch eager fused":
+        return torch_eager(dims, opt_name, lr, x, y, device, fused=True)
+    if name == "torch.compile":
+        return torch_compiled(dims, opt_name, lr, x, y, device, "default")
+    if name == "torch.compile r-o":
+        return torch_compiled(dims, opt_name, lr, x, y, device, "reduce-overhead")
+    if name == "torch cuda graph":
+        return torch_cuda_graph(dims, opt_name, lr, x, y, device)
+    return dpcuda_step(dims, opt_name, lr, x, y, device, replicas,
+                       blocking=name == "dpcuda blocking")
+
+
+def parse_shapes(text):
+    """'784-256-10:256,64-256-256-10:256' -> [([784, 256, 10], 256), ...]"""
+    out = []
+    for item in text.split(","):
+        dims, _, batch = item.partition(":")
+        out.append(([int(d) for d in dims.split("-")], int(batch)))
+    return out
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if dpcuda.cuda_available() else "cpu")
-    parser.add_argument("--batches", default="256,512")
-    parser.add_argument("--replicas", default="1,2,4")
-    parser.add_argument("--reducers", default="p2p,host")
-    parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--shapes", default="784-256-10:256,784-256-10:4096,64-256-256-10:256",
+                        help="MLP widths and batch, comma-separated (default: %(default)s)")
+    parser.add_argument("--replicas", default="1,2,4",
+                        help="dpcuda's replica counts (default: %(default)s)")
+    parser.add_argument("--optimizers", default="sgd,adamw", help="(default: %(default)s)")
+    parser.add_argument("--contenders", default=",".join(CONTENDERS),
+                        help="which to run (default: all; the CUDA-only ones are left out on "
+                             "the CPU)")
+    parser.add_argument("--steps-per-sync", type=int, default=20,
+                        help="steps issued between synchronisations (default: %(default)s)")
+    parser.add_argument("--repeats", type=int, default=None,
+                        help="timed rounds (default: 10 on a GPU, 7 on the CPU)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     device = args.device
-    cuda = device.startswith("cuda")
-    repeats = args.repeats or (50 if cuda else 20)
+    cuda = torch.device(device).type == "cuda"
+    repeats = args.repeats or (10 if cuda else 7)
+    per = args.steps_per_sync
+    if per < 1:
+        parser.error("--steps-per-sync must be at least 1")
+    wanted = [c.strip() for c in args.contenders.split(",") if c.strip()]
+    unknown = [c for c in wanted if c not in CONTENDERS]
+    if unknown:
+        parser.error(f"unknown contenders {unknown}; choose from {list(CONTENDERS)}")
+    if not cuda:
+        wanted = [c for c in wanted if c not in CUDA_ONLY]
     rows = []
-    print(f"{'batch':>6}{'R':>3}{'method':>24}{'ms':>10}{'torch/ours':>12}")
-    for batch in [int(b) for b in args.batches.split(",")]:
+    print(f"{'shape':>16}{'batch':>6}{'opt':>6}{'R':>3}{'method':>20}{'ms/step':>10}"
+          f"{'latency':>10}{'eager/this':>11}")
+    for dims, batch in parse_shapes(args.shapes):
         torch.manual_seed(0)
-        x = torch.randn(batch, 784, device=device)
-        y = torch.randint(0, 10, (batch,), device=device)
-        base = plain_mlp().to(device)
-        opt = torch.optim.SGD(base.parameters(), lr=0.2)
+        x = torch.randn(batch, dims[0], device=device)
+        y = torch.randint(0, dims[-1], (batch,), device=device)
+        for opt_name in args.optimizers.split(","):
+            single = {}  # the one-device torch contenders, timed once per shape
+            for R in [int(r) for r in args.replicas.split(",")]:
+                fns = {}
+                for name in wanted:
+                    if name.startswith("torch") and (name == "torch eager" or R == 1):
+                        if name == "torch eager fused" and opt_name != "adamw":
+                            continue
+                        fns[name] = single.get(name) or make(name, dims, opt_name, x, y,
+                                                             device, 1)
+                        single[name] = fns[name]
+                    elif name.startswith("dpcuda"):
+                        fns[name] = make(name, dims, opt_name, x, y, device, R)
 
-        def torch_step():
-            opt.zero_grad(set_to_none=False)
-            F.cross_entropy(base(x), y).backward()
-            opt.step()
-        for R in [int(r) for r in args.replicas.split(",")]:
-            devs = [device] * R
-            fns = {"torch 1 device": torch_step}
-            for reducer in args.reducers.split(","):
-                for fused in (True, False):
-                    torch.manual_seed(0)
-                    model = FusedMLP([784, 256, 10]) if fused else plain_mlp()
-                    loss_fn = SoftmaxCrossEntropyLoss() if fused else F.cross_entropy
-                    dp = DataParallel(model, devs, reducer=reducer, lr=0.2)
-                    name = f"{reducer} {'fused' if fused else 'plain'}"
-                    fns[name] = (lambda dp=dp, loss_fn=loss_fn: dp.step(x, y, loss_fn))
-                    if reducer == "p2p" and fused:  # the step that waits for nothing
-                        torch.manual_seed(0)
-                        nb = DataParallel(FusedMLP([784, 256, 10]), devs, lr=0.2,
-                                          blocking=False)
-                        fns["p2p fused nonblocking"] = (
-                            lambda nb=nb, loss_fn=loss_fn: nb.step(x, y, loss_fn))
-            for fused in (False, True):
-                # The conventional loop (#23): the user's torch optimizer over dp.parameters(),
-                # zero_grad as the baseline does it.
-                torch.manual_seed(0)
-                model = FusedMLP([784, 256, 10]) if fused else plain_mlp()
-                loop_dp = DataParallel(model, devs)
-                loop_opt = torch.optim.SGD(loop_dp.parameters(), lr=0.2)
-
-                def loop_step(loop_dp=loop_dp, loop_opt=loop_opt):
-                    loop_opt.zero_grad(set_to_none=False)
-                    F.cross_entropy(loop_dp(x), y).backward()
-                    loop_opt.step()
-                fns[f"loop {'fused' if fused else 'plain'}"] = loop_step
-            if cuda and R > 1:
-                torch_dp = torch.nn.DataParallel(plain_mlp().to(device))
-                dp_opt = torch.optim.SGD(torch_dp.parameters(), lr=0.2)
-
-                def nn_dp_step():
-                    dp_opt.zero_grad(set_to_none=False)
-                    F.cross_entropy(torch_dp(x), y).backward()
-                    dp_opt.step()
-                fns["nn.DataParallel"] = nn_dp_step
-            times = compare_ms(fns, device, warmup=3, repeats=repeats)
-            for name, ms in times.items():
-                ratio = times["torch 1 device"] / ms
-                rows.append({"batch": batch, "replicas": R, "method": name, "ms": ms,
-                             "torch_over_this": ratio})
-                print(f"{batch:>6}{R:>3}{name:>24}{ms:>10.3f}{ratio:>12.2f}", flush=True)
-    write_json(args.json, {"benchmark": "step", "repeats": repeats,
-                           "environment": environment(device), "results": rows})
+                def burst(fn):
+                    def run():
+                        for _ in range(per):
+                            fn()
+                        if getattr(fn, "finish", None) is not None:
+                            fn.finish()  # (a non-blocking step's records read: its sync)
+                    return run
+                bursts = compare_samples({n: burst(f) for n, f in fns.items()}, device,
+                                         warmup=1, repeats=repeats)
+                single_steps = compare_samples(fns, device, warmup=1, repeats=repeats)
+                med = lambda v: sorted(v)[len(v) // 2]  # noqa: E731
+                base = med(bursts["torch eager"]) / per if "torch eager" in bursts else None
+                for name in fns:
+                    ms = med(bursts[name]) / per
+                    latency = med(single_steps[name])
+                    ratio = base / ms if base else None
+                    rows.append({"shape": "-".join(map(str, dims)), "batch": batch,
+                                 "optimizer": opt_name, "replicas": R, "method": name,
+                                 "ms_per_step": ms, "latency_ms": latency,
+                                 "eager_over_this": ratio})
+                    print(f"{'-'.join(map(str, dims)):>16}{batch:>6}{opt_name:>6}{R:>3}"
+                          f"{name:>20}{ms:>10.3f}{latency:>10.3f}"
+                          f"{ratio if ratio else float('nan'):>11.2f}", flush=True)
+    write_json(args.json, {"benchmark": "step", "steps_per_sync": per, "repeats": repeats,
+                           "environment": environment(device), "results": rows,
+                           "not_run": [c for c in CONTENDERS if c not in wanted]})
 
 
 if __name__ == "__main__":

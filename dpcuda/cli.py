@@ -572,7 +572,7 @@ def _train(args, parser):
                       max_bad_steps=args.max_bad_steps, timeout=args.timeout)
     except ValueError as err:
         parser.error(str(err))
-    dist_info, heartbeat = None, None
+    dist_info, heartbeat, finished = None, None, False
 
     def write_json(result):
         if args.json and (dist_info is None or dist_info[0] == 0):
@@ -607,6 +607,7 @@ def _train(args, parser):
                       flush=True)
 
         result = train(cfg, dataset, dist_info, announce=announce)
+        finished = True
     except (ValueError, CheckpointError, OutputError, data_mod.DataError) as err:
         parser.exit(2, f"{parser.prog}: error: {err}\n")
     except Interrupted as stop:
@@ -643,11 +644,23 @@ def _train(args, parser):
         # C++ thread still joinable at exit (gloo's, the store's) aborts the process
         # ("terminate called without an active exception", SIGABRT), as 3 of 20 back-to-back
         # torchrun runs did before this.
+        # After a run that finished, the processes also meet once first (bounded by the
+        # group's timeout) and drop what still holds the group's C++ objects, so that none
+        # tears the group down while another still talks in it (a rank still aborted so once
+        # in CI, 2026-11-25, in tests/test_cli_dist.py).
         if heartbeat is not None:
             heartbeat.stop()
         if dist_info is not None:
+            import gc
+
             import torch.distributed as dist
             if dist.is_initialized():
+                if finished:
+                    try:
+                        dist.barrier()
+                    except Exception:
+                        pass
+                gc.collect()
                 dist.destroy_process_group()
     result.pop("data_parallel")
     if dist_info is None or dist_info[0] == 0:

@@ -116,7 +116,15 @@ class _FusedOptimizer(Optimizer):
         the processes, call consolidate_state_dict(to=rank) on every process first."""
         if self._is_sharded():
             raise self._sharded_error("state_dict()")
+        self._settle_plan()
         return super().state_dict()
+
+    def _settle_plan(self):
+        """DataParallel's fused update keeps some state on the device (whether SGD's momentum
+        has begun; fused_update.py): made the optimizer's before it steps on its own or saves."""
+        settle = self.__dict__.get("_plan_settle")
+        if settle is not None:
+            settle(self)
 
     def load_state_dict(self, state_dict):
         """torch.optim's load_state_dict(). Under DataParallel.step's sharded state, load the
@@ -130,6 +138,7 @@ class _FusedOptimizer(Optimizer):
     def __getstate__(self):
         if self._is_sharded():
             raise self._sharded_error("pickling or copying the optimizer")
+        self._settle_plan()
         # (torch's keeps defaults, state and param_groups only; max_grad_norm is a setting too)
         state = super().__getstate__()
         state["max_grad_norm"] = self.max_grad_norm
@@ -172,6 +181,7 @@ class _FusedOptimizer(Optimizer):
             return loss
         if self._is_sharded():
             raise self._sharded_error("step() outside DataParallel.step")
+        self._settle_plan()
         if self.max_grad_norm is not None:
             with_grad = [p for group in self.param_groups for p in group["params"]
                          if p.grad is not None]
@@ -298,8 +308,8 @@ class Adam(_FusedOptimizer):
     state_dict (state "step", "exp_avg", "exp_avg_sq" and, with amsgrad, "max_exp_avg_sq") as
     torch.optim.Adam. The step count is a float32 tensor, on the host (torch's default) or, under
     a non-blocking DataParallel step on a GPU, on the parameters' device (as torch's capturable
-    Adam keeps it); the kernel derives the bias corrections from it (update.h's pow_step, within
-    a few units in the last place of a double of torch's pow)."""
+    Adam keeps it); the kernel derives the bias corrections from it (update.h's pow_step: beta^step
+    in double-double, within one unit in the last place of torch's pow)."""
 
     _op = "adam"
 

@@ -233,3 +233,69 @@ def test_reduce_update_obeys_status_records():
         torch.ops.dpcuda.reduce_update_(p, g, s1, s2, [], hyper, [0, 40, 0], "adam", False,
                                         "two_shot", True, None, None, records(0, 1.0), 0.0,
                                         s1[0][:1].reshape(()))
+
+
+def test_a_skipped_first_sgd_step_leaves_torchs_state_and_the_own_step_continues_it():
+    # The device skipped the first update: torch's SGD would hold no momentum buffer, and the
+    # optimizer's own step() (a pre-hook makes the DataParallel step take it) must begin
+    # momentum as torch does, after which the fused non-blocking steps continue it. The
+    # oracle runs the same steps without the skipped one.
+    data = batches(5, nan_steps=(0,))
+    cfg = dict(lr=0.1, momentum=0.9, dampening=0.1)
+    out = []
+    for with_skip in (True, False):
+        model = make_model(True)
+        nb = DataParallel(model, ["cpu"] * 2, blocking=False)
+        opt = dpcuda.optim.SGD(groups(model), **cfg)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            if with_skip:
+                nb.step(*data[0], SoftmaxCrossEntropyLoss(), optimizer=opt)
+                nb.synchronize()
+                assert nb.skipped_steps == 1
+                # as torch's after no update: no momentum buffer
+                assert all(not s for s in opt.state_dict()["state"].values())
+            blocking = DataParallel(model, ["cpu"] * 2)
+            handle = opt.register_step_pre_hook(lambda *args: None)
+            for x, y in data[1:3]:
+                blocking.step(x, y, SoftmaxCrossEntropyLoss(), optimizer=opt)
+            handle.remove()
+            for x, y in data[3:]:
+                nb.step(x, y, SoftmaxCrossEntropyLoss(), optimizer=opt)
+            nb.synchronize()
+        out.append(([p.detach().clone() for p in model.parameters()],
+                    [opt.state[p]["momentum_buffer"].clone() for p in model.parameters()]))
+    (wa, ma), (wb, mb) = out
+    assert all(torch.equal(a, b) for a, b in zip(wa, wb))
+    assert all(torch.equal(a, b) for a, b in zip(ma, mb))
+
+
+def test_the_optimizers_own_step_makes_the_fused_plan_bind_again():
+    # After the optimizer's own step (here: a step whose forward leaves a parameter unused,
+    # which takes opt.step()), the plan's cached reading of the state (one step count per
+    # group, read once on a GPU) is dropped; the next fused step reads it again and, the
+    # counts now differing in a group, takes the conventional path, as torch's would.
+    class Skippy(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(3)
+            self.a = torch.nn.Linear(12, 5)
+            self.b = torch.nn.Linear(12, 5)
+            self.use_b = True
+
+        def forward(self, x):
+            return self.a(x) + (self.b(x) if self.use_b else 0)
+
+    model = Skippy()
+    dp = DataParallel(model, ["cpu"] * 2)
+    opt = dpcuda.optim.Adam(model.parameters(), lr=0.01)
+    data = batches(3)
+    dp.step(*data[0], torch.nn.CrossEntropyLoss(), optimizer=opt)
+    plan = dp._fused_update._plan
+    assert plan.bound and plan.is_uniform
+    model.use_b = False
+    dp.step(*data[1], torch.nn.CrossEntropyLoss(), optimizer=opt)  # opt.step(): b unused
+    assert not plan.bound
+    model.use_b = True
+    assert not dp._fused_update.ready(opt, dp._replicas, set(), dp._set.generation)
+    assert [float(opt.state[p]["step"]) for p in model.parameters()] == [2, 2, 1, 1]

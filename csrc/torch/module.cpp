@@ -81,7 +81,8 @@ TORCH_LIBRARY(dpcuda, m) {
   // update (csrc/kernels/optim/clip.h), with the norm written to `norm` (one element of the
   // params' dtype) where given; each owner's shard of grads then holds the reduced gradient.
   // status, scaled_by, loss_out: step records the update obeys on the device, as reduce_sgd_'s
-  // (nothing written when a record says skip, the norm then NaN; the reduced gradient times the
+  // (no weight or state written when a record says skip, the norm then NaN; grads are scratch
+  // either way, as above; the reduced gradient times the
   // records' fix before clipping and the update; the step's loss into loss_out).
   m.def("reduce_update_(Tensor(a!)[] params, Tensor(b!)[] grads, Tensor(c!)[] state1,"
         " Tensor(d!)[] state2, Tensor(e!)[] state3, Tensor[] hyper, int[] segments,"

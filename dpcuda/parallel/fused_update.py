@@ -106,8 +106,10 @@ class _Plan:
 
     def bind(self, opt):
         """The optimizer's state entries as views of the flat buffers (values it holds that
-        are not, from a loaded state_dict or its own steps, copied in first). Returns whether
-        every step count agrees within each parameter group."""
+        are not, from a loaded state_dict or its own steps, copied in first); whether each
+        group is at one point (is_uniform) and which groups' momentum has begun, read once
+        here (the plan's own updates keep them, and settle() makes the next step bind again
+        after anything else changes the state)."""
         adam = opt._op == "adam"
         with torch.no_grad():
             for i, p in enumerate(self.params):
@@ -138,6 +140,29 @@ class _Plan:
                      for f in self.firsts], dtype=torch.float64))
         self.bound = True
         self.is_uniform = self.uniform(opt)
+        # (the optimizer calls it before its own step() and its state_dict())
+        opt.__dict__["_plan_settle"] = self.settle
+
+    def settle(self, opt):
+        """Before the optimizer's own step() (a step with an unused parameter, a pre-hook, a
+        call of the user's) or its state_dict(): what the device knows made the optimizer's.
+        SGD's momentum buffers of the groups whose momentum the device has not begun (their
+        first update was skipped there) are dropped, as torch would have none; and the next
+        fused step binds afresh (the own step may advance some step counts, or begin
+        buffers). A host read on a GPU; those paths read the host already."""
+        if not self.bound:
+            return
+        if opt._op == "sgd" and self.keys:
+            started = self.started.tolist()
+            views = self.views["momentum_buffer"]
+            for g, members in enumerate(self.members):
+                if started[g]:
+                    continue
+                for i in members:
+                    state = opt.state.get(self.params[i])
+                    if state is not None and state.get("momentum_buffer") is views[i]:
+                        del state["momentum_buffer"]
+        self.bound = False
 
     def uniform(self, opt):
         """Whether each group's parameters are at the same point (Adam: the same step count;
@@ -170,6 +195,7 @@ class FusedUpdate:
     def __init__(self):
         self._plan = None
         self._plan_key = None
+        self.issued = False  # whether the last update() queued its reduce-update
 
     @staticmethod
     def _structure(opt, group):
@@ -225,6 +251,7 @@ class FusedUpdate:
         counted and no momentum begun; the gradient rescaled by scaled_by / the rows they
         count; the step's loss into loss_out), for a step that does not read them first."""
         plan = self._plan
+        self.issued = False
         R = len(replicas)
         adam = opt._op == "adam"
         first = []  # SGD: the groups whose momentum buffers this update makes
@@ -270,6 +297,7 @@ class FusedUpdate:
                                             opt._op, False, algorithm, False, clip, norm,
                                             list(records) if records else None, scaled_by,
                                             loss_out)
+            self.issued = True
             if norm is not None:
                 opt.grad_norm = norm.reshape(())
             # In place, as torch.optim's updates: autograd sees the weights changed.

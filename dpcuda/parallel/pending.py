@@ -53,23 +53,31 @@ class PendingSteps:
                 for x in records]
         events = [torch.cuda.Event() for _ in cuda]
         scaled_by = float(global_den) if count_on_device else 0.0
-        if opt is not None:
-            self._fused_update.update(opt, self._replicas, self.algorithm, records, scaled_by,
-                                      loss)
-        else:
-            self._reduce_p2p(records, scaled_by, loss)
-        if kept is not None:
-            for dst, src in kept:
-                dst.copy_(src)
-        self._consumed()
-        if global_den == 0:
-            loss.fill_(math.nan)  # a mean over no labels, as torch's
-        for h, x in zip(host, records):
-            h.copy_(x, non_blocking=bool(cuda))
-        for event, device in zip(events, cuda):
-            event.record(torch.cuda.current_stream(device))
-        self._pending.append(PendingStep(self.steps, host, events, targets, summed, self._classes))
-        self.steps += 1
+        issued = False
+        try:
+            if opt is not None:
+                self._fused_update.update(opt, self._replicas, self.algorithm, records,
+                                          scaled_by, loss)
+            else:
+                self._reduce_p2p(records, scaled_by, loss)
+            issued = True
+        finally:
+            # An optimizer's post-hook that raises does so after the update was queued: the
+            # step still counts and its records are still read (its skip, its bad label).
+            if issued or (opt is not None and self._fused_update.issued):
+                if kept is not None:
+                    for dst, src in kept:
+                        dst.copy_(src)
+                self._consumed()
+                if global_den == 0:
+                    loss.fill_(math.nan)  # a mean over no labels, as torch's
+                for h, x in zip(host, records):
+                    h.copy_(x, non_blocking=bool(cuda))
+                for event, device in zip(events, cuda):
+                    event.record(torch.cuda.current_stream(device))
+                self._pending.append(PendingStep(self.steps, host, events, targets, summed,
+                                                 self._classes))
+                self.steps += 1
         return loss
 
     def synchronize(self):

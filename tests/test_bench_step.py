@@ -1,0 +1,47 @@
+"""benchmarks/bench_step.py stays runnable on the CPU: every contender the CPU has, a small
+shape, a few steps per synchronisation; the JSON holds a row per contender and replica count,
+the CUDA-only contenders listed as not run."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run(tmp_path, *args):
+    out = tmp_path / "step.json"
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_step.py"),
+                           "--device", "cpu", "--json", str(out), *args],
+                          capture_output=True, text=True, timeout=600)
+    return proc, out
+
+
+def test_bench_step_runs_every_cpu_contender(tmp_path):
+    proc, out = run(tmp_path, "--shapes", "16-8-4:32", "--replicas", "1,2", "--optimizers",
+                    "sgd,adamw", "--steps-per-sync", "3", "--repeats", "2")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    payload = json.loads(out.read_text())
+    assert payload["steps_per_sync"] == 3
+    assert sorted(payload["not_run"]) == ["torch cuda graph", "torch.compile r-o"]
+    rows = payload["results"]
+    for opt in ("sgd", "adamw"):
+        r1 = {r["method"] for r in rows if r["optimizer"] == opt and r["replicas"] == 1}
+        want = {"torch eager", "torch.compile", "dpcuda blocking", "dpcuda nonblocking"}
+        assert r1 == want | ({"torch eager fused"} if opt == "adamw" else set())
+        r2 = {r["method"] for r in rows if r["optimizer"] == opt and r["replicas"] == 2}
+        assert r2 == {"torch eager", "dpcuda blocking", "dpcuda nonblocking"}
+    for r in rows:
+        assert r["ms_per_step"] > 0 and r["latency_ms"] > 0 and r["eager_over_this"] > 0
+        if r["method"] == "torch eager":
+            assert r["eager_over_this"] == 1.0
+
+
+def test_bench_step_refuses_what_it_cannot_run(tmp_path):
+    proc, _ = run(tmp_path, "--contenders", "torch eager,tensorflow")
+    assert proc.returncode == 2 and "unknown contenders" in proc.stderr
+    proc, _ = run(tmp_path, "--steps-per-sync", "0")
+    assert proc.returncode == 2 and "--steps-per-sync must be at least 1" in proc.stderr
