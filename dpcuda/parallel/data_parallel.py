@@ -99,7 +99,7 @@ class DataParallel(nn.Module, StepMixin, DistStepMixin):
     # (microseconds a call, several calls a step).
     _PLAIN = frozenset({"steps", "skipped_steps", "_classes", "_dist_stage", "_dist_count",
                         "_global_rows", "_speed", "_host_momentum", "_lr", "_momentum",
-                        "_weight_decay", "_optimizer", "_zero"})
+                        "_weight_decay", "_optimizer", "_zero", "_graph_ring"})
 
     def __setattr__(self, name, value):
         if name in self._PLAIN:
@@ -109,7 +109,8 @@ class DataParallel(nn.Module, StepMixin, DistStepMixin):
 
     def __init__(self, module, devices, reducer="p2p", split="even", lr=0.01, momentum=0.0,
                  weight_decay=0.0, split_weights=None, algorithm="auto", process_group=None,
-                 buffers="broadcast", timeout=300.0, blocking=True, shard_optimizer=None):
+                 buffers="broadcast", timeout=300.0, blocking=None, shard_optimizer=None,
+                 graphs=False):
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
@@ -121,6 +122,10 @@ class DataParallel(nn.Module, StepMixin, DistStepMixin):
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or \
                 not timeout > 0 or not math.isfinite(timeout):
             raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        if not isinstance(graphs, bool):
+            raise TypeError(f"graphs must be True or False, got {graphs!r}")
+        if blocking is None:
+            blocking = not graphs
         if not isinstance(blocking, bool):
             raise TypeError(f"blocking must be True or False, got {blocking!r}")
         if shard_optimizer is not None and not isinstance(shard_optimizer, bool):
@@ -194,6 +199,36 @@ class DataParallel(nn.Module, StepMixin, DistStepMixin):
         self._zero = False
         self.blocking = blocking
         self._pending = collections.deque()  # the non-blocking steps not read yet (PendingStep)
+        self._graph_ring = None  # during a graphed step's capture: where its records go
+        self._graphed = None
+        if graphs:
+            self._graphed = self._graphed_steps(blocking, split, buffers)
+
+    # The backend of graphs=True: "cuda" (torch.cuda.CUDAGraph), or "closure" (a test hook: the
+    # CPU runs the graphed step's logic with a stand-in that replays the captured body).
+    _graph_backend = "cuda"
+
+    def _graphed_steps(self, blocking, split, buffers):
+        """graphs=True's checks of what can never be graphed, and its step (graphed.py)."""
+        from .graphed import GraphedSteps, _ClosureGraph, _CudaGraph
+        why = None
+        if blocking:
+            why = "it replays the non-blocking step: leave blocking unset (or False)"
+        elif self.reducer != "p2p":
+            why = f"reducer {self.reducer!r} is not captured (reducer 'p2p' is)"
+        elif split == "auto":
+            why = "split='auto' times every replica on the host"
+        elif buffers == "sync":
+            why = "buffers='sync' reads batch-norm counts on the host"
+        elif len(set(self.devices)) > 1:
+            why = ("replicas on several devices are not graphed yet (several GPUs have never "
+                   "been available to test the capture of the cross-device schedules)")
+        elif self.devices[0].type != "cuda" and self._graph_backend == "cuda":
+            why = "CUDA graphs need CUDA replicas; on the CPU use blocking=False"
+        if why is not None:
+            raise ValueError(f"dpcuda DataParallel: graphs=True: {why}")
+        backend = _CudaGraph if self._graph_backend == "cuda" else _ClosureGraph
+        return GraphedSteps(backend)
 
     # -- the SGD hyperparameters of step() (a schedule may change them between steps) --------
 

@@ -196,6 +196,7 @@ class FusedUpdate:
         self._plan = None
         self._plan_key = None
         self.issued = False  # whether the last update() queued its reduce-update
+        self._first = []
 
     @staticmethod
     def _structure(opt, group):
@@ -249,12 +250,34 @@ class FusedUpdate:
         records, scaled_by, loss_out: the replicas' step_status records, which the update
         obeys on the device (reduce_update_: skipped for NaN/Inf or a bad label, with no step
         counted and no momentum begun; the gradient rescaled by scaled_by / the rows they
-        count; the step's loss into loss_out), for a step that does not read them first."""
-        plan = self._plan
+        count; the step's loss into loss_out), for a step that does not read them first.
+
+        Three parts, which a graphed step (graphed.py) runs apart: write_hyper (the host's
+        values into the plan's device array), device_update (device work only: what a graph
+        captures) and finish (the host's bookkeeping after an update)."""
         self.issued = False
-        R = len(replicas)
+        self.write_hyper(opt)
+        for r in replicas:
+            r.drop_grads()
+
+        def run():
+            self.device_update(opt, replicas, algorithm, records, scaled_by, loss_out)
+            self.finish(opt)
+        # Through opt.step(), so that what wraps it runs as for any step: its post-hooks, the
+        # learning-rate schedulers' bookkeeping, the profiler's record.
+        opt._fused_step = run
+        try:
+            opt.step()
+        finally:
+            opt.__dict__.pop("_fused_step", None)
+
+    def write_hyper(self, opt):
+        """Each group's hyperparameters (as the optimizer holds them now: a scheduler's lr)
+        into the plan's device array; Adam's step and SGD's first-step flag are completed
+        there by device_update."""
+        plan = self._plan
         adam = opt._op == "adam"
-        first = []  # SGD: the groups whose momentum buffers this update makes
+        self._first = []  # SGD: the groups whose momentum buffers this update makes
         rows = []
         for index, group in enumerate(opt.param_groups):
             m = plan.members[index]
@@ -262,8 +285,7 @@ class FusedUpdate:
                 rows.append([0.0] * _HYPER)
                 continue
             if not adam and "momentum_buffer" not in opt.state[plan.params[m[0]]]:
-                first.append(index)
-            # (Adam's step and SGD's first-step flag are written on the device below)
+                self._first.append(index)
             rows.append(opt._values(group, 0.0 if adam else False))
         with torch.no_grad():
             values = torch.tensor(rows, dtype=torch.float64)
@@ -271,24 +293,29 @@ class FusedUpdate:
                 plan.hyper.copy_(values)
             else:
                 # (from pageable memory: staged as it is issued, in stream order after the last
-                # update that read the arrays)
+                # update that read the array)
                 plan.hyper.copy_(values, non_blocking=True)
+
+    def device_update(self, opt, replicas, algorithm, records=(), scaled_by=0.0,
+                      loss_out=None):
+        """The update's device work, with no host read: the step slot (Adam) or the first-step
+        flag (SGD) from the device's counts, the reduce-update, the counts advanced where the
+        records let the update apply."""
+        plan = self._plan
+        R = len(replicas)
+        adam = opt._op == "adam"
+        with torch.no_grad():
             if adam:
                 step = plan.hyper[:, _STEP]
                 step.copy_(plan.steps.index_select(0, plan.first_index)).add_(1)
             elif plan.keys:
                 plan.hyper[:, _FLAGS].add_(plan.started.neg().add_(1).mul_(_FIRST))
-        hyper = [plan.hyper[g] for g in range(len(opt.param_groups)) for _ in range(R)]
-        # Whether the update applies (counted on the device from the records: no host read).
-        ok = None
-        if records:
-            ok = torch.stack(list(records))[:, 1:3].eq(0).all()
-
-        clip = opt.max_grad_norm
-        norm = torch.empty(1, dtype=plan.buffers[0][0].dtype, device=plan.device) \
-            if clip is not None else None
-
-        def run():
+            hyper = [plan.hyper[g] for g in range(len(opt.param_groups)) for _ in range(R)]
+            # Whether the update applies (counted on the device from the records).
+            ok = torch.stack(list(records))[:, 1:3].eq(0).all() if records else None
+            clip = opt.max_grad_norm
+            norm = torch.empty(1, dtype=plan.buffers[0][0].dtype, device=plan.device) \
+                if clip is not None else None
             # gather=False: the new weights land in replica 0's buffer only. The others take
             # them at the next forward, whose sync copies replica 0's weights to every replica
             # whatever happened in between (replicas.py), so writing them here too would move
@@ -300,12 +327,7 @@ class FusedUpdate:
             self.issued = True
             if norm is not None:
                 opt.grad_norm = norm.reshape(())
-            # In place, as torch.optim's updates: autograd sees the weights changed.
-            torch.autograd.graph.increment_version(plan.params)
-            # What opt.step() leaves in the state once the update has happened: Adam's step
-            # counts (on the device, where a skipped update counts none), SGD's momentum
-            # buffers made at its first step (a zero buffer where the device skipped it, which
-            # the next update starts afresh, as the device's flag says).
+            # Adam's step counts (a skipped update counts none), whether SGD's momentum began.
             if adam:
                 plan.steps.add_(1 if ok is None else ok)
             elif plan.keys:
@@ -313,19 +335,19 @@ class FusedUpdate:
                     plan.started.fill_(1.0)
                 else:
                     torch.maximum(plan.started, ok.to(plan.started.dtype), out=plan.started)
-                for index in first:
-                    for i in plan.members[index]:
-                        opt.state[plan.params[i]]["momentum_buffer"] = \
-                            plan.views["momentum_buffer"][i]
-        # Through opt.step(), so that what wraps it runs as for any step: its post-hooks, the
-        # learning-rate schedulers' bookkeeping, the profiler's record.
-        for r in replicas:
-            r.drop_grads()
-        opt._fused_step = run
-        try:
-            opt.step()
-        finally:
-            opt.__dict__.pop("_fused_step", None)
+
+    def finish(self, opt):
+        """What opt.step() leaves on the host once an update is issued: the weights' versions
+        (autograd sees them changed, as after torch.optim's in-place update), SGD's momentum
+        buffers made at its first step (a zero buffer where the device skipped it, which the
+        next update starts afresh, as the device's flag says)."""
+        plan = self._plan
+        torch.autograd.graph.increment_version(plan.params)
+        if opt._op == "sgd" and plan.keys:
+            for index in self._first:
+                for i in plan.members[index]:
+                    opt.state[plan.params[i]]["momentum_buffer"] = \
+                        plan.views["momentum_buffer"][i]
 
     @property
     def _flat(self):  # (tests: the flat state buffers)

@@ -43,6 +43,20 @@ class PendingSteps:
                 "of state (and the same step count) in every parameter group, and a gradient "
                 "for every parameter (a replica's forward left one unused); use blocking=True")
         kept = self._keep(unused) if unused and opt is None else None
+        ring = self._graph_ring
+        if ring is not None:
+            # A graphed step's capture (graphed.py): the loss and the records into the static
+            # loss and the device ring; the host's part of the step is done at each replay.
+            if opt is not None:
+                self._fused_update.device_update(opt, self._replicas, self.algorithm, records,
+                                                 float(global_den), ring.loss)
+            else:
+                self._reduce_p2p(records, float(global_den), ring.loss)
+            if kept is not None:
+                for dst, src in kept:
+                    dst.copy_(src)
+            ring.write(records)
+            return ring.loss
         # Everything that can fail is made before the update is queued (a step that raises
         # leaves the weights): the loss, the records' host memory (pinned, behind an event,
         # from CUDA devices), the events.
@@ -90,12 +104,15 @@ class PendingSteps:
         have finished, then, waiting for them, every one (wait) or those more than `lag` steps
         back. NaN/Inf gradients warn and count; a bad label (that step's update was skipped on
         the device) raises once every record this call reads is read, the first one's."""
+        if wait and self._graphed is not None:
+            self._graphed.flush(self)  # (the graphed steps' ring, read now)
         error, more = None, []
         while self._pending:
             pending = self._pending[0]
             step = pending.step
             if not all(e.query() for e in pending.events):
-                if not wait and len(self._pending) < self.lag:
+                # (the host may run `lag` copies of records ahead: a step's, or a ring's)
+                if not wait and len({id(p.events) for p in self._pending}) < self.lag:
                     break
                 for e in pending.events:
                     e.synchronize()

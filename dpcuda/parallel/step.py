@@ -130,6 +130,47 @@ class StepMixin(LabelChecks, PendingSteps):
                                "its update at once, with nothing to defer")
         if optimizer is not None:
             self._check_optimizer(optimizer)
+        streams = self._own_streams()
+        if not streams:
+            return self._step_checked(inputs, targets, loss_fn, optimizer, accumulate)
+        # On CUDA the step runs on DataParallel's own stream of each device: ordered after the
+        # work the caller queued before it (its batch) and after the previous step, whichever
+        # stream or thread issued that; the caller's streams then wait for it, so whatever the
+        # caller queues next (reading the loss, .grad, the weights) sees the step done.
+        import contextlib
+        callers = {d: torch.cuda.current_stream(d) for d in streams}
+        for d, s in streams.items():
+            s.wait_stream(callers[d])
+        try:
+            with contextlib.ExitStack() as stack:
+                for d in reversed(list(streams)):  # (devices[0]'s last: the current device)
+                    stack.enter_context(torch.cuda.stream(streams[d]))
+                result = self._step_checked(inputs, targets, loss_fn, optimizer, accumulate)
+        finally:
+            for d, s in streams.items():
+                callers[d].wait_stream(s)
+        if torch.is_tensor(result) and result.device.type == "cuda":
+            # (made on our stream, freed by the caller's: the allocator waits for the caller)
+            result.record_stream(callers[result.device])
+        return result
+
+    def _own_streams(self):
+        """DataParallel's stream on each CUDA device of its replicas ({} on the CPU)."""
+        streams = self.__dict__.get("_streams")
+        if streams is None:
+            streams = {}
+            for d in dict.fromkeys(r.device for r in self._replicas):
+                if d.type == "cuda":
+                    streams[d] = torch.cuda.Stream(d)
+            self.__dict__["_streams"] = streams
+        return streams
+
+    def _step_checked(self, inputs, targets, loss_fn, optimizer, accumulate):
+        if self._graphed is not None:
+            return self._graphed.step(self, inputs, targets, loss_fn, optimizer, accumulate)
+        return self._step_eager(inputs, targets, loss_fn, optimizer, accumulate)
+
+    def _step_eager(self, inputs, targets, loss_fn, optimizer, accumulate):
         self._sync()
         # A step that raises leaves the buffers (batch-norm statistics) as they were, as it
         # leaves the weights.
@@ -243,7 +284,8 @@ class StepMixin(LabelChecks, PendingSteps):
         half = self._replicas[0].flat_grad.dtype == torch.float16 or (
             torch.is_autocast_enabled(kind) and torch.get_autocast_dtype(kind) == torch.float16)
         count_on_device = not self.blocking and summed is not None and (
-            targets.device.type != "cpu" or self._count_on_device) and not half
+            targets.device.type != "cpu" or self._count_on_device or
+            self._graph_ring is not None) and not half
         if count_on_device:
             dens = [part[1].numel() for part in parts]
         else:

@@ -1,0 +1,307 @@
+"""DataParallel(graphs=True): the one-call step captured as a CUDA graph once per input shape,
+then replayed, so that a steady-state step costs the host a copy of the batch and one launch.
+
+A step of a new shape runs WARMUP eager non-blocking steps (dp.step's own), then is captured:
+the replicas' weight copies, forward, loss, backward, the step records and the reduction with
+the fused update (dpcuda.optim's, or the wrapper's SGD), into static buffers: the batch, the
+loss, and a device ring of the records (RING steps; the host copies it to pinned memory every
+RING steps and reads it later, as PendingSteps, or at synchronize()). Skipped steps and bad
+labels are decided on the device, as in blocking=False. Each replay writes the optimizer's
+hyperparameters (the learning rate a scheduler set) into the plan's device array first, and the
+host does what a step does on the host (the step count, the optimizer's step() wrapper: its
+post-hooks and the schedulers' bookkeeping).
+
+What the capture holds as constants makes a new graph when it changes: the shapes, dtypes and
+devices of the batch, the loss and its settings, the optimizer (its plan, max_grad_norm) or the
+wrapper's lr/momentum/weight_decay, accumulate, the model's structure and training flags,
+autocast. What a graph cannot replay falls back to the eager non-blocking step with one warning
+naming the reason: a loss computed on the gathered output, Python hooks on the model or the
+loss (they would run at capture only), float16 gradients (their labels are counted on the host),
+a capture the runtime refuses. DataParallel refuses at construction what never can be graphed.
+
+Replicas on one CUDA device: one graph. The CPU has no graphs: there a test runs this module's
+logic with _ClosureGraph (capture keeps the body, replay runs it), which checks everything but
+the capture itself; the capture has not run on a GPU yet.
+"""
+
+import collections
+import warnings
+
+import torch
+
+from .pending import PendingStep
+
+WARMUP = 3        # eager steps of a shape before it is captured
+RING = 16         # the device ring's steps: the host reads the records every RING steps
+MAX_GRAPHS = 8    # captured keys kept; the least recently used is dropped
+
+
+class _CudaGraph:
+    """One captured step on a CUDA device: capture runs nothing, replay runs the step."""
+
+    def __init__(self, device, pool):
+        self.graph = torch.cuda.CUDAGraph()
+        self.device = device
+        self.pool = pool
+
+    def capture(self, body):
+        caller = torch.cuda.current_stream(self.device)
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(caller)
+        with torch.cuda.graph(self.graph, pool=self.pool, stream=stream):
+            body()
+        caller.wait_stream(stream)
+
+    def replay(self):
+        self.graph.replay()
+
+
+class _ClosureGraph:
+    """The CPU stand-in of a graph (tests): capture keeps the body and runs nothing, as a CUDA
+    capture; replay runs it. The body's host code must therefore give the same device work at
+    every run, which is what a CUDA capture needs of it too."""
+
+    def __init__(self, device, pool):
+        self.body = None
+
+    def capture(self, body):
+        self.body = body
+
+    def replay(self):
+        self.body()
+
+
+class _Ring:
+    """The records of the graphed steps on the device: the graph writes slot `counter` and
+    advances it; the host keeps the same count (one per replay) and copies the ring to pinned
+    memory each time it is full, or when it must read it (synchronize, a state function, an
+    eager step that follows)."""
+
+    def __init__(self, replicas, device):
+        self.device = device
+        self.records = torch.zeros(RING, replicas, 4, dtype=torch.float64, device=device)
+        self.counter = torch.zeros(1, dtype=torch.long, device=device)
+        self.loss = torch.zeros((), dtype=torch.float64, device=device)
+        self.window = []  # (step, targets, summed, classes) of the slots written, not yet read
+        self.slot = 0     # the host's copy of counter
+
+    def write(self, records):
+        """In the graph: this step's records into slot `counter`."""
+        self.records.index_copy_(0, self.counter, torch.stack(list(records)).unsqueeze(0))
+        self.counter.add_(1).remainder_(RING)
+
+    def flush(self, pending):
+        """The window's records to pinned host memory behind an event, one PendingStep each."""
+        if not self.window:
+            return
+        cuda = self.device.type == "cuda"
+        host = torch.empty(self.records.shape, dtype=torch.float64, pin_memory=cuda)
+        host.copy_(self.records, non_blocking=cuda)
+        events = []
+        if cuda:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.device))
+            events.append(event)
+        first = (self.slot - len(self.window)) % RING
+        for i, (step, targets, summed, classes) in enumerate(self.window):
+            row = host[(first + i) % RING]
+            pending.append(PendingStep(step, list(row.unbind()), events, targets, summed,
+                                       classes))
+        self.window = []
+
+
+class _Graph:
+    """One captured step: its static batch, the plan it updates, and the graph."""
+
+    def __init__(self, graph, static_x, static_y, plan):
+        self.graph, self.static_x, self.static_y, self.plan = graph, static_x, static_y, plan
+
+
+class GraphedSteps:
+    """DataParallel's graphed step (the module docstring): step() per call."""
+
+    def __init__(self, backend):
+        self.backend = backend
+        self.graphs = collections.OrderedDict()
+        self.seen = collections.Counter()
+        self.eager_keys = set()  # keys whose capture failed: eager from then on
+        self.warned = set()
+        self.ring = None
+        self.pool = None
+
+    # -- what a graph can replay -----------------------------------------------------------
+
+    @staticmethod
+    def _hooked(module):
+        return any(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or
+                   getattr(m, "_backward_pre_hooks", None) for m in module.modules()) or \
+            any(p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks", None)
+                for p in module.parameters())
+
+    def _why_not(self, dp, targets, loss_fn, summed):
+        """Why this step cannot be replayed from a graph (None: it can)."""
+        from .step import summed_loss  # noqa: F401  (the per-replica losses' test)
+        if summed is None:
+            return (f"the loss {type(loss_fn).__name__} is computed on the gathered output "
+                    f"(graphs replay the per-replica cross-entropy losses)")
+        if self._hooked(dp.module) or (isinstance(loss_fn, torch.nn.Module) and
+                                       self._hooked(loss_fn)):
+            return "Python hooks on the model or the loss would run at the capture only"
+        kind = dp._replicas[0].device.type
+        half = dp._replicas[0].flat_grad.dtype == torch.float16 or (
+            torch.is_autocast_enabled(kind) and torch.get_autocast_dtype(kind) == torch.float16)
+        if half:
+            return "float16 gradients count their labels on the host"
+        return None
+
+    def _key(self, dp, inputs, targets, loss_fn, optimizer, accumulate):
+        settings = tuple(getattr(loss_fn, k, None) for k in
+                         ("reduction", "label_smoothing", "ignore_index"))
+        if optimizer is None:
+            update = ("sgd", dp.lr, dp.momentum, dp.weight_decay)
+        else:
+            update = (id(optimizer), getattr(optimizer, "max_grad_norm", None))
+        kind = dp._replicas[0].device.type
+        return (tuple(inputs.shape), inputs.dtype, inputs.device, tuple(targets.shape),
+                targets.dtype, targets.device, type(loss_fn), id(loss_fn)
+                if not isinstance(loss_fn, torch.nn.Module) else None, settings, update,
+                accumulate, dp._set.generation, dp._set._structure,
+                tuple(m.training for m in dp.module.modules()),
+                torch.is_autocast_enabled(kind), dp.algorithm)
+
+    # -- the step --------------------------------------------------------------------------
+
+    def step(self, dp, inputs, targets, loss_fn, optimizer, accumulate):
+        from .step import summed_loss
+        if not isinstance(inputs, torch.Tensor) or not isinstance(targets, torch.Tensor):
+            return self._eager(dp, inputs, targets, loss_fn, optimizer, accumulate)
+        summed = summed_loss(loss_fn, targets)
+        reason = self._why_not(dp, targets, loss_fn, summed)
+        if reason is not None:
+            if reason not in self.warned:
+                self.warned.add(reason)
+                warnings.warn(f"dpcuda DataParallel(graphs=True): this step runs eagerly: "
+                              f"{reason}", RuntimeWarning, stacklevel=3)
+            return self._eager(dp, inputs, targets, loss_fn, optimizer, accumulate)
+        # The structure the key names, read without the weight copies (the graph makes them):
+        # a changed model is built again first.
+        params, _, structure = dp._set._read_structure()
+        if structure != dp._set._structure or \
+                [p.data_ptr() for p in params] != dp._set._pointers:
+            dp._sync()
+        key = self._key(dp, inputs, targets, loss_fn, optimizer, accumulate)
+        graph = self.graphs.get(key)
+        if graph is not None and optimizer is not None:
+            fused = dp._fused_update
+            if not fused.ready(optimizer, dp._replicas, set(), dp._set.generation):
+                return self._eager(dp, inputs, targets, loss_fn, optimizer, accumulate)
+            if fused._plan is not graph.plan:  # (a new plan: new state buffers)
+                del self.graphs[key]
+                graph = None
+        if graph is None:
+            self.seen[key] += 1
+            if key in self.eager_keys or self.seen[key] <= WARMUP:
+                return self._eager(dp, inputs, targets, loss_fn, optimizer, accumulate)
+            graph = self._capture(dp, key, inputs, targets, loss_fn, summed, optimizer,
+                                  accumulate)
+            if graph is None:
+                return self._eager(dp, inputs, targets, loss_fn, optimizer, accumulate)
+        self.graphs.move_to_end(key)
+        return self._replay(dp, graph, inputs, targets, summed, optimizer)
+
+    def _eager(self, dp, inputs, targets, loss_fn, optimizer, accumulate):
+        # The ring's steps are read before an eager step's (the records in step order).
+        if self.ring is not None:
+            self.ring.flush(dp._pending)
+        return dp._step_eager(inputs, targets, loss_fn, optimizer, accumulate)
+
+    def _capture(self, dp, key, inputs, targets, loss_fn, summed, optimizer, accumulate):
+        device = dp._replicas[0].device
+        if self.ring is None or self.ring.records.shape[1] != len(dp._replicas):
+            if self.ring is not None:
+                self.ring.flush(dp._pending)
+            self.ring = _Ring(len(dp._replicas), device)
+        if self.pool is None and self.backend is _CudaGraph:
+            self.pool = torch.cuda.graph_pool_handle()
+        static_x = torch.empty_like(inputs, device=device)
+        static_y = torch.empty_like(targets, device=device)
+        graph = self.backend(device, self.pool)
+        ring = self.ring
+        dp._optimizer = optimizer
+        if optimizer is not None:
+            # (the plan and its hyperparameters exist before the capture reads them)
+            if not dp._fused_update.ready(optimizer, dp._replicas, set(), dp._set.generation):
+                dp._optimizer = None
+                return None
+            dp._fused_update.write_hyper(optimizer)
+
+        grad_enabled = torch.is_grad_enabled()  # (a replay runs inside opt.step's no_grad)
+
+        def body():
+            dp._optimizer = optimizer
+            dp._graph_ring = ring
+            try:
+                with torch.set_grad_enabled(grad_enabled):
+                    dp._sync()
+                    dp._step(static_x, static_y, loss_fn, accumulate)
+            finally:
+                dp._graph_ring = None
+                dp._optimizer = None
+        try:
+            graph.capture(body)
+        except Exception as err:  # the runtime refused the capture: eager from now on
+            self.eager_keys.add(key)
+            reason = f"the capture failed ({type(err).__name__}: {str(err)[:200]})"
+            if reason not in self.warned:
+                self.warned.add(reason)
+                warnings.warn(f"dpcuda DataParallel(graphs=True): this step runs eagerly: "
+                              f"{reason}", RuntimeWarning, stacklevel=4)
+            for r in dp._replicas:
+                r.drop_grads()
+            return None
+        finally:
+            dp._optimizer = None
+        captured = _Graph(graph, static_x, static_y,
+                          dp._fused_update._plan if optimizer is not None else None)
+        self.graphs[key] = captured
+        while len(self.graphs) > MAX_GRAPHS:
+            self.graphs.popitem(last=False)
+        return captured
+
+    def _replay(self, dp, graph, inputs, targets, summed, optimizer):
+        """One step from the graph: the batch into the static buffers, the hyperparameters
+        into the plan's array, the replay; then the host's part of a step."""
+        ring = self.ring
+        with torch.no_grad():
+            graph.static_x.copy_(inputs, non_blocking=True)
+            graph.static_y.copy_(targets, non_blocking=True)
+
+        def run():
+            if optimizer is not None:
+                dp._fused_update.write_hyper(optimizer)
+            graph.graph.replay()
+            if optimizer is not None:
+                dp._fused_update.finish(optimizer)
+        if optimizer is not None:
+            # Through opt.step(), as the eager fused step: its post-hooks and the schedulers'
+            # bookkeeping see one step.
+            optimizer._fused_step = run
+            try:
+                optimizer.step()
+            finally:
+                optimizer.__dict__.pop("_fused_step", None)
+        else:
+            run()
+        ring.window.append((dp.steps, targets, summed, dp._classes))
+        ring.slot = (ring.slot + 1) % RING
+        dp.steps += 1
+        for r in dp._replicas:
+            r.drop_grads()
+        loss = ring.loss.clone()  # (the static loss is rewritten by the next replay)
+        if len(ring.window) == RING:
+            ring.flush(dp._pending)
+        return loss
+
+    def flush(self, dp):
+        if self.ring is not None:
+            self.ring.flush(dp._pending)
