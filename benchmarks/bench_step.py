@@ -12,7 +12,7 @@ Contenders, measured round-robin in the same run (benchmarks/common.py):
                       capture" with a capturable optimizer (CUDA only)
   dpcuda blocking     DataParallel(FusedMLP, R replicas).step(x, y, loss, optimizer=dpcuda.optim)
   dpcuda nonblocking  the same with blocking=False (no host read of a device value)
-dpcuda's graphed step (DataParallel(graphs=True)) is not built yet; it will join this list.
+  dpcuda graphed      the same with graphs=True (captured once, replayed; CUDA only)
 Ratios are torch eager's time over each contender's (> 1: faster than torch eager).
 
     python benchmarks/bench_step.py --device cpu --json benchmarks/results/step-sync-cpu.json
@@ -34,8 +34,8 @@ from dpcuda.nn import FusedMLP, SoftmaxCrossEntropyLoss  # noqa: E402
 from dpcuda.parallel import DataParallel  # noqa: E402
 
 CONTENDERS = ("torch eager", "torch eager fused", "torch.compile", "torch.compile r-o",
-              "torch cuda graph", "dpcuda blocking", "dpcuda nonblocking")
-CUDA_ONLY = ("torch.compile r-o", "torch cuda graph")
+              "torch cuda graph", "dpcuda blocking", "dpcuda nonblocking", "dpcuda graphed")
+CUDA_ONLY = ("torch.compile r-o", "torch cuda graph", "dpcuda graphed")
 
 
 def plain_mlp(dims):
@@ -117,10 +117,10 @@ def torch_cuda_graph(dims, opt_name, lr, x, y, device):
     return step
 
 
-def dpcuda_step(dims, opt_name, lr, x, y, device, replicas, blocking):
+def dpcuda_step(dims, opt_name, lr, x, y, device, replicas, blocking, graphs=False):
     torch.manual_seed(0)
     model = FusedMLP(dims)
-    dp = DataParallel(model, [device] * replicas, blocking=blocking)
+    dp = DataParallel(model, [device] * replicas, blocking=blocking, graphs=graphs)
     opt = dpcuda_optimizer(opt_name, dp.parameters(), lr)
     loss_fn = SoftmaxCrossEntropyLoss()
 
@@ -143,7 +143,7 @@ def make(name, dims, opt_name, x, y, device, replicas):
     if name == "torch cuda graph":
         return torch_cuda_graph(dims, opt_name, lr, x, y, device)
     return dpcuda_step(dims, opt_name, lr, x, y, device, replicas,
-                       blocking=name == "dpcuda blocking")
+                       blocking=name == "dpcuda blocking", graphs=name == "dpcuda graphed")
 
 
 def parse_shapes(text):

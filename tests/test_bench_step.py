@@ -26,7 +26,8 @@ def test_bench_step_runs_every_cpu_contender(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     payload = json.loads(out.read_text())
     assert payload["steps_per_sync"] == 3
-    assert sorted(payload["not_run"]) == ["torch cuda graph", "torch.compile r-o"]
+    assert sorted(payload["not_run"]) == ["dpcuda graphed", "torch cuda graph",
+                                          "torch.compile r-o"]
     rows = payload["results"]
     for opt in ("sgd", "adamw"):
         r1 = {r["method"] for r in rows if r["optimizer"] == opt and r["replicas"] == 1}

@@ -169,6 +169,70 @@ def test_cuda_nonblocking_training_is_the_blocking_training(replicas, fused, lab
             torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("replicas", [1, 2])
+@pytest.mark.parametrize("name", [None, "SGD", "AdamW"])
+def test_cuda_graphed_training_is_the_eager_training_bit_for_bit(replicas, name):
+    # The captured step replayed 1000 times with an lr that changes every step (a scheduler),
+    # NaN steps skipped on the device, labels on the GPU: the weights, the losses and the
+    # skipped steps of the eager non-blocking step, bit for bit; one capture.
+    gen = torch.Generator().manual_seed(3)
+    data = []
+    for s in range(1000):
+        x = torch.randn(24, 20, generator=gen)
+        if s in (10, 500):
+            x[2, 2] = float("nan")
+        data.append((x.cuda(), torch.randint(0, 5, (24,), generator=gen).cuda()))
+    results = []
+    for graphs in (False, True):
+        model = mlp(True, torch.float32).cuda()
+        dp = DataParallel(model, ["cuda:0"] * replicas, graphs=graphs, blocking=False,
+                          lr=0.05, momentum=0.9)
+        opt = None
+        if name is not None:
+            opt = getattr(dpcuda.optim, name)(model.parameters(), lr=0.01,
+                                              **({"momentum": 0.9} if name == "SGD" else
+                                                 {"max_grad_norm": 1.0}))
+            sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + 0.01 * s))
+        losses = []
+        for x, y in data:
+            losses.append(dp.step(x, y, SoftmaxCrossEntropyLoss(), optimizer=opt))
+            if opt is not None:
+                sched.step()
+            else:
+                if len(losses) % 5 == 0:  # (the wrapper's SGD: a capture per lr)
+                    dp.lr = 0.05 / (1 + 0.01 * len(losses))
+                if len(losses) == 30:
+                    break
+        dp.synchronize()
+        if graphs:
+            assert dp._graphed.graphs and not dp._graphed.eager_keys
+        results.append(([float(v) for v in losses],
+                        [p.detach().clone() for p in model.parameters()], dp.skipped_steps))
+    (la, wa, sa), (lb, wb, sb) = results
+    assert sa == sb
+    assert la == pytest.approx(lb, rel=0, abs=0, nan_ok=True)
+    assert all(torch.equal(a, b) for a, b in zip(wa, wb))
+
+
+def test_cuda_steps_from_two_streams_are_ordered():
+    # Consecutive non-blocking steps issued from different streams run on DataParallel's own
+    # stream, one after another, and the caller's stream waits for each: the same weights as
+    # steps issued from one stream.
+    data = batches(torch.float32, steps=6)
+    results = []
+    for streams in (1, 2):
+        model = mlp(True, torch.float32).cuda()
+        dp = DataParallel(model, ["cuda:0"] * 2, blocking=False, lr=0.1, momentum=0.9)
+        side = [torch.cuda.Stream() for _ in range(streams)]
+        for i, (x, y) in enumerate(data):
+            with torch.cuda.stream(side[i % streams]):
+                dp.step(x.cuda(), y.cuda(), SoftmaxCrossEntropyLoss())
+        dp.synchronize()
+        torch.cuda.synchronize()
+        results.append([p.detach().clone() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
 @pytest.mark.parametrize("replicas", [1, 3])
 @pytest.mark.parametrize("name", ["SGD", "AdamW"])
 @pytest.mark.parametrize("labels", ["cuda", "cpu"])

@@ -125,6 +125,7 @@ class GraphedSteps:
         self.graphs = collections.OrderedDict()
         self.seen = collections.Counter()
         self.eager_keys = set()  # keys whose capture failed: eager from then on
+        self.recaptures = 0  # captures for the wrapper's SGD (a changed lr is a new graph)
         self.warned = set()
         self.ring = None
         self.pool = None
@@ -162,12 +163,13 @@ class GraphedSteps:
         else:
             update = (id(optimizer), getattr(optimizer, "max_grad_norm", None))
         kind = dp._replicas[0].device.type
-        return (tuple(inputs.shape), inputs.dtype, inputs.device, tuple(targets.shape),
-                targets.dtype, targets.device, type(loss_fn), id(loss_fn)
-                if not isinstance(loss_fn, torch.nn.Module) else None, settings, update,
-                accumulate, dp._set.generation, dp._set._structure,
-                tuple(m.training for m in dp.module.modules()),
-                torch.is_autocast_enabled(kind), dp.algorithm)
+        # (the shape's part first: its warm-up is counted per shape)
+        shape = (tuple(inputs.shape), inputs.dtype, inputs.device, tuple(targets.shape),
+                 targets.dtype, targets.device, dp._set.generation, dp._set._structure)
+        return shape, shape + (type(loss_fn), id(loss_fn) if not isinstance(
+            loss_fn, torch.nn.Module) else None, settings, update, accumulate,
+            tuple(m.training for m in dp.module.modules()), torch.is_autocast_enabled(kind),
+            dp.algorithm)
 
     # -- the step --------------------------------------------------------------------------
 
@@ -189,7 +191,7 @@ class GraphedSteps:
         if structure != dp._set._structure or \
                 [p.data_ptr() for p in params] != dp._set._pointers:
             dp._sync()
-        key = self._key(dp, inputs, targets, loss_fn, optimizer, accumulate)
+        shape, key = self._key(dp, inputs, targets, loss_fn, optimizer, accumulate)
         graph = self.graphs.get(key)
         if graph is not None and optimizer is not None:
             fused = dp._fused_update
@@ -199,9 +201,18 @@ class GraphedSteps:
                 del self.graphs[key]
                 graph = None
         if graph is None:
-            self.seen[key] += 1
-            if key in self.eager_keys or self.seen[key] <= WARMUP:
+            self.seen[shape] += 1
+            if key in self.eager_keys or self.seen[shape] <= WARMUP:
                 return self._eager(dp, inputs, targets, loss_fn, optimizer, accumulate)
+            if optimizer is None:
+                self.recaptures += 1
+                if self.recaptures == 4:
+                    warnings.warn(
+                        "dpcuda DataParallel(graphs=True): the wrapper's lr, momentum or "
+                        "weight_decay changed: each change captures the step again (the "
+                        "wrapper's SGD takes them as constants); a dpcuda.optim optimizer's "
+                        "schedule reaches the replayed update instead", RuntimeWarning,
+                        stacklevel=3)
             graph = self._capture(dp, key, inputs, targets, loss_fn, summed, optimizer,
                                   accumulate)
             if graph is None:

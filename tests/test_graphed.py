@@ -1,0 +1,262 @@
+"""DataParallel(graphs=True) on the CPU: the graphed step's logic (dpcuda/parallel/graphed.py)
+with its CPU stand-in, _ClosureGraph, whose capture keeps the step's body without running it
+and whose replay runs it, as a CUDA graph's do. What it checks: static buffers, one capture per
+shape after the warm-up, the device ring of records read every RING steps, the hyperparameters
+(a scheduler's lr) reaching each replay, the host's part of a warmed-up step (its ops, no host
+read), no host read in what the graph holds, the fallbacks and the errors, and the training
+against the eager non-blocking and blocking steps bit for bit. What it cannot check is the CUDA
+capture itself (tests/test_cuda_step.py has that, for a GPU)."""
+
+import collections
+import warnings
+
+import pytest
+import torch
+
+import dpcuda
+from dpcuda.nn import FusedMLP, SoftmaxCrossEntropyLoss
+from dpcuda.parallel import DataParallel
+from dpcuda.parallel import graphed as graphed_module
+from test_nonblocking import _OpLog, batches
+
+READS = ("_local_scalar_dense", "item", "nonzero", "is_nonzero", "equal")
+
+
+@pytest.fixture
+def closure(monkeypatch):
+    monkeypatch.setattr(DataParallel, "_graph_backend", "closure")
+    # the eager reference counts labels on the device, as a graphed step does
+    monkeypatch.setattr(DataParallel, "_count_on_device", True)
+
+
+def make(fused=True):
+    torch.manual_seed(1)
+    if fused:
+        return FusedMLP([12, 16, 5])
+    return torch.nn.Sequential(torch.nn.Linear(12, 16), torch.nn.Tanh(),
+                               torch.nn.Linear(16, 5))
+
+
+def train(mode, opt_name, replicas=2, steps=40, fused=True, data=None, loss_fn=None):
+    """mode: "graphed", "nonblocking" or "blocking"."""
+    model = make(fused)
+    kw = {"graphs": True} if mode == "graphed" else {"blocking": mode == "blocking"}
+    dp = DataParallel(model, ["cpu"] * replicas, lr=0.05, momentum=0.9, **kw)
+    cfg = {"SGD": dict(lr=0.05, momentum=0.9, dampening=0.1),
+           "AdamW": dict(lr=0.01, max_grad_norm=0.5), None: None}[opt_name]
+    opt = getattr(dpcuda.optim, opt_name)(model.parameters(), **cfg) if opt_name else None
+    sched = torch.optim.lr_scheduler.StepLR(opt, 5, 0.5) if opt else None
+    loss_fn = loss_fn or (SoftmaxCrossEntropyLoss() if fused else torch.nn.CrossEntropyLoss())
+    data = data or batches(steps, nan_steps=(1, 9, 30), ignore_steps=(20,))
+    losses = []
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        for x, y in data:
+            losses.append(dp.step(x, y, loss_fn, optimizer=opt))
+            if sched:
+                sched.step()
+        if mode != "blocking":
+            dp.synchronize()
+    warned = [str(m.message) for m in w if "NaN or Inf" in str(m.message)]
+    graphs = [str(m.message) for m in w if "graphs=True" in str(m.message)]
+    return dp, model, opt, [float(v) for v in losses], warned, graphs
+
+
+def same(a, b):
+    return all((x == y) or (x != x and y != y) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("opt_name", [None, "SGD", "AdamW"])
+@pytest.mark.parametrize("replicas", [1, 3])
+@pytest.mark.parametrize("fused", [True, False])
+def test_graphed_training_is_the_nonblocking_training_bit_for_bit(closure, opt_name, replicas,
+                                                                  fused):
+    # 40 steps (the ring of 16 read twice and then at synchronize), NaN steps skipped on the
+    # device (one during the warm-up, two replayed), ignored labels, a scheduler.
+    a = train("nonblocking", opt_name, replicas, fused=fused)
+    b = train("graphed", opt_name, replicas, fused=fused)
+    dpa, ma, oa, la, wa, _ = a
+    dpb, mb, ob, lb, wb, fallbacks = b
+    assert not fallbacks
+    assert same(la, lb) and wa == wb and len(wb) == 3
+    assert dpa.skipped_steps == dpb.skipped_steps == 3 and dpb.steps == 40
+    assert all(torch.equal(p, q) for p, q in zip(ma.parameters(), mb.parameters()))
+    assert len(dpb._graphed.graphs) == 1  # one shape: one capture
+    if opt_name:
+        sa, sb = oa.state_dict(), ob.state_dict()
+        for k, entry in sa["state"].items():
+            for key, v in entry.items():
+                assert torch.equal(torch.as_tensor(v), torch.as_tensor(sb["state"][k][key]))
+
+
+def test_the_graphed_loss_is_the_blocking_steps(closure):
+    # Labels all counted (none ignored): the device ring's loss and the weights are the
+    # blocking step's, whose records the host reads at every step.
+    data = batches(20, nan_steps=(6,))
+    a = train("blocking", "AdamW", data=data)
+    b = train("graphed", "AdamW", data=data)
+    assert same(a[3], b[3]) and a[4] == b[4]
+    assert all(torch.equal(p, q) for p, q in zip(a[1].parameters(), b[1].parameters()))
+
+
+def test_one_capture_per_shape_with_static_buffers(closure, monkeypatch):
+    captures = collections.Counter()
+    original = graphed_module._ClosureGraph.capture
+
+    def counting(self, body):
+        captures["n"] += 1
+        return original(self, body)
+    monkeypatch.setattr(graphed_module._ClosureGraph, "capture", counting)
+    model = make()
+    dp = DataParallel(model, ["cpu"] * 2, graphs=True)
+    opt = dpcuda.optim.Adam(model.parameters(), lr=0.01)
+    loss_fn = SoftmaxCrossEntropyLoss()
+    big, small = batches(12, rows=24), batches(12, rows=10, seed=3)
+    for x, y in big[:graphed_module.WARMUP]:
+        dp.step(x, y, loss_fn, optimizer=opt)
+    assert captures["n"] == 0 and not dp._graphed.graphs  # the warm-up runs eagerly
+    dp.step(*big[3], loss_fn, optimizer=opt)
+    (graph,) = dp._graphed.graphs.values()
+    pointers = (graph.static_x.data_ptr(), graph.static_y.data_ptr())
+    for x, y in big[4:]:
+        dp.step(x, y, loss_fn, optimizer=opt)
+    assert captures["n"] == 1
+    assert (graph.static_x.data_ptr(), graph.static_y.data_ptr()) == pointers
+    assert torch.equal(graph.static_x, big[-1][0])  # the last batch, copied in
+    for x, y in small:  # a new shape: its own warm-up, then its own graph
+        dp.step(x, y, loss_fn, optimizer=opt)
+    assert captures["n"] == 2 and len(dp._graphed.graphs) == 2
+    dp.step(*big[0], loss_fn, optimizer=opt)  # back to the first shape: replayed
+    assert captures["n"] == 2
+    dp.synchronize()
+    assert dp.steps == 25
+
+
+def test_a_warmed_up_graphed_step_reads_nothing_and_allocates_only_its_loss(closure,
+                                                                             monkeypatch):
+    # The host's part of a replayed step, logged with the replayed body left out: the batch
+    # into the static buffers (2 copies), the hyperparameters into the plan's array (1 copy,
+    # from a host tensor of them: lift_fresh), the returned loss (1 clone), and the profiler's
+    # record of opt.step() that torch.optim's step() wrapper makes for any optimizer; nothing
+    # read on the host. The body (what a CUDA graph holds) is logged on its own: no host read
+    # either.
+    inside = _OpLog()
+    original = graphed_module._ClosureGraph.replay
+
+    def replay(self):
+        with inside:
+            original(self)
+
+    model = make()
+    dp = DataParallel(model, ["cpu"] * 2, graphs=True)
+    opt = dpcuda.optim.AdamW(model.parameters(), lr=0.01, max_grad_norm=1.0)
+    data = batches(8)
+    for x, y in data[:5]:
+        dp.step(x, y, SoftmaxCrossEntropyLoss(), optimizer=opt)
+    monkeypatch.setattr(graphed_module._ClosureGraph, "replay", replay)
+    outside = _OpLog()
+    with outside:
+        # (the outer log sees the body's ops too, through the inner mode: subtract them)
+        for x, y in data[5:]:
+            dp.step(x, y, SoftmaxCrossEntropyLoss(), optimizer=opt)
+    host = outside.ops - inside.ops
+    assert +host == collections.Counter({"copy_": 9, "clone": 3, "lift_fresh": 3,
+                                         "_record_function_enter_new": 3,
+                                         "_record_function_exit": 3}), host
+    assert not any(inside.ops[op] for op in READS), inside.ops
+    assert inside.ops["reduce_update_"] == 3 and inside.ops["step_status"] == 6
+    assert inside.ops["index_copy_"] == 3  # the records into the device ring
+
+
+def test_graphs_fall_back_with_one_warning_where_a_graph_cannot_replay(closure):
+    data = batches(6)
+
+    def run(model, loss_fn, targets=lambda y: y, inputs=lambda x: x):
+        dp = DataParallel(model, ["cpu"] * 2, graphs=True)
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            for x, y in data:
+                dp.step(inputs(x), targets(y), loss_fn)
+            dp.synchronize()
+        assert not dp._graphed.graphs
+        return [str(m.message) for m in w if "graphs=True" in str(m.message)]
+
+    msgs = run(make(False), torch.nn.MSELoss(),
+               lambda y: torch.nn.functional.one_hot(y, 5).float())
+    assert len(msgs) == 1 and "computed on the gathered output" in msgs[0]
+    hooked = make(False)
+    hooked[0].register_forward_hook(lambda *args: None)
+    msgs = run(hooked, torch.nn.CrossEntropyLoss())
+    assert len(msgs) == 1 and "Python hooks" in msgs[0]
+    msgs = run(make(False).half(), torch.nn.CrossEntropyLoss(), inputs=lambda x: x.half())
+    assert len(msgs) == 1 and "float16" in msgs[0]
+
+
+def test_a_failed_capture_falls_back_with_one_warning_and_changes_nothing(closure,
+                                                                          monkeypatch):
+    def refuse(self, body):
+        raise RuntimeError("operation not permitted when stream is capturing")
+    monkeypatch.setattr(graphed_module._ClosureGraph, "capture", refuse)
+    data = batches(8)
+    a = train("nonblocking", "AdamW", data=data)
+    b = train("graphed", "AdamW", data=data)
+    assert len(b[5]) == 1 and "the capture failed (RuntimeError: operation not permitted" \
+        in b[5][0]
+    assert same(a[3], b[3])
+    assert all(torch.equal(p, q) for p, q in zip(a[1].parameters(), b[1].parameters()))
+    assert not b[0]._graphed.graphs
+
+
+def test_what_graphs_true_refuses(monkeypatch):
+    model = make()
+    with pytest.raises(ValueError, match="CUDA graphs need CUDA replicas"):
+        DataParallel(model, ["cpu"], graphs=True)
+    with pytest.raises(TypeError, match="graphs must be True or False"):
+        DataParallel(model, ["cpu"], graphs=1)
+    monkeypatch.setattr(DataParallel, "_graph_backend", "closure")
+    for kw, match in ((dict(blocking=True), "replays the non-blocking step"),
+                      (dict(split="auto"), "split='auto'"),
+                      (dict(buffers="sync"), "buffers='sync'"),
+                      (dict(reducer="host", blocking=False), "reducer 'host'")):
+        with pytest.raises(ValueError, match=match):
+            DataParallel(make(False) if "buffers" in kw else model, ["cpu", "cpu"],
+                         graphs=True, **kw)
+    dp = DataParallel(model, ["cpu"], graphs=True)
+    assert not dp.blocking  # (graphs=True leaves blocking unset: the non-blocking step)
+    with pytest.raises(ValueError, match="needs a dpcuda.optim optimizer"):
+        dp.step(*batches(1)[0], SoftmaxCrossEntropyLoss(),
+                optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+@pytest.mark.filterwarnings("ignore:dpcuda DataParallel.graphs=True.: the wrapper's lr")
+def test_changes_after_wrapping_reach_the_graphed_step(closure):
+    # A parameter replaced on the model (a new structure: captured again), a loaded optimizer
+    # state (the plan binds it into the same buffers the graph updates), the wrapper's lr
+    # changed (a new graph for the new constant): the graphed run stays the eager one.
+    data = batches(24)
+
+    def run(mode):
+        model = make(False)
+        kw = {"graphs": True} if mode == "graphed" else {"blocking": False}
+        dp = DataParallel(model, ["cpu"] * 2, **kw)
+        opt = dpcuda.optim.Adam(model.parameters(), lr=0.01)
+        saved = None
+        for i, (x, y) in enumerate(data):
+            if i == 8:
+                saved = opt.state_dict()
+            if i == 12:
+                opt.load_state_dict(saved)
+            if i == 16:
+                with torch.no_grad():
+                    model[2].weight = torch.nn.Parameter(model[2].weight * 0.5)
+                opt = dpcuda.optim.Adam(model.parameters(), lr=0.01)
+            if i < 20:
+                dp.step(x, y, torch.nn.CrossEntropyLoss(), optimizer=opt)
+            else:
+                dp.lr = 0.1 * i
+                dp.step(x, y, torch.nn.CrossEntropyLoss())
+        dp.synchronize()
+        return model, dp
+    (ma, _), (mb, dpb) = run("nonblocking"), run("graphed")
+    assert all(torch.equal(p, q) for p, q in zip(ma.parameters(), mb.parameters()))
+    assert dpb.steps == 24
