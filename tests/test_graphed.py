@@ -132,11 +132,12 @@ def test_one_capture_per_shape_with_static_buffers(closure, monkeypatch):
     assert dp.steps == 25
 
 
-def test_a_warmed_up_graphed_step_reads_nothing_and_allocates_only_its_loss(closure,
-                                                                             monkeypatch):
+def test_a_warmed_up_graphed_step_reads_nothing_and_allocates_only_outputs(closure,
+                                                                        monkeypatch):
     # The host's part of a replayed step, logged with the replayed body left out: the batch
     # into the static buffers (2 copies), the hyperparameters into the plan's array (1 copy,
-    # from a host tensor of them: lift_fresh), the returned loss (1 clone), and the profiler's
+    # from a host tensor of them: lift_fresh), the returned loss and opt.grad_norm (2 clones,
+    # of a 0-d view of the norm: the graph rewrites its own at the next replay), the profiler's
     # record of opt.step() that torch.optim's step() wrapper makes for any optimizer; nothing
     # read on the host. The body (what a CUDA graph holds) is logged on its own: no host read
     # either.
@@ -160,7 +161,7 @@ def test_a_warmed_up_graphed_step_reads_nothing_and_allocates_only_its_loss(clos
         for x, y in data[5:]:
             dp.step(x, y, SoftmaxCrossEntropyLoss(), optimizer=opt)
     host = outside.ops - inside.ops
-    assert +host == collections.Counter({"copy_": 9, "clone": 3, "lift_fresh": 3,
+    assert +host == collections.Counter({"copy_": 9, "clone": 6, "view": 3, "lift_fresh": 3,
                                          "_record_function_enter_new": 3,
                                          "_record_function_exit": 3}), host
     assert not any(inside.ops[op] for op in READS), inside.ops
@@ -228,7 +229,7 @@ def test_what_graphs_true_refuses(monkeypatch):
                 optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
 
 
-@pytest.mark.filterwarnings("ignore:dpcuda DataParallel.graphs=True.: the wrapper's lr")
+@pytest.mark.filterwarnings("ignore:.*the wrapper's lr")
 def test_changes_after_wrapping_reach_the_graphed_step(closure):
     # A parameter replaced on the model (a new structure: captured again), a loaded optimizer
     # state (the plan binds it into the same buffers the graph updates), the wrapper's lr
@@ -260,3 +261,24 @@ def test_changes_after_wrapping_reach_the_graphed_step(closure):
     (ma, _), (mb, dpb) = run("nonblocking"), run("graphed")
     assert all(torch.equal(p, q) for p, q in zip(ma.parameters(), mb.parameters()))
     assert dpb.steps == 24
+
+
+def test_the_norms_a_graphed_step_hands_out_are_each_its_own(closure):
+    # opt.grad_norm of each replayed step stays that step's (the graph rewrites its own
+    # tensor at every replay): kept in a list, they are the eager steps' norms.
+    data = batches(12, nan_steps=(7,))
+    norms = []
+    for graphs in (False, True):
+        model = make()
+        dp = DataParallel(model, ["cpu"] * 2, graphs=graphs, blocking=False)
+        opt = dpcuda.optim.AdamW(model.parameters(), lr=0.01, max_grad_norm=0.5)
+        kept = []
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for x, y in data:
+                dp.step(x, y, SoftmaxCrossEntropyLoss(), optimizer=opt)
+                kept.append(opt.grad_norm)
+            dp.synchronize()
+        norms.append([float(n) for n in kept])
+    assert same(*norms) and norms[0][7] != norms[0][7]
+    assert len(set(norms[1])) > 5

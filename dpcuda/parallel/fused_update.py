@@ -300,7 +300,8 @@ class FusedUpdate:
                       loss_out=None):
         """The update's device work, with no host read: the step slot (Adam) or the first-step
         flag (SGD) from the device's counts, the reduce-update, the counts advanced where the
-        records let the update apply."""
+        records let the update apply. Returns the norm tensor it writes (max_grad_norm; else
+        None)."""
         plan = self._plan
         R = len(replicas)
         adam = opt._op == "adam"
@@ -335,6 +336,7 @@ class FusedUpdate:
                     plan.started.fill_(1.0)
                 else:
                     torch.maximum(plan.started, ok.to(plan.started.dtype), out=plan.started)
+        return norm
 
     def finish(self, opt):
         """What opt.step() leaves on the host once an update is issued: the weights' versions

@@ -71,6 +71,20 @@ class _ClosureGraph:
         self.body()
 
 
+class _Sink:
+    """Where one graph's capture puts what its step returns: the ring (shared by the graphs of
+    a DataParallel) and the norm tensor of its clipping, which the graph rewrites at every
+    replay (each replay hands the optimizer a copy, as an eager step hands a new tensor)."""
+
+    def __init__(self, ring):
+        self.ring = ring
+        self.loss = ring.loss
+        self.norm = None
+
+    def write(self, records):
+        self.ring.write(records)
+
+
 class _Ring:
     """The records of the graphed steps on the device: the graph writes slot `counter` and
     advances it; the host keeps the same count (one per replay) and copies the ring to pinned
@@ -113,8 +127,9 @@ class _Ring:
 class _Graph:
     """One captured step: its static batch, the plan it updates, and the graph."""
 
-    def __init__(self, graph, static_x, static_y, plan):
+    def __init__(self, graph, static_x, static_y, plan, sink):
         self.graph, self.static_x, self.static_y, self.plan = graph, static_x, static_y, plan
+        self.sink = sink
 
 
 class GraphedSteps:
@@ -237,7 +252,7 @@ class GraphedSteps:
         static_x = torch.empty_like(inputs, device=device)
         static_y = torch.empty_like(targets, device=device)
         graph = self.backend(device, self.pool)
-        ring = self.ring
+        sink = _Sink(self.ring)
         dp._optimizer = optimizer
         if optimizer is not None:
             # (the plan and its hyperparameters exist before the capture reads them)
@@ -250,7 +265,7 @@ class GraphedSteps:
 
         def body():
             dp._optimizer = optimizer
-            dp._graph_ring = ring
+            dp._graph_ring = sink
             try:
                 with torch.set_grad_enabled(grad_enabled):
                     dp._sync()
@@ -273,7 +288,7 @@ class GraphedSteps:
         finally:
             dp._optimizer = None
         captured = _Graph(graph, static_x, static_y,
-                          dp._fused_update._plan if optimizer is not None else None)
+                          dp._fused_update._plan if optimizer is not None else None, sink)
         self.graphs[key] = captured
         while len(self.graphs) > MAX_GRAPHS:
             self.graphs.popitem(last=False)
@@ -293,6 +308,9 @@ class GraphedSteps:
             graph.graph.replay()
             if optimizer is not None:
                 dp._fused_update.finish(optimizer)
+                if graph.sink.norm is not None:
+                    # (a copy: the graph rewrites its norm at the next replay)
+                    optimizer.grad_norm = graph.sink.norm.reshape(()).clone()
         if optimizer is not None:
             # Through opt.step(), as the eager fused step: its post-hooks and the schedulers'
             # bookkeeping see one step.

@@ -48,8 +48,8 @@ class PendingSteps:
             # A graphed step's capture (graphed.py): the loss and the records into the static
             # loss and the device ring; the host's part of the step is done at each replay.
             if opt is not None:
-                self._fused_update.device_update(opt, self._replicas, self.algorithm, records,
-                                                 float(global_den), ring.loss)
+                ring.norm = self._fused_update.device_update(
+                    opt, self._replicas, self.algorithm, records, float(global_den), ring.loss)
             else:
                 self._reduce_p2p(records, float(global_den), ring.loss)
             if kept is not None:
