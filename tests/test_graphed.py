@@ -282,3 +282,45 @@ def test_the_norms_a_graphed_step_hands_out_are_each_its_own(closure):
         norms.append([float(n) for n in kept])
     assert same(*norms) and norms[0][7] != norms[0][7]
     assert len(set(norms[1])) > 5
+
+
+def test_a_raising_post_hook_keeps_the_graphed_steps_count_and_records(closure):
+    # The replay has run when an optimizer's post-hook raises: the step counts, and its
+    # records stay in step with the device ring (a later NaN step is found and named).
+    data = batches(24, nan_steps=(15,))
+    model = make()
+    dp = DataParallel(model, ["cpu"] * 2, graphs=True)
+    opt = dpcuda.optim.AdamW(model.parameters(), lr=0.01)
+    calls = []
+
+    def hook(*args):
+        calls.append(1)
+        if len(calls) == 6:
+            raise RuntimeError("hook")
+    opt.register_step_post_hook(hook)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        for i, (x, y) in enumerate(data):
+            if i == 5:
+                with pytest.raises(RuntimeError, match="hook"):
+                    dp.step(x, y, SoftmaxCrossEntropyLoss(), optimizer=opt)
+            else:
+                dp.step(x, y, SoftmaxCrossEntropyLoss(), optimizer=opt)
+        dp.synchronize()
+    assert dp.steps == 24 and dp.skipped_steps == 1
+    assert [str(m.message) for m in w if "NaN" in str(m.message)] == [
+        "dpcuda DataParallel: step 15 has NaN or Inf gradients; skipped (weights unchanged)"]
+
+
+def test_a_graphed_data_parallel_copies(closure):
+    import copy
+    model = make()
+    dp = DataParallel(model, ["cpu"] * 2, graphs=True)
+    opt = dpcuda.optim.SGD(model.parameters(), lr=0.1)
+    for x, y in batches(6):
+        dp.step(x, y, SoftmaxCrossEntropyLoss(), optimizer=opt)
+    dp.synchronize()
+    twin = copy.deepcopy(dp)
+    assert twin._graphed is not None and not twin._graphed.graphs
+    assert all(torch.equal(p, q) for p, q in zip(twin.module.parameters(),
+                                                  dp.module.parameters()))

@@ -142,6 +142,8 @@ class DataParallel(nn.Module, StepMixin, DistStepMixin):
             _hyper("lr", lr), _hyper("momentum", momentum), _hyper("weight_decay", weight_decay))
         self.devices = _devices(devices)
         self.reducer, self.split, self.algorithm = reducer, split, algorithm
+        if graphs:  # (refused before the model is moved or its parameters made views)
+            self._check_graphs(blocking, split, buffers)
         if split == "weighted":
             if split_weights is None:
                 raise ValueError("split='weighted' needs split_weights, one number per replica")
@@ -200,17 +202,19 @@ class DataParallel(nn.Module, StepMixin, DistStepMixin):
         self.blocking = blocking
         self._pending = collections.deque()  # the non-blocking steps not read yet (PendingStep)
         self._graph_ring = None  # during a graphed step's capture: where its records go
-        self._graphed = None
-        if graphs:
-            self._graphed = self._graphed_steps(blocking, split, buffers)
+        self._graphed = self._graphed_steps() if graphs else None
 
     # The backend of graphs=True: "cuda" (torch.cuda.CUDAGraph), or "closure" (a test hook: the
     # CPU runs the graphed step's logic with a stand-in that replays the captured body).
     _graph_backend = "cuda"
 
-    def _graphed_steps(self, blocking, split, buffers):
-        """graphs=True's checks of what can never be graphed, and its step (graphed.py)."""
+    def _graphed_steps(self):
+        """graphs=True's step (graphed.py)."""
         from .graphed import GraphedSteps, _ClosureGraph, _CudaGraph
+        return GraphedSteps(_CudaGraph if self._graph_backend == "cuda" else _ClosureGraph)
+
+    def _check_graphs(self, blocking, split, buffers):
+        """graphs=True's refusals: what can never be graphed."""
         why = None
         if blocking:
             why = "it replays the non-blocking step: leave blocking unset (or False)"
@@ -227,8 +231,15 @@ class DataParallel(nn.Module, StepMixin, DistStepMixin):
             why = "CUDA graphs need CUDA replicas; on the CPU use blocking=False"
         if why is not None:
             raise ValueError(f"dpcuda DataParallel: graphs=True: {why}")
-        backend = _CudaGraph if self._graph_backend == "cuda" else _ClosureGraph
-        return GraphedSteps(backend)
+
+    def __getstate__(self):
+        # (copy.deepcopy, pickle: CUDA streams and captured graphs are not state; a copy makes
+        # its own)
+        state = self.__dict__.copy()
+        state.pop("_streams", None)
+        if state.get("_graphed") is not None:
+            state["_graphed"] = self._graphed_steps()
+        return state
 
     # -- the SGD hyperparameters of step() (a schedule may change them between steps) --------
 

@@ -48,7 +48,11 @@ class _CudaGraph:
         caller = torch.cuda.current_stream(self.device)
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(caller)
-        with torch.cuda.graph(self.graph, pool=self.pool, stream=stream):
+        # thread_local: another thread's CUDA calls (a DataLoader's pin-memory thread) do not
+        # break this capture; kernels queued on the capturing stream from any thread (the
+        # autograd engine's) are captured as in the default mode.
+        with torch.cuda.graph(self.graph, pool=self.pool, stream=stream,
+                              capture_error_mode="thread_local"):
             body()
         caller.wait_stream(stream)
 
@@ -178,19 +182,21 @@ class GraphedSteps:
         else:
             update = (id(optimizer), getattr(optimizer, "max_grad_norm", None))
         kind = dp._replicas[0].device.type
+        weights = dp._row_weights()
         # (the shape's part first: its warm-up is counted per shape)
         shape = (tuple(inputs.shape), inputs.dtype, inputs.device, tuple(targets.shape),
                  targets.dtype, targets.device, dp._set.generation, dp._set._structure)
         return shape, shape + (type(loss_fn), id(loss_fn) if not isinstance(
             loss_fn, torch.nn.Module) else None, settings, update, accumulate,
             tuple(m.training for m in dp.module.modules()), torch.is_autocast_enabled(kind),
-            dp.algorithm)
+            dp.algorithm, torch.is_grad_enabled(), tuple(weights) if weights else None)
 
     # -- the step --------------------------------------------------------------------------
 
     def step(self, dp, inputs, targets, loss_fn, optimizer, accumulate):
         from .step import summed_loss
-        if not isinstance(inputs, torch.Tensor) or not isinstance(targets, torch.Tensor):
+        if dp.blocking or not isinstance(inputs, torch.Tensor) or \
+                not isinstance(targets, torch.Tensor):
             return self._eager(dp, inputs, targets, loss_fn, optimizer, accumulate)
         summed = summed_loss(loss_fn, targets)
         reason = self._why_not(dp, targets, loss_fn, summed)
@@ -216,8 +222,11 @@ class GraphedSteps:
                 del self.graphs[key]
                 graph = None
         if graph is None:
+            # Captured once the shape has run WARMUP eager steps and this key one of its own
+            # (whatever a new code path sets up lazily is then set up outside the capture).
             self.seen[shape] += 1
-            if key in self.eager_keys or self.seen[shape] <= WARMUP:
+            self.seen[key] += 1
+            if key in self.eager_keys or self.seen[shape] <= WARMUP or self.seen[key] < 2:
                 return self._eager(dp, inputs, targets, loss_fn, optimizer, accumulate)
             if optimizer is None:
                 self.recaptures += 1
@@ -262,6 +271,11 @@ class GraphedSteps:
             dp._fused_update.write_hyper(optimizer)
 
         grad_enabled = torch.is_grad_enabled()  # (a replay runs inside opt.step's no_grad)
+        # What the body's sync would make (momentum buffers switched on since the warm-up, a
+        # rebuilt replica) is made now, outside the capture: made inside, it would live in the
+        # graph's pool and be made again (zeroed) by every replay.
+        dp._sync()
+        previous_norm = getattr(optimizer, "grad_norm", None)
 
         def body():
             dp._optimizer = optimizer
@@ -284,6 +298,8 @@ class GraphedSteps:
                               f"{reason}", RuntimeWarning, stacklevel=4)
             for r in dp._replicas:
                 r.drop_grads()
+            if optimizer is not None:
+                optimizer.grad_norm = previous_norm  # (not a tensor no kernel wrote)
             return None
         finally:
             dp._optimizer = None
@@ -302,35 +318,51 @@ class GraphedSteps:
             graph.static_x.copy_(inputs, non_blocking=True)
             graph.static_y.copy_(targets, non_blocking=True)
 
+        replayed = []
+
         def run():
             if optimizer is not None:
                 dp._fused_update.write_hyper(optimizer)
             graph.graph.replay()
+            replayed.append(True)
             if optimizer is not None:
                 dp._fused_update.finish(optimizer)
                 if graph.sink.norm is not None:
                     # (a copy: the graph rewrites its norm at the next replay)
                     optimizer.grad_norm = graph.sink.norm.reshape(()).clone()
-        if optimizer is not None:
-            # Through opt.step(), as the eager fused step: its post-hooks and the schedulers'
-            # bookkeeping see one step.
-            optimizer._fused_step = run
-            try:
-                optimizer.step()
-            finally:
-                optimizer.__dict__.pop("_fused_step", None)
-        else:
-            run()
-        ring.window.append((dp.steps, targets, summed, dp._classes))
-        ring.slot = (ring.slot + 1) % RING
-        dp.steps += 1
-        for r in dp._replicas:
-            r.drop_grads()
-        loss = ring.loss.clone()  # (the static loss is rewritten by the next replay)
-        if len(ring.window) == RING:
-            ring.flush(dp._pending)
-        return loss
+        try:
+            if optimizer is not None:
+                # Through opt.step(), as the eager fused step: its post-hooks and the
+                # schedulers' bookkeeping see one step.
+                optimizer._fused_step = run
+                try:
+                    optimizer.step()
+                finally:
+                    optimizer.__dict__.pop("_fused_step", None)
+            else:
+                run()
+        finally:
+            # Once replayed, the step counts and its records are read, also when a post-hook
+            # raises after it: the host's count of the ring stays the device's.
+            if replayed:
+                ring.window.append((dp.steps, targets, summed, dp._classes))
+                ring.slot = (ring.slot + 1) % RING
+                dp.steps += 1
+                for r in dp._replicas:
+                    r.drop_grads()
+                if len(ring.window) == RING:
+                    ring.flush(dp._pending)
+        return ring.loss.clone()  # (the static loss is rewritten by the next replay)
 
     def flush(self, dp):
-        if self.ring is not None:
+        """The ring read now (synchronize(), the state functions): on DataParallel's own
+        stream, after the replays, whichever stream the caller is on."""
+        if self.ring is None or not self.ring.window:
+            return
+        stream = dp._own_streams().get(self.ring.device)
+        if stream is None:
+            self.ring.flush(dp._pending)
+            return
+        stream.wait_stream(torch.cuda.current_stream(self.ring.device))
+        with torch.cuda.stream(stream):
             self.ring.flush(dp._pending)
