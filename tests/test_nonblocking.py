@@ -201,6 +201,20 @@ class _OpLog(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+# The ops that read a tensor's value on the host.
+READS = ("_local_scalar_dense", "item", "nonzero", "is_nonzero", "equal")
+
+
+def logged_steps(data, step):
+    """step(x, y) on data[0], then on the rest under an op log: the ops, and those that read a
+    tensor on the host."""
+    step(*data[0])
+    with _OpLog() as log:
+        for x, y in data[1:]:
+            step(x, y)
+    return log.ops, {op: log.ops[op] for op in READS if log.ops[op]}
+
+
 @pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("count_on_device", [False, True])
 def test_a_nonblocking_step_reads_no_tensor_on_the_host(monkeypatch, fused, count_on_device):
@@ -211,21 +225,16 @@ def test_a_nonblocking_step_reads_no_tensor_on_the_host(monkeypatch, fused, coun
     # views of host memory once the device has written them.
     monkeypatch.setattr(DataParallel, "_count_on_device", count_on_device)
     loss_fn = SoftmaxCrossEntropyLoss() if fused else torch.nn.CrossEntropyLoss()
-    reads = ("_local_scalar_dense", "item", "nonzero", "is_nonzero", "equal")
     for blocking in (True, False):
         dp = DataParallel(make_model(fused), ["cpu", "cpu"], lr=0.1, momentum=0.9,
                           blocking=blocking)
-        data = batches(4, ignore_steps=(1,))
-        dp.step(*data[0], loss_fn)
-        with _OpLog() as log:
-            for x, y in data[1:]:
-                dp.step(x, y, loss_fn)
-        found = {op: log.ops[op] for op in reads if log.ops[op]}
+        ops, found = logged_steps(batches(4, ignore_steps=(1,)),
+                                  lambda x, y: dp.step(x, y, loss_fn))
         if blocking:
-            assert found, log.ops
+            assert found, ops
         else:
             assert not found, found
-            assert log.ops["reduce_sgd_"] == 3 and log.ops["step_status"] == 6
+            assert ops["reduce_sgd_"] == 3 and ops["step_status"] == 6
 
 
 def test_blocking_argument_checks():

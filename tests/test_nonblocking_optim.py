@@ -14,7 +14,7 @@ import dpcuda
 from dpcuda.nn import SoftmaxCrossEntropyLoss
 from dpcuda.parallel import DataParallel
 from conftest import make_model
-from test_nonblocking import _OpLog, batches
+from test_nonblocking import batches, logged_steps
 
 CONFIGS = [
     ("SGD", dict(lr=0.1, momentum=0.9, dampening=0.1, weight_decay=1e-3)),
@@ -141,22 +141,17 @@ def test_rows_counted_on_the_device_with_an_optimizer(monkeypatch, name):
 def test_a_nonblocking_optimizer_step_reads_no_tensor_on_the_host():
     # The blocking step reads its records (the test can fail); the non-blocking one with an
     # optimizer makes no host read: no .item(), no nonzero, Adam's step counted on the device.
-    reads = ("_local_scalar_dense", "item", "nonzero", "is_nonzero", "equal")
     for blocking in (True, False):
         model = make_model(True)
         dp = DataParallel(model, ["cpu", "cpu"], blocking=blocking)
         opt = dpcuda.optim.AdamW(groups(model), lr=0.01, max_grad_norm=1.0)
-        data = batches(4)
-        dp.step(*data[0], SoftmaxCrossEntropyLoss(), optimizer=opt)
-        with _OpLog() as log:
-            for x, y in data[1:]:
-                dp.step(x, y, SoftmaxCrossEntropyLoss(), optimizer=opt)
-        found = {op: log.ops[op] for op in reads if log.ops[op]}
+        ops, found = logged_steps(batches(4), lambda x, y: dp.step(
+            x, y, SoftmaxCrossEntropyLoss(), optimizer=opt))
         if blocking:
-            assert found, log.ops
+            assert found, ops
         else:
             assert not found, found
-            assert log.ops["reduce_update_"] == 3 and log.ops["step_status"] == 6
+            assert ops["reduce_update_"] == 3 and ops["step_status"] == 6
 
 
 def test_what_a_nonblocking_step_with_an_optimizer_refuses():
