@@ -357,3 +357,52 @@ def test_no_graph_without_grad_and_forward_ad():
         got = fwAD.unpack_dual(ops.full_forward(dual, w.detach(), b.detach(), "relu")).tangent
         want = fwAD.unpack_dual(torch.relu(F.linear(dual, w.detach(), b.detach()))).tangent
         torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("activation", ["relu", "tanh", "gelu", "gelu_tanh", "sigmoid",
+                                        "silu", "none"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("bias", [True, False])
+def test_strided_upstream_gradients_give_the_bits_of_a_contiguous_one(activation, dtype, bias):
+    # The CPU's backward reads an expanded gradient (what sum() and mean() hand back), a
+    # transposed one and a row-sliced one where they lie: the same bits as their contiguous
+    # copies, for every output and with the bias gradient's fixed summation order.
+    torch.manual_seed(0)
+    rows, inf, outf = 300, 9, 17
+    x = torch.randn(rows, inf, dtype=dtype)
+    w = torch.randn(outf, inf, dtype=dtype)
+    b = torch.randn(outf, dtype=dtype) if bias else None
+    out, saved = torch.ops.dpcuda.full_forward(x, w, b, activation)
+    if saved.numel() == 0:  # (relu, tanh, sigmoid: the backward reads the output)
+        saved = out
+    grads = {
+        "expanded": torch.tensor(0.37, dtype=dtype).expand(rows, outf),
+        "row expanded": torch.randn(outf, dtype=dtype).expand(rows, outf),
+        "transposed": torch.randn(outf, rows, dtype=dtype).t(),
+        "row sliced": torch.randn(rows, 2 * outf, dtype=dtype)[:, ::2],
+        "column sliced": torch.randn(rows, outf + 5, dtype=dtype)[:, 2:outf + 2],
+    }
+    mask = [True, True, bias]
+    for name, g in grads.items():
+        assert not g.is_contiguous()
+        got = torch.ops.dpcuda.full_backward(g, x, w, saved, activation, mask)
+        want = torch.ops.dpcuda.full_backward(g.contiguous(), x, w, saved, activation, mask)
+        for a, c, what in zip(got, want, ("input", "weight", "bias")):
+            if what == "bias" and not bias:
+                continue
+            assert torch.equal(a, c), (name, what)
+
+
+def test_a_sum_of_the_output_trains_as_torch():
+    # y.sum().backward() through the fused layer (an expanded upstream gradient) against
+    # torch's layer.
+    torch.manual_seed(1)
+    from dpcuda.nn import FusedLinear
+    layer = FusedLinear(64, 64, activation="gelu").double()
+    plain = torch.nn.Linear(64, 64).double()
+    plain.load_state_dict(layer.state_dict())
+    x = torch.randn(512, 64, dtype=torch.float64)
+    layer(x).sum().backward()
+    F.gelu(plain(x)).sum().backward()
+    torch.testing.assert_close(layer.weight.grad, plain.weight.grad, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(layer.bias.grad, plain.bias.grad, rtol=1e-12, atol=1e-12)

@@ -33,13 +33,46 @@ inline T grad_pre_value(T go, T saved) {
   return activation_backward_value<T>(A, go, saved);
 }
 
+// grad_out read at (row stride, 1) (kDense), or at any strides: an expanded gradient (strides
+// 0, 0) is one value the loop reads again and again, which vectorises as a broadcast.
+template <typename T, Activation A>
+DPCUDA_CPU_CLONES void strided_backward_rows(const T* __restrict__ grad_out,
+                                             const T* __restrict__ saved,
+                                             T* __restrict__ grad_pre,
+                                             T* __restrict__ bias_partial, int64_t row_begin,
+                                             int64_t row_end, int64_t cols, int64_t rs,
+                                             int64_t cs) {
+  for (int64_t r = row_begin; r < row_end; ++r) {
+    const T* __restrict__ go = grad_out + r * rs;
+    if (grad_pre) {
+      const T* __restrict__ s = saved + r * cols;
+      T* __restrict__ g = grad_pre + r * cols;
+      if (bias_partial) {
+        for (int64_t c = 0; c < cols; ++c) {
+          const T v = grad_pre_value<T, A>(go[c * cs], s[c]);
+          g[c] = v;
+          bias_partial[c] += v;
+        }
+      } else if (cs == 0) {
+        const T v0 = go[0];
+#pragma GCC ivdep
+        for (int64_t c = 0; c < cols; ++c) g[c] = grad_pre_value<T, A>(v0, s[c]);
+      } else {
+        for (int64_t c = 0; c < cols; ++c) g[c] = grad_pre_value<T, A>(go[c * cs], s[c]);
+      }
+    } else if (bias_partial) {
+      for (int64_t c = 0; c < cols; ++c) bias_partial[c] += go[c * cs];
+    }
+  }
+}
+
 template <typename T, Activation A>
 DPCUDA_CPU_CLONES void backward_rows(const T* __restrict__ grad_out,
                                      const T* __restrict__ saved, T* __restrict__ grad_pre,
                                      T* __restrict__ bias_partial, int64_t row_begin,
-                                     int64_t row_end, int64_t cols) {
+                                     int64_t row_end, int64_t cols, int64_t rs) {
   for (int64_t r = row_begin; r < row_end; ++r) {
-    const T* __restrict__ go = grad_out + r * cols;
+    const T* __restrict__ go = grad_out + r * rs;
     if (grad_pre) {
       const T* __restrict__ s = saved + r * cols;
       T* __restrict__ g = grad_pre + r * cols;
@@ -83,13 +116,20 @@ void bias_activation_forward(T* out, T* pre, const T* bias, int64_t row_begin, i
 
 template <typename T>
 void activation_backward_rows(const T* grad_out, const T* saved, T* grad_pre, T* bias_partial,
-                              int64_t row_begin, int64_t row_end, int64_t cols, Activation act) {
+                              int64_t row_begin, int64_t row_end, int64_t cols, Activation act,
+                              int64_t go_row_stride, int64_t go_col_stride) {
   if (bias_partial) {
     for (int64_t c = 0; c < cols; ++c) bias_partial[c] = T(0);
   }
   with_activation(act, [&](auto a) {
-    backward_rows<T, decltype(a)::value>(grad_out, saved, grad_pre, bias_partial, row_begin,
-                                         row_end, cols);
+    if (go_col_stride == 1) {
+      backward_rows<T, decltype(a)::value>(grad_out, saved, grad_pre, bias_partial, row_begin,
+                                           row_end, cols, go_row_stride);
+    } else {
+      strided_backward_rows<T, decltype(a)::value>(grad_out, saved, grad_pre, bias_partial,
+                                                   row_begin, row_end, cols, go_row_stride,
+                                                   go_col_stride);
+    }
   });
 }
 
@@ -107,7 +147,7 @@ void reduce_column_partials(const T* partials, int64_t chunks, int64_t cols, T* 
   template void bias_activation_forward<T>(T*, T*, const T*, int64_t, int64_t, int64_t,        \
                                            Activation);                                        \
   template void activation_backward_rows<T>(const T*, const T*, T*, T*, int64_t, int64_t,      \
-                                            int64_t, Activation);                              \
+                                            int64_t, Activation, int64_t, int64_t);            \
   template void reduce_column_partials<T>(const T*, int64_t, int64_t, T*, int64_t, int64_t);
 
 DPCUDA_INSTANTIATE(float)

@@ -18,10 +18,22 @@ void bias_activation_forward(T* out, T* pre, const T* bias, int64_t row_begin, i
 
 // Rows [row_begin, row_end): g = grad_out * act'(saved), written to grad_pre unless it is null
 // (activation "none", where g is grad_out itself), and the column sums of g over these rows
-// written to bias_partial[0, cols) when it is not null.
+// written to bias_partial[0, cols) when it is not null. saved and grad_pre are row-major
+// (rows, cols); grad_out's element (r, c) is at grad_out[r * go_row_stride + c * go_col_stride]
+// (row-major: cols and 1; an expanded gradient, as sum() and mean() hand back: 0 and 0; a
+// transposed one: 1 and rows), read where it lies, with no copy; the same bits either way.
 template <typename T>
 void activation_backward_rows(const T* grad_out, const T* saved, T* grad_pre, T* bias_partial,
-                              int64_t row_begin, int64_t row_end, int64_t cols, Activation act);
+                              int64_t row_begin, int64_t row_end, int64_t cols, Activation act,
+                              int64_t go_row_stride, int64_t go_col_stride);
+
+template <typename T>
+void activation_backward_rows(const T* grad_out, const T* saved, T* grad_pre, T* bias_partial,
+                              int64_t row_begin, int64_t row_end, int64_t cols,
+                              Activation act) {
+  activation_backward_rows<T>(grad_out, saved, grad_pre, bias_partial, row_begin, row_end, cols,
+                              act, cols, 1);
+}
 
 // The bias gradient from per-chunk partial sums: out[c] = sum over chunks k, in order, of
 // partials[k * cols + c], for columns [col_begin, col_end). The fixed order keeps it deterministic.

@@ -37,7 +37,7 @@ Tensor as_matrix(const Tensor& input, const LinearShape& s) {
 struct BackwardPlan {
   Activation act;
   LinearShape shape;
-  Tensor grad_out;   // (rows, out), contiguous
+  Tensor grad_out;   // (rows, out): contiguous, or (strided_ok) any strides where the pass runs
   Tensor saved;      // (rows, out), contiguous; undefined for "none"
   Tensor g;          // grad_out * act'(saved)
   Tensor grad_bias;  // (out,) or empty
@@ -48,7 +48,7 @@ BackwardPlan plan_backward(const Tensor& grad_output, const Tensor& input, const
                            const Tensor& saved, c10::string_view activation,
                            std::array<bool, 3> output_mask, void (*check_dtype)(const Tensor&,
                                                                               const char*),
-                           const Tensor& grad_bias_into = Tensor()) {
+                           const Tensor& grad_bias_into = Tensor(), bool strided_ok = false) {
   BackwardPlan p;
   p.act = check_activation(activation);
   p.shape = check_linear(input, weight, c10::nullopt);
@@ -57,10 +57,13 @@ BackwardPlan plan_backward(const Tensor& grad_output, const Tensor& input, const
   check_same_device(grad_output, "grad_output", input, "input");
   check_backward(grad_output, saved, p.shape, p.act);
   const int64_t rows = p.shape.rows, out_f = p.shape.out_features;
-  p.grad_out = grad_output.reshape({rows, out_f}).contiguous();
   p.fused_pass = p.act != Activation::kNone;
+  // The CPU's activation pass reads the upstream gradient where it lies (an expanded one from
+  // sum() or mean(), a transposed one): no copy of it first. Elsewhere it is made contiguous.
+  p.grad_out = grad_output.reshape({rows, out_f});
+  if (!(strided_ok && p.fused_pass)) p.grad_out = p.grad_out.contiguous();
   p.saved = p.fused_pass ? saved.reshape({rows, out_f}).contiguous() : Tensor();
-  p.g = p.fused_pass ? at::empty_like(p.grad_out) : p.grad_out;
+  p.g = p.fused_pass ? at::empty({rows, out_f}, p.grad_out.options()) : p.grad_out;
   p.grad_bias = !output_mask[2]           ? empty_like_options(p.grad_out)
                 : grad_bias_into.defined() ? grad_bias_into
                                            : at::empty({out_f}, p.grad_out.options());
@@ -167,7 +170,8 @@ std::tuple<Tensor, Tensor, Tensor> full_backward_cpu_into(
             grad_bias_into.defined() ? grad_bias_into : gb};
   }
   const BackwardPlan p = plan_backward(grad_output, input, weight, saved, activation,
-                                      output_mask, &check_cpu_layer_dtype, grad_bias_into);
+                                      output_mask, &check_cpu_layer_dtype, grad_bias_into,
+                                      !is_half_type(input));
   if (is_half_type(input)) {
     // As torch: grad_output * act'(saved) computed in float and rounded to the half type (where
     // it may overflow as torch's does), then the GEMMs and the bias sum accumulate in float from
@@ -202,6 +206,7 @@ std::tuple<Tensor, Tensor, Tensor> full_backward_cpu_into(
     Tensor partials = output_mask[2] ? at::empty({chunks, out_f}, p.grad_out.options()) : Tensor();
     AT_DISPATCH_FLOATING_TYPES(p.grad_out.scalar_type(), "full_backward_cpu", [&] {
       const scalar_t* go_ptr = p.grad_out.data_ptr<scalar_t>();
+      const int64_t go_rs = p.grad_out.stride(0), go_cs = p.grad_out.stride(1);
       const scalar_t* saved_ptr = p.fused_pass ? p.saved.data_ptr<scalar_t>() : nullptr;
       scalar_t* g_ptr = p.fused_pass ? p.g.data_ptr<scalar_t>() : nullptr;
       scalar_t* part_ptr = output_mask[2] ? partials.data_ptr<scalar_t>() : nullptr;
@@ -211,7 +216,7 @@ std::tuple<Tensor, Tensor, Tensor> full_backward_cpu_into(
           const int64_t r1 = std::min(rows, r0 + chunk_rows);
           cpu::activation_backward_rows<scalar_t>(go_ptr, saved_ptr, g_ptr,
                                                   part_ptr ? part_ptr + k * out_f : nullptr, r0,
-                                                  r1, out_f, p.act);
+                                                  r1, out_f, p.act, go_rs, go_cs);
         }
       });
       if (output_mask[2]) {
