@@ -1,0 +1,189 @@
+"""The fused CPU layer against torch over a grid of shapes (issue #27): one square layer
+(width x width) of every activation, forward and backward, for each width, batch, bias,
+upstream-gradient layout and dtype, round-robin against torch eager (F.linear + activation)
+and, with --compile, torch.compile of the same. Each cell's figure is the median over rounds of
+eager / fused (above 1: dpcuda is faster), taken within each round, with its quartiles (the
+noise band). Writes the JSON, a heat map (eager/fused by width x batch, one panel per
+activation) and prints the worst cells and the geometric mean.
+
+    python benchmarks/bench_sweep.py --json benchmarks/results/sweep-cpu.json \\
+        --png benchmarks/results/sweep-cpu.png
+
+Upstream-gradient layouts: dense (a contiguous tensor), expanded (what y.sum() hands back: one
+value broadcast), transposed (a (out, batch) tensor's transpose). Cells whose work exceeds
+--max-gflop (forward and backward: 6 * batch * width^2 flops) are skipped and listed.
+"""
+
+import argparse
+import itertools
+import math
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import compare_samples, environment, paired_ratio, write_json  # noqa: E402
+
+from dpcuda import ops  # noqa: E402
+from dpcuda.reference import ACTIVATIONS  # noqa: E402
+from dpcuda.reference import activation as torch_activation  # noqa: E402
+
+LAYOUTS = ("dense", "expanded", "transposed")
+
+
+def upstream(layout, batch, width, dtype):
+    if layout == "dense":
+        return torch.randn(batch, width, dtype=dtype)
+    if layout == "expanded":
+        return torch.ones((), dtype=dtype).expand(batch, width)
+    return torch.randn(width, batch, dtype=dtype).t()
+
+
+def cell(width, batch, act, bias, layout, dtype, compile_, repeats, min_seconds):
+    x = torch.randn(batch, width, dtype=dtype, requires_grad=True)
+    w = (torch.randn(width, width, dtype=dtype) * width ** -0.5).requires_grad_()
+    b = torch.randn(width, dtype=dtype, requires_grad=True) if bias else None
+    go = upstream(layout, batch, width, dtype)
+    leaves = [t for t in (x, w, b) if t is not None]
+
+    def eager_fn(x, w, b):
+        return torch_activation(F.linear(x, w, b), act)
+
+    def run(fn):
+        def step():
+            for t in leaves:
+                t.grad = None
+            fn(x, w, b).backward(go)
+        return step
+
+    fns = {"fused": run(lambda x, w, b: ops.full_forward(x, w, b, act)), "eager": run(eager_fn)}
+    if compile_:
+        fns["compile"] = run(torch.compile(eager_fn))
+    return compare_samples(fns, "cpu", warmup=3, repeats=repeats, min_seconds=min_seconds,
+                           shuffle=True)
+
+
+def heat_map(rows, path, layout, dtype, bias):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    acts = sorted({r["activation"] for r in rows})
+    widths = sorted({r["width"] for r in rows})
+    batches = sorted({r["batch"] for r in rows})
+    cols = min(4, len(acts))
+    fig, axes = plt.subplots(math.ceil(len(acts) / cols), cols,
+                             figsize=(3.2 * cols, 2.8 * math.ceil(len(acts) / cols)),
+                             squeeze=False)
+    for ax in axes.flat[len(acts):]:
+        ax.axis("off")
+    image = None
+    for ax, act in zip(axes.flat, acts):
+        grid = [[math.nan] * len(batches) for _ in widths]
+        for r in rows:
+            if (r["activation"], r["layout"], r["dtype"], r["bias"]) == (act, layout, dtype,
+                                                                          bias):
+                grid[widths.index(r["width"])][batches.index(r["batch"])] = \
+                    r["eager_over_fused"]["median"]
+        image = ax.imshow(grid, cmap="RdYlGn", vmin=0.8, vmax=1.25, origin="lower",
+                          aspect="auto")
+        for i, j in itertools.product(range(len(widths)), range(len(batches))):
+            if not math.isnan(grid[i][j]):
+                ax.text(j, i, f"{grid[i][j]:.2f}", ha="center", va="center", fontsize=7)
+        ax.set_title(act, fontsize=9)
+        ax.set_xticks(range(len(batches)), [str(b) for b in batches], fontsize=7)
+        ax.set_yticks(range(len(widths)), [str(w) for w in widths], fontsize=7)
+        ax.set_xlabel("batch", fontsize=8)
+        ax.set_ylabel("width", fontsize=8)
+    fig.suptitle(f"torch eager / dpcuda fused, forward+backward; > 1: dpcuda faster\n"
+                 f"({dtype}, {layout} upstream gradient, bias {'on' if bias else 'off'})",
+                 fontsize=9)
+    fig.colorbar(image, ax=axes.ravel().tolist(), shrink=0.8)
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    ints = lambda s: [int(v) for v in s.split(",")]  # noqa: E731
+    parser.add_argument("--widths", type=ints, default=[16, 64, 128, 256, 1024, 4096],
+                        help="(default: 16,64,128,256,1024,4096)")
+    parser.add_argument("--batches", type=ints, default=[1, 32, 256, 4096, 8192],
+                        help="(default: 1,32,256,4096,8192)")
+    parser.add_argument("--activations", default=",".join(ACTIVATIONS),
+                        help="(default: all)")
+    parser.add_argument("--bias", default="on,off", help="(default: %(default)s)")
+    parser.add_argument("--layouts", default=",".join(LAYOUTS), help="(default: %(default)s)")
+    parser.add_argument("--dtypes", default="float32,bfloat16", help="(default: %(default)s)")
+    parser.add_argument("--compile", action="store_true",
+                        help="add torch.compile as a contender (a compile per cell)")
+    parser.add_argument("--max-gflop", type=float, default=60.0,
+                        help="skip cells of more work (default: %(default)s)")
+    parser.add_argument("--repeats", type=int, default=15, help="(default: %(default)s)")
+    parser.add_argument("--min-seconds", type=float, default=0.3,
+                        help="time each cell at least this long (default: %(default)s)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads (default: torch's)")
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--png", default=None, help="the heat map (dense, float32, bias on)")
+    args = parser.parse_args(argv)
+    acts = [a for a in args.activations.split(",") if a]
+    bad = [a for a in acts if a not in ACTIVATIONS]
+    if bad:
+        parser.error(f"unknown activations {bad}; choose from {list(ACTIVATIONS)}")
+    layouts = [v for v in args.layouts.split(",") if v]
+    if any(v not in LAYOUTS for v in layouts):
+        parser.error(f"--layouts: choose from {list(LAYOUTS)}")
+    dtypes = []
+    for name in args.dtypes.split(","):
+        if name not in ("float32", "bfloat16"):
+            parser.error(f"--dtypes: float32 or bfloat16, got {name!r}")
+        dtypes.append(name)
+    biases = [{"on": True, "off": False}[v] for v in args.bias.split(",")]
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    rows, skipped = [], []
+    print(f"{'width':>6}{'batch':>6}{'activation':>11}{'bias':>5}{'layout':>11}{'dtype':>9}"
+          f"{'eager/fused':>12}{'q1':>6}{'q3':>6}{'compile/fused':>14}")
+    for dtype, width, batch, act, bias, layout in itertools.product(
+            dtypes, args.widths, args.batches, acts, biases, layouts):
+        gflop = 6 * batch * width * width / 1e9
+        if gflop > args.max_gflop:
+            skipped.append({"width": width, "batch": batch, "gflop": gflop})
+            continue
+        samples = cell(width, batch, act, bias, layout, getattr(torch, dtype), args.compile,
+                       args.repeats, args.min_seconds)
+        row = {"width": width, "batch": batch, "activation": act, "bias": bias,
+               "layout": layout, "dtype": dtype,
+               "fused_ms": sorted(samples["fused"])[len(samples["fused"]) // 2],
+               "eager_over_fused": paired_ratio(samples["eager"], samples["fused"])}
+        if "compile" in samples:
+            row["compile_over_fused"] = paired_ratio(samples["compile"], samples["fused"])
+        rows.append(row)
+        e = row["eager_over_fused"]
+        c = row.get("compile_over_fused", {}).get("median", math.nan)
+        print(f"{width:>6}{batch:>6}{act:>11}{'on' if bias else 'off':>5}{layout:>11}"
+              f"{dtype:>9}{e['median']:>12.2f}{e['q1']:>6.2f}{e['q3']:>6.2f}{c:>14.2f}",
+              flush=True)
+    ratios = [r["eager_over_fused"]["median"] for r in rows]
+    geomean = math.exp(sum(math.log(v) for v in ratios) / len(ratios)) if ratios else math.nan
+    worst = sorted(rows, key=lambda r: r["eager_over_fused"]["median"])[:10]
+    print(f"geometric mean of eager/fused over {len(rows)} cells: {geomean:.3f}")
+    for r in worst:
+        print(f"  worst: {r['width']}x{r['width']} batch {r['batch']} {r['activation']} "
+              f"bias {r['bias']} {r['layout']} {r['dtype']}: "
+              f"{r['eager_over_fused']['median']:.2f} "
+              f"[{r['eager_over_fused']['q1']:.2f}, {r['eager_over_fused']['q3']:.2f}]")
+    write_json(args.json, {"benchmark": "sweep", "environment": environment("cpu"),
+                           "repeats": args.repeats, "min_seconds": args.min_seconds,
+                           "geomean_eager_over_fused": geomean, "results": rows,
+                           "skipped": skipped})
+    if args.png and rows:
+        heat_map(rows, args.png, layouts[0], dtypes[0], biases[0])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,41 @@
+"""benchmarks/bench_sweep.py stays runnable: a tiny grid, every layout, both dtypes; the JSON
+holds a row per cell with its ratio band, the skipped cells listed, the heat map written."""
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run(tmp_path, *args):
+    return subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_sweep.py"),
+                           *args], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+
+
+def test_bench_sweep_runs_a_small_grid(tmp_path):
+    proc = run(tmp_path, "--widths", "8,16", "--batches", "1,4,64", "--activations",
+               "relu,gelu", "--bias", "on,off", "--dtypes", "float32,bfloat16", "--repeats",
+               "2", "--min-seconds", "0", "--max-gflop", "0.00002", "--json", "s.json",
+               "--png", "s.png")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    payload = json.loads((tmp_path / "s.json").read_text())
+    rows = payload["results"]
+    # 16 x 16 at batch 64 is 6 * 64 * 256 = 98304 flops, over the 20000 allowed: skipped
+    assert payload["skipped"] and all(s["width"] == 16 and s["batch"] == 64
+                                      for s in payload["skipped"])
+    assert len(rows) == (2 * 3 - 1) * 2 * 2 * 3 * 2
+    for r in rows:
+        band = r["eager_over_fused"]
+        assert 0 < band["q1"] <= band["median"] <= band["q3"] and r["fused_ms"] > 0
+    assert payload["geomean_eager_over_fused"] > 0
+    assert (tmp_path / "s.png").stat().st_size > 1000
+    assert "worst:" in proc.stdout
+
+
+def test_bench_sweep_refuses_unknown_names(tmp_path):
+    proc = run(tmp_path, "--activations", "relu,swish")
+    assert proc.returncode == 2 and "unknown activations" in proc.stderr
+    proc = run(tmp_path, "--dtypes", "float16")
+    assert proc.returncode == 2 and "--dtypes" in proc.stderr
