@@ -22,14 +22,14 @@ def run(tmp_path, *args):
 
 def test_bench_step_runs_every_cpu_contender(tmp_path):
     proc, out = run(tmp_path, "--shapes", "16-8-4:32", "--replicas", "1,2", "--optimizers",
-                    "sgd,adamw", "--steps-per-sync", "3", "--repeats", "2")
+                    "adamw", "--steps-per-sync", "3", "--repeats", "2")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     payload = json.loads(out.read_text())
     assert payload["steps_per_sync"] == 3
     assert sorted(payload["not_run"]) == ["dpcuda graphed", "torch cuda graph",
                                           "torch.compile r-o"]
     rows = payload["results"]
-    for opt in ("sgd", "adamw"):
+    for opt in ("adamw",):  # (one optimizer: a torch.compile costs CI seconds)
         r1 = {r["method"] for r in rows if r["optimizer"] == opt and r["replicas"] == 1}
         want = {"torch eager", "torch.compile", "dpcuda blocking", "dpcuda nonblocking"}
         assert r1 == want | ({"torch eager fused"} if opt == "adamw" else set())
