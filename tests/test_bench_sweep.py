@@ -27,8 +27,10 @@ def test_bench_sweep_runs_a_small_grid(tmp_path):
                                       for s in payload["skipped"])
     assert len(rows) == (2 * 3 - 1) * 2 * 2 * 3 * 2
     for r in rows:
+        # (the quartiles of 2 rounds extrapolate: only their order is certain)
         band = r["eager_over_fused"]
-        assert 0 < band["q1"] <= band["median"] <= band["q3"] and r["fused_ms"] > 0
+        assert band["q1"] <= band["median"] <= band["q3"] and band["median"] > 0
+        assert r["fused_ms"] > 0
     assert payload["geomean_eager_over_fused"] > 0
     assert (tmp_path / "s.png").stat().st_size > 1000
     assert "worst:" in proc.stdout
