@@ -33,46 +33,17 @@ inline T grad_pre_value(T go, T saved) {
   return activation_backward_value<T>(A, go, saved);
 }
 
-// grad_out read at (row stride, 1) (kDense), or at any strides: an expanded gradient (strides
-// 0, 0) is one value the loop reads again and again, which vectorises as a broadcast.
-template <typename T, Activation A>
-DPCUDA_CPU_CLONES void strided_backward_rows(const T* __restrict__ grad_out,
-                                             const T* __restrict__ saved,
-                                             T* __restrict__ grad_pre,
-                                             T* __restrict__ bias_partial, int64_t row_begin,
-                                             int64_t row_end, int64_t cols, int64_t rs,
-                                             int64_t cs) {
-  for (int64_t r = row_begin; r < row_end; ++r) {
-    const T* __restrict__ go = grad_out + r * rs;
-    if (grad_pre) {
-      const T* __restrict__ s = saved + r * cols;
-      T* __restrict__ g = grad_pre + r * cols;
-      if (bias_partial) {
-        for (int64_t c = 0; c < cols; ++c) {
-          const T v = grad_pre_value<T, A>(go[c * cs], s[c]);
-          g[c] = v;
-          bias_partial[c] += v;
-        }
-      } else if (cs == 0) {
-        const T v0 = go[0];
-#pragma GCC ivdep
-        for (int64_t c = 0; c < cols; ++c) g[c] = grad_pre_value<T, A>(v0, s[c]);
-      } else {
-        for (int64_t c = 0; c < cols; ++c) g[c] = grad_pre_value<T, A>(go[c * cs], s[c]);
-      }
-    } else if (bias_partial) {
-      for (int64_t c = 0; c < cols; ++c) bias_partial[c] += go[c * cs];
-    }
-  }
-}
-
-template <typename T, Activation A>
+// grad_out's row r at grad_out + r * rs, its column c at go[c] (kCol 1: unit stride, the loops
+// vectorise), go[0] (kCol 0: an expanded gradient, one value per row, read as a broadcast) or
+// go[c * cs] (kCol -1: any stride, a transposed or sliced gradient).
+template <typename T, Activation A, int kCol>
 DPCUDA_CPU_CLONES void backward_rows(const T* __restrict__ grad_out,
                                      const T* __restrict__ saved, T* __restrict__ grad_pre,
                                      T* __restrict__ bias_partial, int64_t row_begin,
-                                     int64_t row_end, int64_t cols, int64_t rs) {
+                                     int64_t row_end, int64_t cols, int64_t rs, int64_t cs) {
   for (int64_t r = row_begin; r < row_end; ++r) {
     const T* __restrict__ go = grad_out + r * rs;
+    auto at = [&](int64_t c) { return kCol == 1 ? go[c] : kCol == 0 ? go[0] : go[c * cs]; };
     if (grad_pre) {
       const T* __restrict__ s = saved + r * cols;
       T* __restrict__ g = grad_pre + r * cols;
@@ -80,17 +51,17 @@ DPCUDA_CPU_CLONES void backward_rows(const T* __restrict__ grad_out,
       if (bias_partial) {
 #pragma GCC ivdep
         for (int64_t c = 0; c < cols; ++c) {
-          const T v = grad_pre_value<T, A>(go[c], s[c]);
+          const T v = grad_pre_value<T, A>(at(c), s[c]);
           g[c] = v;
           bias_partial[c] += v;
         }
       } else {
 #pragma GCC ivdep
-        for (int64_t c = 0; c < cols; ++c) g[c] = grad_pre_value<T, A>(go[c], s[c]);
+        for (int64_t c = 0; c < cols; ++c) g[c] = grad_pre_value<T, A>(at(c), s[c]);
       }
     } else if (bias_partial) {
 #pragma GCC ivdep
-      for (int64_t c = 0; c < cols; ++c) bias_partial[c] += go[c];
+      for (int64_t c = 0; c < cols; ++c) bias_partial[c] += at(c);
     }
   }
 }
@@ -122,13 +93,17 @@ void activation_backward_rows(const T* grad_out, const T* saved, T* grad_pre, T*
     for (int64_t c = 0; c < cols; ++c) bias_partial[c] = T(0);
   }
   with_activation(act, [&](auto a) {
-    if (go_col_stride == 1) {
-      backward_rows<T, decltype(a)::value>(grad_out, saved, grad_pre, bias_partial, row_begin,
-                                           row_end, cols, go_row_stride);
+    constexpr Activation A = decltype(a)::value;
+    const int64_t rs = go_row_stride, cs = go_col_stride;
+    if (cs == 1) {
+      backward_rows<T, A, 1>(grad_out, saved, grad_pre, bias_partial, row_begin, row_end, cols,
+                             rs, cs);
+    } else if (cs == 0) {
+      backward_rows<T, A, 0>(grad_out, saved, grad_pre, bias_partial, row_begin, row_end, cols,
+                             rs, cs);
     } else {
-      strided_backward_rows<T, decltype(a)::value>(grad_out, saved, grad_pre, bias_partial,
-                                                   row_begin, row_end, cols, go_row_stride,
-                                                   go_col_stride);
+      backward_rows<T, A, -1>(grad_out, saved, grad_pre, bias_partial, row_begin, row_end, cols,
+                              rs, cs);
     }
   });
 }
