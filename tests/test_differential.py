@@ -371,6 +371,11 @@ def _train_loop(net, model, case, steps, state):
 @given(loop_cases())
 def test_the_conventional_loop_matches_one_device(case):
     dtype = case["dtype"]
+    if case["between"] == "layernorm" and 1 in case["widths"][1:-1]:
+        # LayerNorm over one feature is a constant: the gradients behind it are rounding noise
+        # (1e-9), whose sign the summation order decides, and Adagrad, Adam and RMSprop scale
+        # noise to steps of the learning rate, on one device as over replicas.
+        case["between"] = None
     model = build(case["widths"], case["act"], case["bias"], case["between"], dtype, False,
                   case["seed"])
     if case["between"] == "dropout" and case["change"] == "eval":
