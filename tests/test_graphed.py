@@ -216,7 +216,7 @@ def test_what_graphs_true_refuses(monkeypatch):
     for kw, match in ((dict(blocking=True), "replays the non-blocking step"),
                       (dict(split="auto"), "split='auto'"),
                       (dict(buffers="sync"), "buffers='sync'"),
-                      (dict(reducer="host", blocking=False), "reducer 'host'")):
+                      (dict(reducer="host"), "graphs=True: reducer 'host' is not captured")):
         with pytest.raises(ValueError, match=match):
             DataParallel(make(False) if "buffers" in kw else model, ["cpu", "cpu"],
                          graphs=True, **kw)
@@ -322,3 +322,52 @@ def test_a_graphed_data_parallel_copies(closure):
     assert twin._graphed is not None and not twin._graphed.graphs
     assert all(torch.equal(p, q) for p, q in zip(twin.module.parameters(),
                                                   dp.module.parameters()))
+
+
+def test_a_wrapper_lr_changed_every_step_is_said_once_and_stays_exact(closure):
+    # The wrapper's SGD takes lr as a constant of the graph: changed at every step, no step is
+    # replayed, which one warning says (and no other change does); the training stays the
+    # eager one's.
+    data = batches(16)
+
+    def run(mode, schedule):
+        model = make()
+        kw = {"graphs": True} if mode == "graphed" else {"blocking": False}
+        dp = DataParallel(model, ["cpu"] * 2, lr=0.05, **kw)
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            for i, (x, y) in enumerate(data):
+                if schedule:
+                    dp.lr = 0.05 / (1 + i)
+                dp.step(x, y, SoftmaxCrossEntropyLoss())
+            dp.synchronize()
+        return model, [str(m.message) for m in w if "keep changing" in str(m.message)], dp
+    (ma, _, _), (mb, said, dpb) = run("nonblocking", True), run("graphed", True)
+    assert all(torch.equal(p, q) for p, q in zip(ma.parameters(), mb.parameters()))
+    assert len(said) == 1 and not dpb._graphed.graphs
+    _, said, dpc = run("graphed", False)
+    assert said == [] and len(dpc._graphed.graphs) == 1
+
+
+def test_an_evicted_graph_warms_up_again(closure, monkeypatch):
+    # More shapes than graphs kept: the least recently used is dropped with its count, so it
+    # is captured again only after a step of its own (never a capture at every step).
+    monkeypatch.setattr(graphed_module, "MAX_GRAPHS", 2)
+    model = make()
+    dp = DataParallel(model, ["cpu"] * 2, graphs=True)
+    captures = []
+    real = graphed_module.GraphedSteps._capture
+
+    def counting(self, *a, **k):
+        captures.append(a[2].shape[0])
+        return real(self, *a, **k)
+    monkeypatch.setattr(graphed_module.GraphedSteps, "_capture", counting)
+    loss_fn = SoftmaxCrossEntropyLoss()
+    for rows in (4, 6, 8) * 8:
+        x, y = torch.randn(rows, 12), torch.randint(0, 5, (rows,))
+        dp.step(x, y, loss_fn)
+    dp.synchronize()
+    assert len(dp._graphed.graphs) == 2
+    # each rotation evicts the shape about to come back: it warms up (one step) before each
+    # capture, so at most one capture in two steps
+    assert 3 <= len(captures) <= 12

@@ -135,6 +135,9 @@ class DataParallel(nn.Module, StepMixin, DistStepMixin):
             raise ValueError("shard_optimizer=True shards the optimizer state over processes "
                              "(reducer='dist'); over the replicas of one process step() shards "
                              "it by itself")
+        if graphs and reducer != "p2p":
+            raise ValueError(f"dpcuda DataParallel: graphs=True: reducer {reducer!r} is not "
+                             f"captured (reducer 'p2p' is)")
         if not blocking and reducer != "p2p":
             raise ValueError(f"blocking=False needs reducer='p2p' (reducer {reducer!r} reads "
                              f"the gradients on the host at every step)")
@@ -218,8 +221,6 @@ class DataParallel(nn.Module, StepMixin, DistStepMixin):
         why = None
         if blocking:
             why = "it replays the non-blocking step: leave blocking unset (or False)"
-        elif self.reducer != "p2p":
-            why = f"reducer {self.reducer!r} is not captured (reducer 'p2p' is)"
         elif split == "auto":
             why = "split='auto' times every replica on the host"
         elif buffers == "sync":

@@ -34,6 +34,7 @@ from .pending import PendingStep
 WARMUP = 3        # eager steps of a shape before it is captured
 RING = 16         # the device ring's steps: the host reads the records every RING steps
 MAX_GRAPHS = 8    # captured keys kept; the least recently used is dropped
+SEEN_LIMIT = 1024  # shapes and keys whose warm-up steps are counted
 
 
 class _CudaGraph:
@@ -144,7 +145,8 @@ class GraphedSteps:
         self.graphs = collections.OrderedDict()
         self.seen = collections.Counter()
         self.eager_keys = set()  # keys whose capture failed: eager from then on
-        self.recaptures = 0  # captures for the wrapper's SGD (a changed lr is a new graph)
+        self.sgd_changes = 0  # steps whose wrapper lr/momentum/weight_decay were new
+        self.last_sgd = None  # the wrapper's (lr, momentum, weight_decay) at the last step
         self.warned = set()
         self.ring = None
         self.pool = None
@@ -160,7 +162,6 @@ class GraphedSteps:
 
     def _why_not(self, dp, targets, loss_fn, summed):
         """Why this step cannot be replayed from a graph (None: it can)."""
-        from .step import summed_loss  # noqa: F401  (the per-replica losses' test)
         if summed is None:
             return (f"the loss {type(loss_fn).__name__} is computed on the gathered output "
                     f"(graphs replay the per-replica cross-entropy losses)")
@@ -221,6 +222,21 @@ class GraphedSteps:
             if fused._plan is not graph.plan:  # (a new plan: new state buffers)
                 del self.graphs[key]
                 graph = None
+        if optimizer is None:
+            # The wrapper's SGD takes lr, momentum and weight_decay as constants of the graph:
+            # a new value is a new key, which runs eagerly once and is captured again. A value
+            # changed at every step (a schedule) would never be replayed: said once.
+            sgd = (dp.lr, dp.momentum, dp.weight_decay)
+            if self.last_sgd is not None and sgd != self.last_sgd and key not in self.graphs:
+                self.sgd_changes += 1
+                if self.sgd_changes == 3:
+                    warnings.warn(
+                        "dpcuda DataParallel(graphs=True): the wrapper's lr, momentum or "
+                        "weight_decay keep changing: each new value runs a step eagerly and "
+                        "captures the step again (the wrapper's SGD takes them as constants); "
+                        "a dpcuda.optim optimizer's schedule reaches the replayed update",
+                        RuntimeWarning, stacklevel=3)
+            self.last_sgd = sgd
         if graph is None:
             # Captured once the shape has run WARMUP eager steps and this key one of its own
             # (whatever a new code path sets up lazily is then set up outside the capture).
@@ -228,15 +244,6 @@ class GraphedSteps:
             self.seen[key] += 1
             if key in self.eager_keys or self.seen[shape] <= WARMUP or self.seen[key] < 2:
                 return self._eager(dp, inputs, targets, loss_fn, optimizer, accumulate)
-            if optimizer is None:
-                self.recaptures += 1
-                if self.recaptures == 4:
-                    warnings.warn(
-                        "dpcuda DataParallel(graphs=True): the wrapper's lr, momentum or "
-                        "weight_decay changed: each change captures the step again (the "
-                        "wrapper's SGD takes them as constants); a dpcuda.optim optimizer's "
-                        "schedule reaches the replayed update instead", RuntimeWarning,
-                        stacklevel=3)
             graph = self._capture(dp, key, inputs, targets, loss_fn, summed, optimizer,
                                   accumulate)
             if graph is None:
@@ -307,7 +314,12 @@ class GraphedSteps:
                           dp._fused_update._plan if optimizer is not None else None, sink)
         self.graphs[key] = captured
         while len(self.graphs) > MAX_GRAPHS:
-            self.graphs.popitem(last=False)
+            # An evicted key warms up again before its next capture, and the counts kept of
+            # keys never captured stay bounded.
+            evicted, _ = self.graphs.popitem(last=False)
+            self.seen.pop(evicted, None)
+        if len(self.seen) > SEEN_LIMIT:  # (the rest warm up again if they come back)
+            self.seen = collections.Counter({k: self.seen[k] for k in self.graphs})
         return captured
 
     def _replay(self, dp, graph, inputs, targets, summed, optimizer):
