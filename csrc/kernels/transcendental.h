@@ -44,6 +44,12 @@ DPCUDA_HD uint32_t to_bits(float f) {
   return u;
 }
 
+// a * b + c rounded once. Where the CPU has FMA units (the x86-64-v3 and v4 clones, aarch64)
+// it is one instruction and vectorises; the baseline x86 clone calls libm's fmaf, slow but
+// correctly rounded too, so every clone computes the same bits (csrc/cpu/target.h). The
+// polynomials below take it for their Horner steps: half the operations, one rounding each.
+DPCUDA_HD float fma(float a, float b, float c) { return std::fma(a, b, c); }
+
 DPCUDA_HD float copy_sign(float magnitude, float sign) {
   return from_bits((to_bits(magnitude) & 0x7fffffffu) | (to_bits(sign) & 0x80000000u));
 }
@@ -64,14 +70,14 @@ DPCUDA_HD float exp(float in) {
   // The integer n sits in the low mantissa bits of `shifted`: 2^n without a float-to-int
   // conversion (undefined for NaN).
   const uint32_t scale = (to_bits(shifted) - to_bits(kMagic) + 127u) << 23;
-  const float r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
+  const float r = fma(n, 2.12194440e-4f, fma(n, -0.693359375f, x));
   float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  const float er = p * (r * r) + r + 1.0f;
+  p = fma(p, r, 1.3981999507e-3f);
+  p = fma(p, r, 8.3334519073e-3f);
+  p = fma(p, r, 4.1665795894e-2f);
+  p = fma(p, r, 1.6666665459e-1f);
+  p = fma(p, r, 5.0000001201e-1f);
+  const float er = fma(p, r * r, r) + 1.0f;
   const float y = er * from_bits(scale);
   return in > kHi ? from_bits(0x7f800000u) : (in < kLo ? 0.0f : y);
 }
@@ -83,11 +89,11 @@ DPCUDA_HD float tanh(float x) {
   const float ax = std::fabs(x);
   const float z = x * x;
   float p = -5.70498872745e-3f;
-  p = p * z + 2.06390887954e-2f;
-  p = p * z - 5.37397155531e-2f;
-  p = p * z + 1.33314422036e-1f;
-  p = p * z - 3.33332819422e-1f;
-  const float small = ax + ax * z * p;
+  p = fma(p, z, 2.06390887954e-2f);
+  p = fma(p, z, -5.37397155531e-2f);
+  p = fma(p, z, 1.33314422036e-1f);
+  p = fma(p, z, -3.33332819422e-1f);
+  const float small = fma(ax * z, p, ax);
   // tanh(10) rounds to 1 in float; the clamp keeps exp's result and the quotient normal.
   const float large = 1.0f - 2.0f / (exp(2.0f * (ax > 10.0f ? 10.0f : ax)) + 1.0f);
   return copy_sign(ax < 0.625f ? small : large, x);
@@ -102,10 +108,10 @@ DPCUDA_HD float tanh(float x) {
 DPCUDA_HD float normal_cdf_from_exp(float z, float e) {
   const float t = 1.0f / (1.0f + 0.3275911f * 0.70710678118654752f * std::fabs(z));
   float p = 1.061405429f;
-  p = p * t - 1.453152027f;
-  p = p * t + 1.421413741f;
-  p = p * t - 0.284496736f;
-  p = p * t + 0.254829592f;
+  p = fma(p, t, -1.453152027f);
+  p = fma(p, t, 1.421413741f);
+  p = fma(p, t, -0.284496736f);
+  p = fma(p, t, 0.254829592f);
   const float half_tail = 0.5f * (p * t * e);
   return z < 0.0f ? half_tail : 1.0f - half_tail;
 }
