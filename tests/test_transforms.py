@@ -194,7 +194,7 @@ def test_first_order_backward_keeps_the_fused_kernels():
     recomputation): the graph holds the C++ node, and its gradient equals the kernels'."""
     x, w, b = _leaf(4, 6), _leaf(5, 6), _leaf(5)
     out = ops.full_forward(x, w, b, "tanh")
-    assert out.grad_fn.name().endswith("FullForward>")
+    assert out.grad_fn.name() == "FullForwardBackward"
     go = torch.randn_like(out)
     out.backward(go)
     gi, gw, gb = ops.full_backward(go, x.detach(), w.detach(), out.detach(), "tanh")
@@ -228,3 +228,48 @@ def test_in_place_changes_after_the_forward():
         b.add_(1.0)
     with pytest.raises(RuntimeError, match="its bias, has been modified by an inplace"):
         torch.autograd.grad(y.sum(), x, create_graph=True)
+
+
+@pytest.mark.parametrize("act", ["relu", "gelu", "none"])
+def test_the_node_keeps_torchs_autograd_contract(act):
+    """full_forward's node (a Node with saved variables, as torch's generated ones) behaves as
+    torch's linear + activation: a second backward without retain_graph refuses, with it the
+    gradients accumulate; an input, weight or saved output changed in place refuses; the
+    saved-tensor hooks see what it saves and hand it back; the edges reach the leaves."""
+    x, w, b = _leaf(4, 3), _leaf(2, 3), _leaf(2)
+    y = ops.full_forward(x, w, b, act)
+    y.sum().backward()
+    with pytest.raises(RuntimeError, match="second time"):
+        y.sum().backward()
+    g1 = x.grad.clone()
+    y = ops.full_forward(x, w, b, act)
+    y.sum().backward(retain_graph=True)
+    y.sum().backward()
+    assert torch.equal(x.grad, 3 * g1)
+    nexts = [f[0].variable for f in ops.full_forward(x, w, b, act).grad_fn.next_functions]
+    assert nexts[0] is x and nexts[1] is w and nexts[2] is b
+    for victim in ("x", "w") + (("y",) if act == "relu" else ()):
+        xi, wi = _leaf(4, 3) * 1, _leaf(2, 3) * 1
+        y = ops.full_forward(xi, wi, b, act)
+        with torch.no_grad():
+            {"x": xi, "w": wi, "y": y}[victim].add_(1.0)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            y.sum().backward()
+    packed = []
+
+    def pack(t):
+        packed.append(t.shape)
+        return t.clone()
+    hx, hw = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t * 2):
+        y = ops.full_forward(hx, hw, b, act)
+    rx, rw = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    ref = ops.full_forward(rx, rw, b.detach(), act)
+    # what the backward reads went through the hooks: the unpacked weight is doubled
+    y.sum().backward()
+    ref.sum().backward()
+    assert len(packed) == {"relu": 3, "gelu": 3, "none": 2}[act], packed
+    if act == "none":
+        assert torch.allclose(hx.grad, 2 * rx.grad)
+    else:
+        assert not torch.allclose(hx.grad, rx.grad)
