@@ -203,14 +203,23 @@ std::tuple<Tensor, Tensor, Tensor> full_backward_cpu_into(
   if (p.fused_pass || output_mask[2]) {
     const int64_t chunk_rows = cpu::bias_chunk_rows(rows);
     const int64_t chunks = (rows + chunk_rows - 1) / chunk_rows;
-    Tensor partials = output_mask[2] ? at::empty({chunks, out_f}, p.grad_out.options()) : Tensor();
+    // One chunk sums straight into the bias gradient: the same bits as its partial sum added to
+    // 0 (a sum that starts at +0 is never -0), without the buffer and the second pass.
+    const bool direct = chunks == 1;
+    Tensor partials = output_mask[2] && !direct ? at::empty({chunks, out_f}, p.grad_out.options())
+                                                : Tensor();
     AT_DISPATCH_FLOATING_TYPES(p.grad_out.scalar_type(), "full_backward_cpu", [&] {
       const scalar_t* go_ptr = p.grad_out.data_ptr<scalar_t>();
       const int64_t go_rs = p.grad_out.stride(0), go_cs = p.grad_out.stride(1);
       const scalar_t* saved_ptr = p.fused_pass ? p.saved.data_ptr<scalar_t>() : nullptr;
       scalar_t* g_ptr = p.fused_pass ? p.g.data_ptr<scalar_t>() : nullptr;
-      scalar_t* part_ptr = output_mask[2] ? partials.data_ptr<scalar_t>() : nullptr;
-      at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
+      scalar_t* part_ptr = !output_mask[2] ? nullptr
+                           : direct          ? p.grad_bias.data_ptr<scalar_t>()
+                                             : partials.data_ptr<scalar_t>();
+      // At least 32K elements a task, ATen's grain for elementwise passes: a parallel region
+      // costs microseconds, more than a small layer's whole pass.
+      const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, chunk_rows * out_f));
+      at::parallel_for(0, chunks, grain, [&](int64_t begin, int64_t end) {
         for (int64_t k = begin; k < end; ++k) {
           const int64_t r0 = k * chunk_rows;
           const int64_t r1 = std::min(rows, r0 + chunk_rows);
@@ -219,7 +228,7 @@ std::tuple<Tensor, Tensor, Tensor> full_backward_cpu_into(
                                                   r1, out_f, p.act, go_rs, go_cs);
         }
       });
-      if (output_mask[2]) {
+      if (output_mask[2] && !direct) {
         scalar_t* gb = p.grad_bias.data_ptr<scalar_t>();
         // At least 64K additions per task: a parallel region costs more than a smaller one.
         const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, chunks));
