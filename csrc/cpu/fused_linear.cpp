@@ -1,5 +1,7 @@
 #include "fused_linear.h"
 
+#include <cstring>
+
 #include "target.h"
 
 namespace dpcuda {
@@ -106,6 +108,22 @@ void activation_backward_rows(const T* grad_out, const T* saved, T* grad_pre, T*
                               rs, cs);
     }
   });
+}
+
+DPCUDA_CPU_CLONES void bfloat16_column_sums(const uint16_t* __restrict__ g,
+                                            float* __restrict__ partial, int64_t row_begin,
+                                            int64_t row_end, int64_t cols) {
+  for (int64_t c = 0; c < cols; ++c) partial[c] = 0.0f;
+  for (int64_t r = row_begin; r < row_end; ++r) {
+    const uint16_t* __restrict__ row = g + r * cols;
+#pragma GCC ivdep
+    for (int64_t c = 0; c < cols; ++c) {
+      const uint32_t bits = static_cast<uint32_t>(row[c]) << 16;
+      float v;
+      std::memcpy(&v, &bits, sizeof v);
+      partial[c] += v;
+    }
+  }
 }
 
 template <typename T>

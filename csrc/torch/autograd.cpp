@@ -17,6 +17,7 @@
 
 #include <initializer_list>
 
+#include "aten_activation.h"
 #include "checks.h"
 #include "dispatch.h"
 #include "label_errors.h"
@@ -68,23 +69,10 @@ void keep_loss_inputs(AutogradContext* ctx, const Tensor& logits, const Tensor& 
   ctx->saved_data["ignore_index"] = ignore_index;
 }
 
-Tensor activation_forward(const Tensor& z, Activation act) {
-  switch (act) {
-    case Activation::kNone: return z;
-    case Activation::kRelu: return at::relu(z);
-    case Activation::kGelu: return at::gelu(z, "none");
-    case Activation::kGeluTanh: return at::gelu(z, "tanh");
-    case Activation::kSilu: return at::silu(z);
-    case Activation::kSigmoid: return at::sigmoid(z);
-    case Activation::kTanh: return at::tanh(z);
-  }
-  TORCH_CHECK(false, "unknown activation");
-}
-
 variable_list torch_full_backward(const Tensor& grad_out, const Tensor& input,
                                   const Tensor& weight, const Tensor& bias, Activation act,
                                   std::array<bool, 3> mask) {
-  const Tensor y = activation_forward(
+  const Tensor y = aten_activation(
       at::linear(input, weight, bias.defined() ? c10::optional<Tensor>(bias) : c10::nullopt),
       act);
   const std::array<Tensor, 3> args = {input, weight, bias};
@@ -361,7 +349,7 @@ std::tuple<Tensor, Tensor> composite_full_forward(const Tensor& input, const Ten
   const Tensor pre = saved_for_backward(act) == Saved::kPreActivation
                          ? z
                          : at::empty({0}, input.options());
-  return {activation_forward(z, act), pre};
+  return {aten_activation(z, act), pre};
 }
 
 // The loss in the accumulation type (float for half logits), as the kernel returns it.

@@ -8,6 +8,7 @@
 #include <algorithm>
 
 #include "../cpu/fused_linear.h"
+#include "aten_activation.h"
 #include "checks.h"
 
 #ifdef DPCUDA_WITH_CUDA
@@ -109,26 +110,18 @@ std::tuple<Tensor, Tensor> full_forward_cpu(const Tensor& input, const Tensor& w
   const LinearShape s = check_linear(input, weight, bias);
   check_cpu_layer_dtype(input, "input");
   if (is_half_type(input)) {
-    // Rounded where torch rounds: the layer's output x @ W^T + b (computed in float) to the half
-    // type, where it overflows to +-Inf as torch's does; then the activation computed in float
-    // from that and rounded again.
-    const auto dtype = input.scalar_type();
+    // The half types run torch's own kernels, rounded where torch rounds: the GEMM in the half
+    // type (float accumulation, one rounding; where it overflows to +-Inf, as torch's does), then
+    // torch's activation (computed in float, rounded once). Their data stays in the half type:
+    // on CPUs with AMX or AVX512-BF16 the half GEMMs run several times a float GEMM's speed,
+    // and a float pass's conversions would cost more than the fusion saves (computed in float,
+    // bfloat16 layers ran at a quarter of torch's speed: docs/results.md, the sweep).
     const bool has_b = bias.has_value() && bias->defined();
-    const Tensor z = std::get<0>(full_forward_cpu(
-                         input.to(at::kFloat), weight.to(at::kFloat),
-                         has_b ? c10::optional<Tensor>(bias->to(at::kFloat)) : c10::nullopt,
-                         "none"))
-                         .to(dtype);
-    if (act == Activation::kNone) return {z, empty_like_options(z)};
-    Tensor out = z.to(at::kFloat).contiguous();
-    float* out_ptr = out.data_ptr<float>();
-    const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, s.out_features));
-    at::parallel_for(0, s.rows, grain, [&](int64_t begin, int64_t end) {
-      cpu::bias_activation_forward<float>(out_ptr, nullptr, nullptr, begin, end, s.out_features,
-                                          act);
-    });
+    const Tensor x = as_matrix(input, s);
+    const Tensor z = (has_b ? at::addmm(*bias, x, weight.t()) : at::mm(x, weight.t()))
+                         .view(s.out_sizes);
     const bool keep_pre = saved_for_backward(act) == Saved::kPreActivation;
-    return {out.to(dtype), keep_pre ? z : empty_like_options(z)};
+    return {aten_activation(z, act), keep_pre ? z : empty_like_options(z)};
   }
   // With an activation, the GEMM writes x @ W^T alone and our pass adds the bias as it applies
   // the activation in place (keeping the pre-activation when the backward needs it): that saves
@@ -156,12 +149,44 @@ std::tuple<Tensor, Tensor> full_forward_cpu(const Tensor& input, const Tensor& w
   return {out.view(s.out_sizes), keep_pre ? pre.view(s.out_sizes) : pre};
 }
 
+// The CPU backward's row pass and the bias gradient's fixed-order sum: rows in chunks of
+// bias_chunk_rows (a function of the shape alone: the same bits for any thread count), each
+// chunk's column sums from pass(r0, r1, partial) (partial null: no sums wanted), then the
+// partials added in chunk order into grad_bias (null: none). T is the sums' type.
+template <typename T, typename Pass>
+void chunked_rows(int64_t rows, int64_t cols, T* grad_bias, const at::TensorOptions& options,
+                  Pass&& pass) {
+  const int64_t chunk_rows = cpu::bias_chunk_rows(rows);
+  const int64_t chunks = (rows + chunk_rows - 1) / chunk_rows;
+  // One chunk sums straight into the bias gradient: the same bits as its partial sum added to
+  // 0 (a sum that starts at +0 is never -0), without the buffer and the second pass.
+  const bool direct = chunks == 1;
+  Tensor partials = grad_bias && !direct ? at::empty({chunks, cols}, options) : Tensor();
+  T* part = !grad_bias ? nullptr : direct ? grad_bias : partials.data_ptr<T>();
+  // At least 32K elements a task, ATen's grain for elementwise passes: a parallel region costs
+  // microseconds, more than a small layer's whole pass.
+  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, chunk_rows * cols));
+  at::parallel_for(0, chunks, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t k = begin; k < end; ++k) {
+      const int64_t r0 = k * chunk_rows;
+      pass(r0, std::min(rows, r0 + chunk_rows), part ? part + k * cols : nullptr);
+    }
+  });
+  if (grad_bias && !direct) {
+    // At least 64K additions per task: a parallel region costs more than a smaller one.
+    const int64_t reduce_grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, chunks));
+    at::parallel_for(0, cols, reduce_grain, [&](int64_t begin, int64_t end) {
+      cpu::reduce_column_partials<T>(part, chunks, cols, grad_bias, begin, end);
+    });
+  }
+}
+
 std::tuple<Tensor, Tensor, Tensor> full_backward_cpu_into(
     const Tensor& grad_output, const Tensor& input, const Tensor& weight, const Tensor& saved,
     c10::string_view activation, std::array<bool, 3> output_mask,
     const Tensor& grad_weight_into, const Tensor& grad_bias_into) {
   if (is_half_type(input) && (grad_weight_into.defined() || grad_bias_into.defined())) {
-    // The half types compute in float and round each result once: rounded into the destinations.
+    // The half types round each result once: the results are copied into the destinations.
     auto [gi, gw, gb] = full_backward_cpu_into(grad_output, input, weight, saved, activation,
                                                output_mask, Tensor(), Tensor());
     if (grad_weight_into.defined() && output_mask[1]) grad_weight_into.copy_(gw);
@@ -173,69 +198,57 @@ std::tuple<Tensor, Tensor, Tensor> full_backward_cpu_into(
                                       output_mask, &check_cpu_layer_dtype, grad_bias_into,
                                       !is_half_type(input));
   if (is_half_type(input)) {
-    // As torch: grad_output * act'(saved) computed in float and rounded to the half type (where
-    // it may overflow as torch's does), then the GEMMs and the bias sum accumulate in float from
-    // it and each result is rounded once.
+    // As torch: grad_output * act'(saved) by torch's activation backward (computed in float,
+    // rounded to the half type, where it may overflow as torch's does), then the GEMMs in the
+    // half type (torch's own: float accumulation, one rounding) and the bias sum in float from
+    // it, rounded once.
     const auto dtype = input.scalar_type();
-    Tensor g = p.grad_out;
-    if (p.fused_pass) {
-      const Tensor go = p.grad_out.to(at::kFloat).contiguous();
-      const Tensor sv = p.saved.to(at::kFloat).contiguous();
-      Tensor gf = at::empty_like(go);
-      const float* go_ptr = go.data_ptr<float>();
-      const float* sv_ptr = sv.data_ptr<float>();
-      float* g_ptr = gf.data_ptr<float>();
-      const int64_t out_f = p.shape.out_features;
-      const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, out_f));
-      at::parallel_for(0, p.shape.rows, grain, [&](int64_t begin, int64_t end) {
-        cpu::activation_backward_rows<float>(go_ptr, sv_ptr, g_ptr, nullptr, begin, end, out_f,
-                                             p.act);
-      });
-      g = gf.to(dtype);
+    const Tensor g = p.fused_pass ? aten_activation_backward(p.grad_out, p.saved, p.act)
+                                  : p.grad_out;
+    const Tensor none = empty_like_options(g);
+    Tensor gi = output_mask[0] ? at::mm(g, weight).view(input.sizes()) : none;
+    Tensor gw = output_mask[1] ? at::mm(g.t(), as_matrix(input, p.shape)) : none;
+    Tensor gb = none;
+    if (output_mask[2]) {
+      // The float path's fixed-order sum over g widened to float (exactly), rounded once.
+      const int64_t rows = p.shape.rows, out_f = p.shape.out_features;
+      Tensor sum = at::empty({out_f}, g.options().dtype(at::kFloat));
+      const Tensor gc = g.contiguous();
+      if (dtype == at::kBFloat16) {
+        const auto* bits = reinterpret_cast<const uint16_t*>(gc.data_ptr<at::BFloat16>());
+        chunked_rows<float>(rows, out_f, sum.data_ptr<float>(), sum.options(),
+                            [&](int64_t r0, int64_t r1, float* partial) {
+                              cpu::bfloat16_column_sums(bits, partial, r0, r1, out_f);
+                            });
+      } else {
+        const Tensor gf = gc.to(at::kFloat);
+        const float* g_ptr = gf.data_ptr<float>();
+        chunked_rows<float>(rows, out_f, sum.data_ptr<float>(), sum.options(),
+                            [&](int64_t r0, int64_t r1, float* partial) {
+                              cpu::activation_backward_rows<float>(
+                                  g_ptr, nullptr, nullptr, partial, r0, r1, out_f,
+                                  Activation::kNone);
+                            });
+      }
+      gb = sum.to(dtype);
     }
-    auto [gi, gw, gb] = full_backward_cpu_into(
-        g.to(at::kFloat).view(grad_output.sizes()), input.to(at::kFloat),
-        weight.to(at::kFloat), at::empty({0}, input.options().dtype(at::kFloat)), "none",
-        output_mask, Tensor(), Tensor());
-    return {gi.to(dtype), gw.to(dtype), gb.to(dtype)};
+    return {gi, gw, gb};
   }
   const int64_t rows = p.shape.rows, out_f = p.shape.out_features;
   if (p.fused_pass || output_mask[2]) {
-    const int64_t chunk_rows = cpu::bias_chunk_rows(rows);
-    const int64_t chunks = (rows + chunk_rows - 1) / chunk_rows;
-    // One chunk sums straight into the bias gradient: the same bits as its partial sum added to
-    // 0 (a sum that starts at +0 is never -0), without the buffer and the second pass.
-    const bool direct = chunks == 1;
-    Tensor partials = output_mask[2] && !direct ? at::empty({chunks, out_f}, p.grad_out.options())
-                                                : Tensor();
     AT_DISPATCH_FLOATING_TYPES(p.grad_out.scalar_type(), "full_backward_cpu", [&] {
       const scalar_t* go_ptr = p.grad_out.data_ptr<scalar_t>();
       const int64_t go_rs = p.grad_out.stride(0), go_cs = p.grad_out.stride(1);
       const scalar_t* saved_ptr = p.fused_pass ? p.saved.data_ptr<scalar_t>() : nullptr;
       scalar_t* g_ptr = p.fused_pass ? p.g.data_ptr<scalar_t>() : nullptr;
-      scalar_t* part_ptr = !output_mask[2] ? nullptr
-                           : direct          ? p.grad_bias.data_ptr<scalar_t>()
-                                             : partials.data_ptr<scalar_t>();
-      // At least 32K elements a task, ATen's grain for elementwise passes: a parallel region
-      // costs microseconds, more than a small layer's whole pass.
-      const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, chunk_rows * out_f));
-      at::parallel_for(0, chunks, grain, [&](int64_t begin, int64_t end) {
-        for (int64_t k = begin; k < end; ++k) {
-          const int64_t r0 = k * chunk_rows;
-          const int64_t r1 = std::min(rows, r0 + chunk_rows);
-          cpu::activation_backward_rows<scalar_t>(go_ptr, saved_ptr, g_ptr,
-                                                  part_ptr ? part_ptr + k * out_f : nullptr, r0,
-                                                  r1, out_f, p.act, go_rs, go_cs);
-        }
-      });
-      if (output_mask[2] && !direct) {
-        scalar_t* gb = p.grad_bias.data_ptr<scalar_t>();
-        // At least 64K additions per task: a parallel region costs more than a smaller one.
-        const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, chunks));
-        at::parallel_for(0, out_f, grain, [&](int64_t begin, int64_t end) {
-          cpu::reduce_column_partials<scalar_t>(part_ptr, chunks, out_f, gb, begin, end);
-        });
-      }
+      chunked_rows<scalar_t>(rows, out_f,
+                             output_mask[2] ? p.grad_bias.data_ptr<scalar_t>() : nullptr,
+                             p.grad_out.options(),
+                             [&](int64_t r0, int64_t r1, scalar_t* partial) {
+                               cpu::activation_backward_rows<scalar_t>(
+                                   go_ptr, saved_ptr, g_ptr, partial, r0, r1, out_f, p.act,
+                                   go_rs, go_cs);
+                             });
     });
   }
   return finish_backward(p, input, weight, output_mask, grad_weight_into);

@@ -79,6 +79,18 @@ void layer(Hash& hash) {
       }
     }
   }
+  if (sizeof(T) == sizeof(float)) {  // the bfloat16 gradient's column sums
+    const auto g = inputs<float>(rows * cols, 250, 3.0);
+    std::vector<uint16_t> bits(g.size());
+    for (size_t i = 0; i < g.size(); ++i) {
+      uint32_t u;
+      std::memcpy(&u, &g[i], sizeof u);
+      bits[i] = static_cast<uint16_t>(u >> 16);
+    }
+    std::vector<float> sums(cols);
+    cpu::bfloat16_column_sums(bits.data(), sums.data(), 0, rows, cols);
+    hash.add(sums);
+  }
   const auto partials = inputs<T>(9 * 41, 300, 2.0);
   std::vector<T> reduced(41);
   cpu::reduce_column_partials<T>(partials.data(), 9, 41, reduced.data(), 0, 41);
