@@ -175,3 +175,28 @@ def test_float16_overflows_where_torch_overflows():
     F.silu(F.linear(z2, w2)).backward(go)
     torch.testing.assert_close(z.grad, z2.grad, equal_nan=True)
     torch.testing.assert_close(w1.grad, w2.grad, equal_nan=True)
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("activation", ACTS)
+def test_half_types_on_the_cpu_are_torchs_own_kernels(dtype, activation):
+    # The CPU's half-type layer is torch's half GEMM and activation (their data stays in the
+    # half type): its output and its input's gradient are torch eager's, bit for bit; the
+    # weight's and the bias's gradients agree within the half type's rounding (the weight
+    # gradient's GEMM is laid out transposed to torch's, the bias sum is dpcuda's fixed-order
+    # one in float).
+    torch.manual_seed(3)
+    x = torch.randn(300, 24).to(dtype).requires_grad_()
+    w = (torch.randn(40, 24) / 4).to(dtype).requires_grad_()
+    b = torch.randn(40).to(dtype).requires_grad_()
+    go = torch.randn(300, 40).to(dtype)
+    out = ops.full_forward(x, w, b, activation)
+    out.backward(go)
+    xs, ws, bs = (t.detach().clone().requires_grad_() for t in (x, w, b))
+    want = ref.full_forward(xs, ws, bs, activation)
+    want.backward(go)
+    assert torch.equal(out, want)
+    assert torch.equal(x.grad, xs.grad)
+    for ours, theirs in ((w.grad, ws.grad), (b.grad, bs.grad)):
+        torch.testing.assert_close(ours.float(), theirs.float(), rtol=2 * ULP[dtype],
+                                   atol=2 * ULP[dtype] * (1 + theirs.float().abs().max().item()))
