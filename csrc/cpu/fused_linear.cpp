@@ -8,6 +8,29 @@ namespace dpcuda {
 namespace cpu {
 namespace {
 
+// Column sums of a matrix whose columns are contiguous (a transposed one: row stride 1, column
+// c at g + c * cs), each column added in row order onto partial[c], as the row-major loops add
+// it (the same bits), kBlock columns at a time so that their independent sums hide the adds'
+// latency. load widens an element to the sums' type.
+template <typename In, typename Acc, typename Load>
+inline void column_major_sums(const In* __restrict__ g, Acc* __restrict__ partial,
+                              int64_t row_begin, int64_t row_end, int64_t cols, int64_t cs,
+                              Load load) {
+  constexpr int64_t kBlock = 8;
+  int64_t c = 0;
+  for (; c + kBlock <= cols; c += kBlock) {
+    Acc acc[kBlock];
+    for (int64_t j = 0; j < kBlock; ++j) acc[j] = partial[c + j];
+    for (int64_t r = row_begin; r < row_end; ++r) {
+      for (int64_t j = 0; j < kBlock; ++j) acc[j] += load(g[(c + j) * cs + r]);
+    }
+    for (int64_t j = 0; j < kBlock; ++j) partial[c + j] = acc[j];
+  }
+  for (; c < cols; ++c) {
+    for (int64_t r = row_begin; r < row_end; ++r) partial[c] += load(g[c * cs + r]);
+  }
+}
+
 // One instantiation per (bias, pre) combination, so the inner loop has no branch left and
 // vectorises (GCC does not unswitch a loop on two pointers reliably).
 template <typename T, Activation A, bool kBias, bool kPre>
@@ -68,6 +91,14 @@ DPCUDA_CPU_CLONES void backward_rows(const T* __restrict__ grad_out,
   }
 }
 
+// The bias-only pass ("none") over a gradient whose columns are contiguous (a transposed one).
+template <typename T>
+DPCUDA_CPU_CLONES void column_major_bias(const T* __restrict__ grad_out, T* __restrict__ partial,
+                                         int64_t row_begin, int64_t row_end, int64_t cols,
+                                         int64_t cs) {
+  column_major_sums(grad_out, partial, row_begin, row_end, cols, cs, [](T v) { return v; });
+}
+
 }  // namespace
 
 template <typename T>
@@ -103,6 +134,8 @@ void activation_backward_rows(const T* grad_out, const T* saved, T* grad_pre, T*
     } else if (cs == 0) {
       backward_rows<T, A, 0>(grad_out, saved, grad_pre, bias_partial, row_begin, row_end, cols,
                              rs, cs);
+    } else if (!grad_pre && bias_partial && rs == 1) {
+      column_major_bias<T>(grad_out, bias_partial, row_begin, row_end, cols, cs);
     } else {
       backward_rows<T, A, -1>(grad_out, saved, grad_pre, bias_partial, row_begin, row_end, cols,
                               rs, cs);
@@ -110,12 +143,13 @@ void activation_backward_rows(const T* grad_out, const T* saved, T* grad_pre, T*
   });
 }
 
-DPCUDA_CPU_CLONES void bfloat16_column_sums(const uint16_t* __restrict__ g,
-                                            float* __restrict__ partial, int64_t row_begin,
-                                            int64_t row_end, int64_t cols) {
-  for (int64_t c = 0; c < cols; ++c) partial[c] = 0.0f;
+namespace {
+
+DPCUDA_CPU_CLONES void bfloat16_sums_unit(const uint16_t* __restrict__ g,
+                                          float* __restrict__ partial, int64_t row_begin,
+                                          int64_t row_end, int64_t cols, int64_t rs) {
   for (int64_t r = row_begin; r < row_end; ++r) {
-    const uint16_t* __restrict__ row = g + r * cols;
+    const uint16_t* __restrict__ row = g + r * rs;
 #pragma GCC ivdep
     for (int64_t c = 0; c < cols; ++c) {
       const uint32_t bits = static_cast<uint32_t>(row[c]) << 16;
@@ -123,6 +157,44 @@ DPCUDA_CPU_CLONES void bfloat16_column_sums(const uint16_t* __restrict__ g,
       std::memcpy(&v, &bits, sizeof v);
       partial[c] += v;
     }
+  }
+}
+
+inline float widen(uint16_t b) {
+  const uint32_t bits = static_cast<uint32_t>(b) << 16;
+  float v;
+  std::memcpy(&v, &bits, sizeof v);
+  return v;
+}
+
+DPCUDA_CPU_CLONES void bfloat16_sums_strided(const uint16_t* __restrict__ g,
+                                             float* __restrict__ partial, int64_t row_begin,
+                                             int64_t row_end, int64_t cols, int64_t rs,
+                                             int64_t cs) {
+  if (rs == 1 && cs != 0) {
+    column_major_sums(g, partial, row_begin, row_end, cols, cs, widen);
+    return;
+  }
+  for (int64_t r = row_begin; r < row_end; ++r) {
+    const uint16_t* __restrict__ row = g + r * rs;
+    for (int64_t c = 0; c < cols; ++c) {
+      const uint32_t bits = static_cast<uint32_t>(row[c * cs]) << 16;
+      float v;
+      std::memcpy(&v, &bits, sizeof v);
+      partial[c] += v;
+    }
+  }
+}
+
+}  // namespace
+
+void bfloat16_column_sums(const uint16_t* g, float* partial, int64_t row_begin, int64_t row_end,
+                          int64_t cols, int64_t row_stride, int64_t col_stride) {
+  for (int64_t c = 0; c < cols; ++c) partial[c] = 0.0f;
+  if (col_stride == 1) {
+    bfloat16_sums_unit(g, partial, row_begin, row_end, cols, row_stride);
+  } else {
+    bfloat16_sums_strided(g, partial, row_begin, row_end, cols, row_stride, col_stride);
   }
 }
 

@@ -35,12 +35,14 @@ void activation_backward_rows(const T* grad_out, const T* saved, T* grad_pre, T*
                               act, cols, 1);
 }
 
-// Rows [row_begin, row_end) of a bfloat16 (rows, cols) matrix g, given as its bit patterns:
-// the column sums written to partial[0, cols), each value widened to float exactly (bfloat16 is
-// the upper half of a float) and added in row order: the bits of activation_backward_rows's sums
-// for "none" over g converted to float, without the converted copy.
+// Rows [row_begin, row_end) of a bfloat16 (rows, cols) matrix g, given as its bit patterns, its
+// element (r, c) at g[r * row_stride + c * col_stride] (read where it lies, as
+// activation_backward_rows reads grad_out): the column sums written to partial[0, cols), each
+// value widened to float exactly (bfloat16 is the upper half of a float) and added in row order:
+// the bits of activation_backward_rows's sums for "none" over g converted to float, without the
+// converted copy.
 void bfloat16_column_sums(const uint16_t* g, float* partial, int64_t row_begin, int64_t row_end,
-                          int64_t cols);
+                          int64_t cols, int64_t row_stride, int64_t col_stride);
 
 // The bias gradient from per-chunk partial sums: out[c] = sum over chunks k, in order, of
 // partials[k * cols + c], for columns [col_begin, col_end). The fixed order keeps it deterministic.

@@ -38,7 +38,7 @@ Tensor as_matrix(const Tensor& input, const LinearShape& s) {
 struct BackwardPlan {
   Activation act;
   LinearShape shape;
-  Tensor grad_out;   // (rows, out): contiguous, or (strided_ok) any strides where the pass runs
+  Tensor grad_out;   // (rows, out): contiguous, or (strided_ok) with the strides it came with
   Tensor saved;      // (rows, out), contiguous; undefined for "none"
   Tensor g;          // grad_out * act'(saved)
   Tensor grad_bias;  // (out,) or empty
@@ -60,9 +60,11 @@ BackwardPlan plan_backward(const Tensor& grad_output, const Tensor& input, const
   const int64_t rows = p.shape.rows, out_f = p.shape.out_features;
   p.fused_pass = p.act != Activation::kNone;
   // The CPU's activation pass reads the upstream gradient where it lies (an expanded one from
-  // sum() or mean(), a transposed one): no copy of it first. Elsewhere it is made contiguous.
+  // sum() or mean(), a transposed one): no copy of it first; without an activation the GEMMs
+  // read it as torch's linear backward does (a transposed one as BLAS's transposed operand).
+  // Elsewhere it is made contiguous.
   p.grad_out = grad_output.reshape({rows, out_f});
-  if (!(strided_ok && p.fused_pass)) p.grad_out = p.grad_out.contiguous();
+  if (!strided_ok) p.grad_out = p.grad_out.contiguous();
   p.saved = p.fused_pass ? saved.reshape({rows, out_f}).contiguous() : Tensor();
   p.g = p.fused_pass ? at::empty({rows, out_f}, p.grad_out.options()) : p.grad_out;
   p.grad_bias = !output_mask[2]           ? empty_like_options(p.grad_out)
@@ -196,7 +198,7 @@ std::tuple<Tensor, Tensor, Tensor> full_backward_cpu_into(
   }
   const BackwardPlan p = plan_backward(grad_output, input, weight, saved, activation,
                                       output_mask, &check_cpu_layer_dtype, grad_bias_into,
-                                      !is_half_type(input));
+                                      true);
   if (is_half_type(input)) {
     // As torch: grad_output * act'(saved) by torch's activation backward (computed in float,
     // rounded to the half type, where it may overflow as torch's does), then the GEMMs in the
@@ -213,15 +215,16 @@ std::tuple<Tensor, Tensor, Tensor> full_backward_cpu_into(
       // The float path's fixed-order sum over g widened to float (exactly), rounded once.
       const int64_t rows = p.shape.rows, out_f = p.shape.out_features;
       Tensor sum = at::empty({out_f}, g.options().dtype(at::kFloat));
-      const Tensor gc = g.contiguous();
       if (dtype == at::kBFloat16) {
-        const auto* bits = reinterpret_cast<const uint16_t*>(gc.data_ptr<at::BFloat16>());
+        // (read where it lies: a transposed or expanded upstream gradient is not copied)
+        const auto* bits = reinterpret_cast<const uint16_t*>(g.const_data_ptr<at::BFloat16>());
+        const int64_t rs = g.stride(0), cs = g.stride(1);
         chunked_rows<float>(rows, out_f, sum.data_ptr<float>(), sum.options(),
                             [&](int64_t r0, int64_t r1, float* partial) {
-                              cpu::bfloat16_column_sums(bits, partial, r0, r1, out_f);
+                              cpu::bfloat16_column_sums(bits, partial, r0, r1, out_f, rs, cs);
                             });
       } else {
-        const Tensor gf = gc.to(at::kFloat);
+        const Tensor gf = g.to(at::kFloat).contiguous();
         const float* g_ptr = gf.data_ptr<float>();
         chunked_rows<float>(rows, out_f, sum.data_ptr<float>(), sum.options(),
                             [&](int64_t r0, int64_t r1, float* partial) {

@@ -76,6 +76,11 @@ void layer(Hash& hash) {
                                          cols, act, s[0], s[1]);
         hash.add(g);
         hash.add(part);
+        if (act == Activation::kNone) {  // the bias-only pass (no gradient written)
+          cpu::activation_backward_rows<T>(go.data(), nullptr, nullptr, part.data(), 0, rows,
+                                           cols, act, s[0], s[1]);
+          hash.add(part);
+        }
       }
     }
   }
@@ -87,9 +92,11 @@ void layer(Hash& hash) {
       std::memcpy(&u, &g[i], sizeof u);
       bits[i] = static_cast<uint16_t>(u >> 16);
     }
-    std::vector<float> sums(cols);
-    cpu::bfloat16_column_sums(bits.data(), sums.data(), 0, rows, cols);
+    std::vector<float> sums(cols), strided(cols);
+    cpu::bfloat16_column_sums(bits.data(), sums.data(), 0, rows, cols, cols, 1);
+    cpu::bfloat16_column_sums(bits.data(), strided.data(), 0, rows, cols, 1, rows);
     hash.add(sums);
+    hash.add(strided);
   }
   const auto partials = inputs<T>(9 * 41, 300, 2.0);
   std::vector<T> reduced(41);
