@@ -371,3 +371,29 @@ def test_an_evicted_graph_warms_up_again(closure, monkeypatch):
     # each rotation evicts the shape about to come back: it warms up (one step) before each
     # capture, so at most one capture in two steps
     assert 3 <= len(captures) <= 12
+
+
+def test_a_schedule_that_changes_now_and_then_is_replayed_without_a_warning(closure,
+                                                                             monkeypatch):
+    # MultiStepLR-like changes of the wrapper's lr: each new value is captured again and
+    # replayed in between, with no "keep changing" warning; the counts of keys seen once stay
+    # bounded when every step is new.
+    model = make()
+    dp = DataParallel(model, ["cpu"] * 2, graphs=True, lr=0.1)
+    loss_fn = SoftmaxCrossEntropyLoss()
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        for i, (x, y) in enumerate(batches(30)):
+            if i in (10, 18, 24):
+                dp.lr *= 0.5
+            dp.step(x, y, loss_fn)
+        dp.synchronize()
+    assert not [m for m in w if "keep changing" in str(m.message)]
+    assert dp._graphed.graphs
+    monkeypatch.setattr(graphed_module, "SEEN_LIMIT", 10)
+    for i, (x, y) in enumerate(batches(40)):
+        dp.lr = 0.01 / (i + 1)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dp.step(x, y, loss_fn)
+    assert len(dp._graphed.seen) <= 12

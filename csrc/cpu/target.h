@@ -11,6 +11,9 @@
 // vector width does not change (no -fassociative-math), and -ffp-contract=off keeps the FMA
 // units of v3 and v4 from fusing what the baseline rounds twice. tests/cpp/cpu_bits.cpp checks
 // it: DPCUDA_CPU_TARGET builds the kernels for one target alone (a test build's knob).
+// The polynomials' fused multiply-adds are one instruction in the v3 and v4 clones; the baseline
+// clone, and a build without clones (clang, GCC < 11) for a CPU target without FMA, call libm's
+// fmaf for them: the same bits, but loops that no longer vectorise.
 #pragma once
 
 #if defined(DPCUDA_CPU_TARGET)

@@ -16,6 +16,7 @@
 #include <torch/library.h>
 
 #include <initializer_list>
+#include <mutex>
 
 #include "aten_activation.h"
 #include "checks.h"
@@ -162,7 +163,10 @@ struct FullForwardBackward : public torch::autograd::Node {
 
   std::string name() const override { return "FullForwardBackward"; }
 
+  // Both lock the node, as torch's generated nodes do: a backward of a retained graph on
+  // another thread must not read what a finished backward releases.
   void release_variables() override {
+    std::lock_guard<std::mutex> lock(mutex_);
     input.reset_data();
     weight.reset_data();
     saved.reset_data();
@@ -180,6 +184,7 @@ const char* activation_name(Activation act) {
 }
 
 variable_list FullForwardBackward::apply(variable_list&& grads) {
+  std::lock_guard<std::mutex> lock(mutex_);
   variable_list result(3);
   const Tensor& grad_out = grads[0];
   if (!grad_out.defined()) return result;

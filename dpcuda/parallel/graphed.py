@@ -145,7 +145,8 @@ class GraphedSteps:
         self.graphs = collections.OrderedDict()
         self.seen = collections.Counter()
         self.eager_keys = set()  # keys whose capture failed: eager from then on
-        self.sgd_changes = 0  # steps whose wrapper lr/momentum/weight_decay were new
+        self.sgd_changes = 0  # consecutive steps whose wrapper lr/momentum/weight_decay changed
+        self.warned_sgd = False
         self.last_sgd = None  # the wrapper's (lr, momentum, weight_decay) at the last step
         self.warned = set()
         self.ring = None
@@ -227,19 +228,26 @@ class GraphedSteps:
             # a new value is a new key, which runs eagerly once and is captured again. A value
             # changed at every step (a schedule) would never be replayed: said once.
             sgd = (dp.lr, dp.momentum, dp.weight_decay)
-            if self.last_sgd is not None and sgd != self.last_sgd and key not in self.graphs:
-                self.sgd_changes += 1
-                if self.sgd_changes == 3:
-                    warnings.warn(
-                        "dpcuda DataParallel(graphs=True): the wrapper's lr, momentum or "
-                        "weight_decay keep changing: each new value runs a step eagerly and "
-                        "captures the step again (the wrapper's SGD takes them as constants); "
-                        "a dpcuda.optim optimizer's schedule reaches the replayed update",
-                        RuntimeWarning, stacklevel=3)
+            changed = self.last_sgd is not None and sgd != self.last_sgd
+            # (counted over consecutive steps: a schedule that changes now and then, as
+            # MultiStepLR, is captured again after each change and replayed in between)
+            self.sgd_changes = self.sgd_changes + 1 if changed else 0
+            if self.sgd_changes == 3 and not self.warned_sgd:
+                self.warned_sgd = True
+                warnings.warn(
+                    "dpcuda DataParallel(graphs=True): the wrapper's lr, momentum or "
+                    "weight_decay keep changing: each new value runs a step eagerly and "
+                    "captures the step again (the wrapper's SGD takes them as constants); "
+                    "a dpcuda.optim optimizer's schedule reaches the replayed update",
+                    RuntimeWarning, stacklevel=3)
             self.last_sgd = sgd
         if graph is None:
             # Captured once the shape has run WARMUP eager steps and this key one of its own
             # (whatever a new code path sets up lazily is then set up outside the capture).
+            if len(self.seen) > SEEN_LIMIT:  # (keys seen once and never again: bounded)
+                self.seen = collections.Counter({k: self.seen[k] for k in self.graphs})
+            if len(self.eager_keys) > SEEN_LIMIT:
+                self.eager_keys.clear()
             self.seen[shape] += 1
             self.seen[key] += 1
             if key in self.eager_keys or self.seen[shape] <= WARMUP or self.seen[key] < 2:
@@ -318,8 +326,6 @@ class GraphedSteps:
             # keys never captured stay bounded.
             evicted, _ = self.graphs.popitem(last=False)
             self.seen.pop(evicted, None)
-        if len(self.seen) > SEEN_LIMIT:  # (the rest warm up again if they come back)
-            self.seen = collections.Counter({k: self.seen[k] for k in self.graphs})
         return captured
 
     def _replay(self, dp, graph, inputs, targets, summed, optimizer):
