@@ -146,7 +146,6 @@ class GraphedSteps:
         self.seen = collections.Counter()
         self.eager_keys = set()  # keys whose capture failed: eager from then on
         self.sgd_changes = 0  # consecutive steps whose wrapper lr/momentum/weight_decay changed
-        self.warned_sgd = False
         self.last_sgd = None  # the wrapper's (lr, momentum, weight_decay) at the last step
         self.warned = set()
         self.ring = None
@@ -232,8 +231,8 @@ class GraphedSteps:
             # (counted over consecutive steps: a schedule that changes now and then, as
             # MultiStepLR, is captured again after each change and replayed in between)
             self.sgd_changes = self.sgd_changes + 1 if changed else 0
-            if self.sgd_changes == 3 and not self.warned_sgd:
-                self.warned_sgd = True
+            if self.sgd_changes == 3 and "sgd" not in self.warned:
+                self.warned.add("sgd")
                 warnings.warn(
                     "dpcuda DataParallel(graphs=True): the wrapper's lr, momentum or "
                     "weight_decay keep changing: each new value runs a step eagerly and "
@@ -322,8 +321,7 @@ class GraphedSteps:
                           dp._fused_update._plan if optimizer is not None else None, sink)
         self.graphs[key] = captured
         while len(self.graphs) > MAX_GRAPHS:
-            # An evicted key warms up again before its next capture, and the counts kept of
-            # keys never captured stay bounded.
+            # An evicted key warms up again before its next capture.
             evicted, _ = self.graphs.popitem(last=False)
             self.seen.pop(evicted, None)
         return captured
