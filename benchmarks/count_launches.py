@@ -2,7 +2,9 @@
 steady-state training step (784-256-10 relu MLP, batch 256, inputs and labels on the GPU),
 counted by torch.profiler and torch.cuda's sync debug mode over 5 steps, for torch eager
 (nn.Sequential, F.cross_entropy, torch.optim.SGD) and for dpcuda's DataParallel (FusedMLP,
-SoftmaxCrossEntropyLoss; blocking and blocking=False). The sync debug mode flags stream and
+SoftmaxCrossEntropyLoss; blocking, blocking=False and graphs=True, whose kernels run inside one
+graph launch). "host calls" counts what the host issues per step: kernel launches, graph
+launches and copies or memsets (the CUDA runtime and driver calls of those names). The sync debug mode flags stream and
 device synchronisations, blocking copies and reads of device values; it does not see a host
 wait on an event, which a blocking=False step makes only when the host is DataParallel.lag steps
 ahead of the device. The correctness of the CUDA step is tests/test_cuda_step.py's.
@@ -25,7 +27,7 @@ from dpcuda.parallel import DataParallel
 
 
 def count_step(fn, steps=5):
-    for _ in range(3):
+    for _ in range(8):  # (graphs=True: its warm-up and the capture)
         fn()
     torch.cuda.synchronize()
     from torch.profiler import ProfilerActivity, profile
@@ -36,6 +38,11 @@ def count_step(fn, steps=5):
     kinds = collections.Counter()
     names = collections.Counter()
     for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CPU and e.name.startswith("cu") and any(
+                k in e.name for k in ("LaunchKernel", "GraphLaunch", "Memcpy", "Memset")):
+            kinds["host calls"] += 1
+            if "GraphLaunch" in e.name:
+                kinds["graph launches"] += 1
         # (the GPU-side range of a user annotation, "Optimizer.step#SGD.step", is no launch)
         if e.device_type == torch.autograd.DeviceType.CUDA and not (
                 getattr(e, "is_user_annotation", False) or e.name.startswith("Optimizer.")):
@@ -86,13 +93,21 @@ def launches():
                 lambda dp=dp: dp.step(x, y, SoftmaxCrossEntropyLoss()))
         rows[f"dpcuda 1 replica, labels in host memory{mode}"] = (
             lambda dp=dp: dp.step(x, y_host, SoftmaxCrossEntropyLoss()))
+    for R in (1, 2):
+        for name in ("SGD", "AdamW"):
+            model = FusedMLP([784, 256, 10])
+            dp = DataParallel(model, ["cuda:0"] * R, graphs=True)
+            opt = getattr(dpcuda.optim, name)(model.parameters(), lr=0.01)
+            rows[f"dpcuda {R} replica(s), graphs=True, dpcuda.optim.{name}"] = (
+                lambda dp=dp, opt=opt: dp.step(x, y, SoftmaxCrossEntropyLoss(), optimizer=opt))
     out = {}
     for name, fn in rows.items():
         kinds, syncs, names = count_step(fn)
         out[name] = {"per_step": kinds, "host_syncs": syncs, "kernels": names}
         print(f"{name:58s} kernels {kinds.get('kernel', 0):5.1f}  "
               f"memcpy {kinds.get('memcpy', 0):4.1f}  memset {kinds.get('memset', 0):4.1f}  "
-              f"syncs {syncs:4.1f}", flush=True)
+              f"syncs {syncs:4.1f}  host calls {kinds.get('host calls', 0):5.1f}  "
+              f"graph launches {kinds.get('graph launches', 0):3.1f}", flush=True)
     return out
 
 

@@ -214,6 +214,38 @@ def test_cuda_graphed_training_is_the_eager_training_bit_for_bit(replicas, name)
     assert all(torch.equal(a, b) for a, b in zip(wa, wb))
 
 
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_cuda_warmed_up_graphed_steps_allocate_only_their_outputs(replicas):
+    # The CUDA caching allocator's counters over 20 replayed steps (the ring's copy to the host
+    # falls outside them: RING is 16, and the window starts right after a flush): each step
+    # allocates its two outputs on the device (the loss and opt.grad_norm, copies of the
+    # graph's static ones) and nothing else; the body's memory is the graph's pool, made at the
+    # capture. No cudaMalloc either (segments).
+    from dpcuda.parallel import graphed
+    gen = torch.Generator().manual_seed(5)
+    data = [(torch.randn(24, 20, generator=gen).cuda(),
+             torch.randint(0, 5, (24,), generator=gen).cuda()) for _ in range(60)]
+    model = mlp(True, torch.float32).cuda()
+    dp = DataParallel(model, ["cuda:0"] * replicas, graphs=True)
+    opt = dpcuda.optim.AdamW(model.parameters(), lr=0.01, max_grad_norm=1.0)
+    loss_fn = SoftmaxCrossEntropyLoss()
+    steps = iter(data)
+    while True:  # warm-up and capture, then up to the next flush of the ring
+        dp.step(*next(steps), loss_fn, optimizer=opt)
+        if dp._graphed.graphs and not dp._graphed.ring.window:
+            break
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_stats()
+    kept = []
+    for _ in range(graphed.RING - 1):
+        kept.append(dp.step(*next(steps), loss_fn, optimizer=opt))
+        kept.append(opt.grad_norm)
+    after = torch.cuda.memory_stats()
+    assert after["allocation.all.allocated"] - before["allocation.all.allocated"] == len(kept)
+    assert after["segment.all.allocated"] == before["segment.all.allocated"]
+    dp.synchronize()
+
+
 def test_cuda_steps_from_two_streams_are_ordered():
     # Consecutive non-blocking steps issued from different streams run on DataParallel's own
     # stream, one after another, and the caller's stream waits for each: the same weights as

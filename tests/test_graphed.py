@@ -133,17 +133,19 @@ def test_one_capture_per_shape_with_static_buffers(closure, monkeypatch):
 def test_a_warmed_up_graphed_step_reads_nothing_and_allocates_only_outputs(closure,
                                                                         monkeypatch):
     # The host's part of a replayed step, logged with the replayed body left out: the batch
-    # into the static buffers (2 copies), the hyperparameters into the plan's array (1 copy,
-    # from a host tensor of them: lift_fresh), the returned loss and opt.grad_norm (2 clones,
-    # of a 0-d view of the norm: the graph rewrites its own at the next replay), the profiler's
-    # record of opt.step() that torch.optim's step() wrapper makes for any optimizer; nothing
-    # read on the host. The body (what a CUDA graph holds) is logged on its own: no host read
-    # either.
+    # into the static buffers (2 copies), the hyperparameters from the plan's host array into
+    # its device array (1 copy; the host array is filled in place), the returned loss and
+    # opt.grad_norm (2 clones, of a 0-d view of the norm: the graph rewrites its own at the next
+    # replay), the profiler's record of opt.step() that torch.optim's step() wrapper makes for
+    # any optimizer; nothing read on the host. The body (what a CUDA graph holds) is logged on
+    # its own: no host read either. The CPU allocator's own count (what it reports to the
+    # profiler) says the same: outside the body, a step allocates its two outputs and nothing
+    # else (on a GPU, tests/test_cuda_step.py counts the CUDA allocator's allocations).
     inside = _OpLog()
     original = graphed_module._ClosureGraph.replay
 
     def replay(self):
-        with inside:
+        with inside, torch.autograd.profiler.record_function("graph body"):
             original(self)
 
     model = make()
@@ -154,17 +156,28 @@ def test_a_warmed_up_graphed_step_reads_nothing_and_allocates_only_outputs(closu
         dp.step(x, y, SoftmaxCrossEntropyLoss(), optimizer=opt)
     monkeypatch.setattr(graphed_module._ClosureGraph, "replay", replay)
     outside = _OpLog()
-    with outside:
+    losses = []
+    with outside, torch.autograd.profiler.profile(profile_memory=True) as profile:
         # (the outer log sees the body's ops too, through the inner mode: subtract them)
         for x, y in data[5:]:
-            dp.step(x, y, SoftmaxCrossEntropyLoss(), optimizer=opt)
+            losses.append(dp.step(x, y, SoftmaxCrossEntropyLoss(), optimizer=opt))
     host = outside.ops - inside.ops
-    assert +host == collections.Counter({"copy_": 9, "clone": 6, "view": 3, "lift_fresh": 3,
+    assert +host == collections.Counter({"copy_": 9, "clone": 6, "view": 3,
                                          "_record_function_enter_new": 3,
                                          "_record_function_exit": 3}), host
     assert not any(inside.ops[op] for op in READS), inside.ops
     assert inside.ops["reduce_update_"] == 3 and inside.ops["step_status"] == 6
     assert inside.ops["index_copy_"] == 3  # the records into the device ring
+
+    def in_body(event):
+        while event is not None and event.name != "graph body":
+            event = event.cpu_parent
+        return event is not None
+    allocated = sorted(e.self_cpu_memory_usage for e in profile.function_events
+                       if e.self_cpu_memory_usage > 0 and not in_body(e))
+    outputs = sorted([8] * 3 + [opt.grad_norm.element_size()] * 3)  # the losses, the norms
+    assert allocated == outputs, allocated
+    assert all(v.dtype == torch.float64 for v in losses)
 
 
 def test_graphs_fall_back_with_one_warning_where_a_graph_cannot_replay(closure):
@@ -220,6 +233,11 @@ def test_what_graphs_true_refuses(monkeypatch):
         with pytest.raises(ValueError, match=match):
             DataParallel(make(False) if "buffers" in kw else model, ["cpu", "cpu"],
                          graphs=True, **kw)
+    # Replicas on two GPUs (none here: the check alone, on the devices it reads)
+    two = type("Devices", (), {"devices": [torch.device("cuda:0"), torch.device("cuda:1")],
+                               "_graph_backend": "cuda"})()
+    with pytest.raises(ValueError, match="several devices are not graphed: torch's capture"):
+        DataParallel._check_graphs(two, False, None, None)
     dp = DataParallel(model, ["cpu"], graphs=True)
     assert not dp.blocking  # (graphs=True leaves blocking unset: the non-blocking step)
     with pytest.raises(ValueError, match="needs a dpcuda.optim optimizer"):

@@ -226,8 +226,9 @@ class DataParallel(nn.Module, StepMixin, DistStepMixin):
         elif buffers == "sync":
             why = "buffers='sync' reads batch-norm counts on the host"
         elif len(set(self.devices)) > 1:
-            why = ("replicas on several devices are not graphed yet (several GPUs have never "
-                   "been available to test the capture of the cross-device schedules)")
+            why = ("replicas on several devices are not graphed: torch's capture allocates "
+                   "from one device's private pool, and several GPUs have never been "
+                   "available to try a multi-device capture; use blocking=False")
         elif self.devices[0].type != "cuda" and self._graph_backend == "cuda":
             why = "CUDA graphs need CUDA replicas; on the CPU use blocking=False"
         if why is not None:

@@ -89,6 +89,10 @@ class _Plan:
         # Each group's hyperparameter array (reduce_update_ reads row g), its first member (whose
         # step count stands for the group's), and whether SGD's momentum has begun in it.
         self.hyper = torch.zeros(G, _HYPER, dtype=torch.float64, device=r0.device)
+        # The host's copy that write_hyper fills in place (numpy: no tensor made per step) and
+        # copies from: a step allocates nothing for its hyperparameters.
+        self.hyper_host = torch.zeros(G, _HYPER, dtype=torch.float64)
+        self.hyper_rows = self.hyper_host.numpy()  # (its memory, as numpy)
         self.firsts = [min((i for i, x in enumerate(group_of) if x == g), default=-1)
                        for g in range(G)]
         self.first_index = torch.tensor([max(f, 0) for f in self.firsts], device=r0.device)
@@ -287,14 +291,16 @@ class FusedUpdate:
             if not adam and "momentum_buffer" not in opt.state[plan.params[m[0]]]:
                 self._first.append(index)
             rows.append(opt._values(group, 0.0 if adam else False))
+        plan.hyper_rows[:] = rows
         with torch.no_grad():
-            values = torch.tensor(rows, dtype=torch.float64)
             if plan.device.type == "cpu":
-                plan.hyper.copy_(values)
+                plan.hyper.copy_(plan.hyper_host)
             else:
-                # (from pageable memory: staged as it is issued, in stream order after the last
-                # update that read the array)
-                plan.hyper.copy_(values, non_blocking=True)
+                # From pageable memory: the runtime stages the values as the copy is issued
+                # (cudaMemcpyAsync from pageable memory), so the next step may refill the host
+                # array at once; the copy runs in stream order after the last update that read
+                # the device array.
+                plan.hyper.copy_(plan.hyper_host, non_blocking=True)
 
     def device_update(self, opt, replicas, algorithm, records=(), scaled_by=0.0,
                       loss_out=None):
