@@ -3,7 +3,7 @@
 Part 1, the update alone (every parameter has a gradient; step() timed): dpcuda's SGD
 (momentum) and AdamW against torch's single-tensor (foreach=False), multi-tensor
 (foreach=True) and fused (fused=True) implementations, for the 784-256-10 MLP's parameters
-(4 tensors, 203,530 elements) and for a wider MLP's (4096-4096-4096-10: 6 tensors, 16.8 M).
+(4 tensors, 203,530 elements) and for a wider MLP's (4096-4096-4096-10: 6 tensors, 33.6 M).
 
 Part 2, the whole AdamW step of the 784-256-10 MLP (softmax cross-entropy, batch 256): over R
 replicas with DataParallel.step(x, y, loss_fn, optimizer=dpcuda.optim.AdamW) (the update fused

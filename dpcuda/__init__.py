@@ -45,7 +45,7 @@ __all__ = ["built_with_cuda", "cuda_available", "load_checkpoint_model", "ops", 
 def load_checkpoint_model(path, device="cpu"):
     """The model of a `python -m dpcuda train` checkpoint, ready for inference (eval mode),
     taking raw features (the saved standardisation is applied first). See dpcuda.train."""
-    from .train import load_checkpoint_model as load
+    from .checkpoint import load_checkpoint_model as load
     return load(path, device)
 __version__ = "0.1.0"
 

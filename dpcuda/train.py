@@ -1,14 +1,12 @@
-"""The training run behind `python -m dpcuda train`: a 2-layer MLP trained data-parallel with
-dpcuda.parallel.DataParallel, per-epoch figures, atomic checkpoints that resume to identical
-weights, output paths checked before the first step, a divergence guard, and a clean stop on
-Ctrl-C or SIGTERM.
+"""The training run behind `python -m dpcuda train`: an MLP trained data-parallel with
+dpcuda.parallel.DataParallel, per-epoch figures, checkpoints (dpcuda.checkpoint) that resume to
+identical weights, output paths checked before the first step, a divergence guard, a clean stop
+on Ctrl-C or SIGTERM, and the evaluation of a trained model (evaluate).
 """
 
 import math
 import os
-import shutil
 import signal
-import tempfile
 import threading
 import time
 import warnings
@@ -18,20 +16,16 @@ import torch
 import torch.nn.functional as F
 
 from . import data as data_mod
+from .checkpoint import (CHECKPOINT_FORMAT, CHECKPOINT_VERSION, CheckpointError, OutputError,
+                         WriteError, _check_spec, _fused_keys, check_output_path, hidden_widths,
+                         load_checkpoint, load_checkpoint_model, save_checkpoint)
 from .nn import FusedMLP, SoftmaxCrossEntropyLoss
 from .parallel import DataParallel
 from .train_step import OptimizerStep, make_optimizer, make_scheduler, uses_optimizer
 
 __all__ = ["TrainConfig", "CheckpointError", "OutputError", "WriteError", "Diverged",
-           "Interrupted", "build_model", "train", "save_checkpoint", "load_checkpoint",
+           "Interrupted", "build_model", "train", "evaluate", "save_checkpoint", "load_checkpoint",
            "load_checkpoint_model", "check_output_path", "CHECKPOINT_FORMAT"]
-
-CHECKPOINT_FORMAT = "dpcuda-checkpoint"
-CHECKPOINT_VERSION = 3
-# version 1: the weights as an unnamed list, no normalisation; version 2: the wrapper's SGD
-# state only; version 3: "optimizer" in torch.optim's format when a dpcuda.optim optimizer ran
-# ("optimizer_kind" says which), and the learning-rate schedule's state.
-_READABLE_VERSIONS = (1, 2, 3)
 
 # What a resumed run must share with its checkpoint (config key: option): these set the model or
 # the order of the data. The rest (lr, momentum, replicas, devices, reducer, epochs upwards, ...)
@@ -50,19 +44,6 @@ _ACTIVATION_MODULES = {
     "silu": torch.nn.SiLU, "sigmoid": torch.nn.Sigmoid, "tanh": torch.nn.Tanh,
     "none": torch.nn.Identity,
 }
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be resumed: missing, truncated, not a dpcuda checkpoint, or of
-    another model."""
-
-
-class OutputError(ValueError):
-    """An output path (--checkpoint, --json) that cannot be written: found before training."""
-
-
-class WriteError(OSError):
-    """A write that failed during the run (a full disk, say); the previous file is intact."""
 
 
 class Diverged(Exception):
@@ -117,19 +98,6 @@ class TrainConfig:
     timeout: float = 300.0  # seconds any wait on another process or replica may take
 
 
-def hidden_widths(hidden):
-    """The hidden layers' widths as a list (checkpoints before version 3 hold one int)."""
-    return [int(hidden)] if isinstance(hidden, int) else [int(h) for h in hidden]
-
-
-def widths(spec):
-    return [spec["features"], *hidden_widths(spec["hidden"]), spec["classes"]]
-
-
-def describe(spec):
-    return "-".join(map(str, widths(spec)))
-
-
 def build_model(features, hidden, classes, activation, fused, seed):
     """The MLP (features, *hidden, classes): FusedMLP when fused, else nn.Sequential(Linear,
     act, ..., Linear); both draw the same initial weights for a seed."""
@@ -152,131 +120,6 @@ def _model_spec(cfg, dataset):
     return {"features": dataset.features, "hidden": hidden_widths(cfg.hidden),
             "classes": dataset.classes,
             "activation": cfg.activation}
-
-
-def _os_error(err):
-    """The OSError behind err (torch.save wraps a failed write in a RuntimeError)."""
-    seen = set()
-    while err is not None and id(err) not in seen:
-        if isinstance(err, OSError):
-            return err
-        seen.add(id(err))
-        err = err.__cause__ or err.__context__
-    return None
-
-
-def save_checkpoint(path, payload):
-    """Writes payload to path atomically: a temporary file in the same folder, flushed to disk,
-    then renamed over path, so a crash or a full disk leaves the old checkpoint or the new one.
-    A failed write raises WriteError naming the path and the system's reason."""
-    target = os.path.realpath(path)  # a symlink (into other storage, say) stays one
-    folder = os.path.dirname(target)
-    tmp = os.path.join(folder, f".{os.path.basename(target)}.tmp-{os.getpid()}")
-    try:
-        os.makedirs(folder, exist_ok=True)
-        with open(tmp, "wb") as f:
-            torch.save(payload, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-    except Exception as err:
-        cause = _os_error(err)
-        reason = (cause.strerror or str(cause)) if cause is not None else str(err).splitlines()[0]
-        raise WriteError(f"cannot write the checkpoint {path}: {reason}; the previous "
-                         f"checkpoint, if any, is intact") from None
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-
-
-def check_output_path(path, option, need_bytes=0):
-    """Before the first step: path can be written (not a folder, its folder exists or can be
-    made, files can be created there) and its disk has need_bytes free. OutputError if not."""
-    if os.path.isdir(path):
-        raise OutputError(f"{option} {path}: is a folder, not a file")
-    folder = os.path.dirname(os.path.abspath(path))
-    try:
-        os.makedirs(folder, exist_ok=True)
-    except OSError as err:
-        raise OutputError(f"{option} {path}: cannot make its folder {folder}: "
-                          f"{err.strerror or err}") from None
-    try:
-        with tempfile.NamedTemporaryFile(dir=folder, prefix=f".{os.path.basename(path)}.probe-"):
-            pass
-    except OSError as err:
-        raise OutputError(f"{option} {path}: cannot write in {folder}: "
-                          f"{err.strerror or err}") from None
-    if need_bytes:
-        free = shutil.disk_usage(folder).free
-        if free < need_bytes:
-            raise OutputError(f"{option} {path}: {free} bytes free in {folder}, a checkpoint "
-                              f"needs about {need_bytes}")
-
-
-def _fused_keys(spec):
-    model = FusedMLP(widths(spec), activation=spec["activation"], device="meta")
-    return list(model.state_dict().keys())
-
-
-def load_checkpoint(path, spec=None, option="--resume"):
-    """A checkpoint's payload, checked to be a dpcuda checkpoint (of the model spec, if
-    given), with its weights under "model_state_dict" (FusedMLP's keys) whatever its version.
-    Raises CheckpointError with a one-line reason otherwise."""
-    if not os.path.isfile(path):
-        raise CheckpointError(f"{option} {path}: no such file")
-    try:
-        payload = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:  # truncated zip, not a pickle, unsupported objects ...
-        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise CheckpointError(f"{option} {path}: not a readable checkpoint (truncated or "
-                              f"another kind of file): {reason[:160]}") from None
-    if not isinstance(payload, dict) or payload.get("format") != CHECKPOINT_FORMAT:
-        raise CheckpointError(f"{option} {path}: not a dpcuda checkpoint")
-    if payload.get("version") not in _READABLE_VERSIONS:
-        raise CheckpointError(f"{option} {path}: checkpoint version {payload.get('version')} "
-                              f"is not supported (this dpcuda reads versions "
-                              f"{', '.join(map(str, _READABLE_VERSIONS))})")
-    if spec is not None:
-        _check_spec(path, payload, spec, option)
-    model = payload.get("model")
-    if not isinstance(model, dict) or not {"features", "hidden", "classes", "activation"} <= \
-            set(model):
-        raise CheckpointError(f"{option} {path}: the checkpoint does not describe its model")
-    if payload["version"] == 1:
-        keys = _fused_keys(model)
-        if len(payload["parameters"]) != len(keys):
-            raise CheckpointError(f"{option} {path}: {len(payload['parameters'])} parameter "
-                                  f"tensors, the model has {len(keys)}")
-        payload["model_state_dict"] = dict(zip(keys, payload["parameters"]))
-        payload["normalization"] = None
-    # The weights must fit the model the checkpoint describes.
-    try:
-        want = FusedMLP(widths(model), activation=model["activation"],
-                        device="meta").state_dict()
-    except (TypeError, ValueError):
-        raise CheckpointError(f"{option} {path}: the checkpoint does not describe its "
-                              f"model") from None
-    have = payload.get("model_state_dict")
-    if not isinstance(have, dict) or list(have) != list(want) or any(
-            not isinstance(have[k], torch.Tensor) or have[k].shape != want[k].shape
-            for k in want):
-        raise CheckpointError(f"{option} {path}: its weights do not fit the "
-                              f"{describe(model)} MLP it describes")
-    return payload
-
-
-def _check_spec(path, payload, spec, option="--resume"):
-    have = payload.get("model")
-    try:
-        same = dict(have, hidden=hidden_widths(have["hidden"])) == \
-            dict(spec, hidden=hidden_widths(spec["hidden"]))
-        shown = f"{describe(have)} {have.get('activation')}"
-    except (TypeError, ValueError, KeyError):
-        same, shown = False, "an undescribed"
-    if not same:
-        raise CheckpointError(
-            f"{option} {path}: checkpoint is of a {shown} MLP, this run builds a "
-            f"{describe(spec)} {spec['activation']} MLP")
 
 
 def _check_resume(path, payload, cfg):
@@ -315,47 +158,22 @@ def _check_resume(path, payload, cfg):
                               f"epochs; --epochs may only grow on a resume")
 
 
-class Standardized(torch.nn.Module):
-    """A trained model with every preprocessing step of its training data: forward(x) =
-    model((x / divisor - mean) / std) on raw features, as the data set's source gives them
-    (the digits' pixels as load_digits() gives them, 0-16)."""
-
-    def __init__(self, model, mean, std, divisor=1.0):
-        super().__init__()
-        self.model = model
-        self.divisor = float(divisor)
-        self.register_buffer("mean", mean.detach().clone())
-        self.register_buffer("std", std.detach().clone())
-
-    def forward(self, x):
-        return self.model((x / self.divisor - self.mean) / self.std)
-
-
-def load_checkpoint_model(path, device="cpu"):
-    """The model a `dpcuda train` checkpoint holds, ready for inference (eval mode): a
-    Standardized(FusedMLP) that takes raw features. Version 1 checkpoints, which did not save
-    the standardisation, give the bare FusedMLP (it takes standardised features)."""
-    payload = load_checkpoint(path, option="--checkpoint")
-    spec = payload["model"]
-    model = FusedMLP(widths(spec), activation=spec["activation"])
-    model.load_state_dict(payload["model_state_dict"])
-    norm = payload.get("normalization")
-    if norm is not None:
-        # (checkpoints before the divisor was saved took features already divided)
-        model = Standardized(model, norm["mean"], norm["std"], norm.get("divisor", 1.0))
-    return model.to(device).eval()
-
-
 # ---------------------------------------------------------------------------------------------
 # the run
 
-def _evaluate(module, x, y, device, batch=4096):
-    correct = 0
+def evaluate(module, x, y, device="cpu", batch=4096):
+    """The mean cross-entropy loss and the accuracy of module's logits on the features x (as
+    the model takes them) against the labels y, in batches of `batch` rows on `device`:
+    {"loss": float, "accuracy": float}. What training reports after each epoch and `dpcuda
+    eval` reports for a checkpoint."""
+    total, correct = 0.0, 0
     with torch.no_grad():
         for i in range(0, x.shape[0], batch):
-            out = module(x[i:i + batch].to(device))
-            correct += int((out.argmax(1).cpu() == y[i:i + batch]).sum())
-    return correct / max(1, x.shape[0])
+            out = module(x[i:i + batch].to(device)).float().cpu()
+            total += float(F.cross_entropy(out, y[i:i + batch], reduction="sum"))
+            correct += int((out.argmax(1) == y[i:i + batch]).sum())
+    n = max(1, x.shape[0])
+    return {"loss": total / n, "accuracy": correct / n}
 
 
 class _StopFlag:
@@ -579,7 +397,8 @@ def train(cfg, dataset=None, dist_info=None, announce=None):
                                       stop.signum or signal.SIGINT)
             if progress is not None:
                 progress.close()
-            accuracy = _evaluate(dp.module, dataset.x_test, dataset.y_test, dp.devices[0])
+            accuracy = evaluate(dp.module, dataset.x_test, dataset.y_test,
+                                dp.devices[0])["accuracy"]
             record = {"epoch": epoch + 1, "seconds": partial["seconds"],
                       "samples_per_s": partial["samples"] / max(partial["seconds"], 1e-12),
                       "train_loss": partial["loss_sum"] / partial["samples"]

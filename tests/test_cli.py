@@ -252,9 +252,12 @@ def test_fashion_mnist_from_idx_files(tmp_path):
 
 def test_bench_scaling_writes_json_and_plot(tmp_path):
     out, png = tmp_path / "s.json", tmp_path / "s.png"
-    assert cli.main(["bench", "scaling", "--samples", "600", "--features", "32", "--epochs",
-                     "1", "--replicas", "1,2", "--batches", "64", "--reducers", "p2p",
-                     "--no-progress", "--json", str(out), "--plot", str(png)]) == 0
+    import runpy
+    bench = runpy.run_path(os.path.join(os.path.dirname(__file__), "..", "benchmarks",
+                                        "bench_scaling.py"))
+    assert bench["main"](["--samples", "600", "--features", "32", "--epochs", "1",
+                          "--replicas", "1,2", "--batches", "64", "--reducers", "p2p",
+                          "--no-progress", "--json", str(out), "--plot", str(png)]) == 0
     rows = json.loads(out.read_text())["results"]
     assert {(r["replicas"], r["layers"]) for r in rows} == {(1, "fused"), (2, "fused"),
                                                           (1, "plain"), (2, "plain")}

@@ -173,7 +173,8 @@ def test_elastic_restart_resumes_to_the_uninterrupted_weights(tmp_path):
 
 
 def test_attempt_namespace_only_where_the_attempt_is_known(monkeypatch):
-    from dpcuda.cli import _attempt_namespace, _shared_store_warning
+    from dpcuda.distributed import attempt_namespace as _attempt_namespace
+    from dpcuda.distributed import shared_store_warning as _shared_store_warning
     for var in ("TORCHELASTIC_USE_AGENT_STORE", "GROUP_WORLD_SIZE", "TORCHELASTIC_RUN_ID",
                 "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS"):
         monkeypatch.delenv(var, raising=False)
