@@ -5,6 +5,7 @@ dpcuda.checkpoint, dpcuda.distributed). The scaling benchmark is benchmarks/benc
     python -m dpcuda train                         the digits MLP, 10 epochs, every GPU or the CPU
     python -m dpcuda train --replicas 4 --reducer host --json run.json --checkpoint ck.pt
     python -m dpcuda eval --checkpoint ck.pt       test-split loss and accuracy
+    python -m dpcuda train --data mine.csv --hidden 256,128 --checkpoint ck.pt
     python -m dpcuda predict --checkpoint ck.pt --input x.npy --output y.npy
 
 Bad options and paths exit with status 2 and a one-line message, before any training; Ctrl-C
@@ -107,6 +108,16 @@ def _widths(text):
     return values
 
 
+def _fraction(text):
+    try:
+        value = float(text)
+    except ValueError:
+        value = None
+    if value is None or not 0 < value < 1:
+        raise argparse.ArgumentTypeError(f"must be a number between 0 and 1, got {text!r}")
+    return value
+
+
 def _non_negative_int(name):
     def parse(text):
         try:
@@ -157,7 +168,19 @@ def _default_devices():
 def _add_data(p):
     p.add_argument("--seed", type=_seed, default=0,
                    help="initial weights, data order (and the synthetic data)")
-    p.add_argument("--dataset", choices=data_mod.DATASETS, default="digits", help="data set")
+    p.add_argument("--dataset", choices=data_mod.DATASETS, default=None,
+                   help="a built-in data set (default: digits; --data: your own)")
+    p.add_argument("--data", type=_path("--data"), default=None,
+                   help="your own data: an .npz with arrays x and y, X.npy,Y.npy, or a CSV "
+                        "with a label column (numbers, a header line optional)")
+    p.add_argument("--test-data", type=_path("--test-data"), default=None,
+                   help="--data's test split, in the same kinds of file (default: hold out "
+                        "--test-fraction of --data's rows)")
+    p.add_argument("--test-fraction", type=_fraction, default=None,
+                   help="--data's rows held out for the test split, a fixed draw (default 0.2)")
+    p.add_argument("--label-column", default=None,
+                   help="a CSV's label column, a header name or a 0-based index (default: "
+                        "a column named label, labels, y, target or class, else the last)")
     p.add_argument("--data-dir", default=None, help="folder of the Fashion-MNIST IDX files")
     p.add_argument("--samples", type=_positive_int("--samples"), default=None,
                    help="synthetic data set size (default 60000)")
@@ -168,7 +191,24 @@ def _add_data(p):
 
 
 def _data_args(args, parser):
-    """--samples, --features and --classes: the synthetic data set's; an error elsewhere."""
+    """--samples, --features and --classes: the synthetic data set's; --test-data,
+    --test-fraction and --label-column: --data's; an error elsewhere. --data names the data
+    set "file"."""
+    if args.data is not None:
+        if args.dataset is not None:
+            parser.error(f"--data and --dataset {args.dataset}: give one (--data is your own "
+                         f"data, --dataset a built-in set)")
+        args.dataset = data_mod.FILE
+    else:
+        for option in ("test_data", "test_fraction", "label_column"):
+            if getattr(args, option) is not None:
+                parser.error(f"--{option.replace('_', '-')} applies to --data")
+        args.dataset = args.dataset or "digits"
+    if args.test_data is not None and args.test_fraction is not None:
+        parser.error("--test-data and --test-fraction: give one (--test-data is the test "
+                     "split; --test-fraction holds out part of --data)")
+    if args.test_fraction is None:
+        args.test_fraction = 0.2
     given = [f"--{k}" for k in ("samples", "features", "classes") if getattr(args, k) is not None]
     if given and args.dataset != "synthetic":
         parser.error(f"{', '.join(given)} only apply to --dataset synthetic, not {args.dataset}")
@@ -252,15 +292,23 @@ def _parser():
     e.add_argument("--device", default="cpu")
     e.add_argument("--data-dir", default=None, help="folder of the Fashion-MNIST IDX files")
     e.add_argument("--dataset", choices=data_mod.DATASETS, default=None,
-                   help="the data set (default: the checkpoint's)")
+                   help="a built-in data set's test split (default: the checkpoint's data)")
+    e.add_argument("--data", type=_path("--data"), default=None,
+                   help="a file whose every row is scored, in the kinds of file train's --data "
+                        "reads (default: the checkpoint's test split)")
+    e.add_argument("--label-column", default=None,
+                   help="with --data: a CSV's label column (default: the checkpoint's, else "
+                        "as train's --data)")
     e.add_argument("--json", type=_path("--json"), default=None)
 
     pr = sub.add_parser("predict", help="class predictions of a checkpoint's model",
                         formatter_class=_Formatter)
     pr.add_argument("--checkpoint", type=_path("--checkpoint"), required=True)
     pr.add_argument("--input", type=_path("--input"), required=True,
-                    help=".npy file of raw features, (rows, features), as the data set gives "
-                         "them (digits: load_digits().data, pixels 0-16)")
+                    help="raw features, (rows, features), as the data set gives them "
+                         "(digits: load_digits().data, pixels 0-16): a .npy, an .npz with "
+                         "array x, or a CSV (a label column, as train's --data finds it, is "
+                         "left out)")
     pr.add_argument("--output", type=_path("--output"), required=True,
                     help=".npy file for the int64 classes, (rows,)")
     pr.add_argument("--device", default="cpu")
@@ -341,6 +389,8 @@ def _config(args, devices, **over):
                   hidden=args.hidden, activation=args.activation, split=args.split,
                   seed=args.seed, dataset=args.dataset, data_dir=args.data_dir,
                   samples=args.samples, features=args.features, classes=args.classes,
+                  data=args.data, test_data=args.test_data, test_fraction=args.test_fraction,
+                  label_column=args.label_column,
                   progress=not args.no_progress, split_weights=_split_weights(args, devices))
     values.update(over)
     return TrainConfig(**values)
@@ -384,7 +434,7 @@ def _train(args, parser):
     from . import distributed
     from .checkpoint import (CheckpointError, OutputError, WriteError, check_output_path,
                              describe, lock_checkpoint)
-    from .train import Diverged, Interrupted, _model_spec, train
+    from .train import Diverged, Interrupted, _model_spec, load_data, train
     _data_args(args, parser)
     world = int(os.environ.get("WORLD_SIZE", "1") or 1)
     if world > 1 and args.reducer != "dist":
@@ -447,8 +497,7 @@ def _train(args, parser):
             if dist_info[0] == 0 and distributed.shared_store_warning():
                 print(distributed.shared_store_warning(), file=sys.stderr)
             heartbeat = distributed.Heartbeat.start(*dist_info, args.timeout)
-        dataset = data_mod.load(cfg.dataset, cfg.data_dir, cfg.samples, cfg.features,
-                                cfg.classes, cfg.seed)
+        dataset = load_data(cfg)
         lead = dist_info is None or dist_info[0] == 0
 
         def announce():  # once every check has passed, before the first step
@@ -543,25 +592,40 @@ def _eval(args, parser):
     _distinct_paths(parser, ("--checkpoint", args.checkpoint), ("--json", args.json))
     model, device = _load_model_for(args, parser)
     cfg = load_checkpoint(args.checkpoint, option="--checkpoint").get("config") or {}
-    name = args.dataset or cfg.get("dataset", "digits")
+    if args.data is not None and args.dataset is not None:
+        parser.error(f"--data and --dataset {args.dataset}: give one")
     try:
-        dataset = data_mod.load(name, args.data_dir or cfg.get("data_dir"),
-                                cfg.get("samples", 60000), cfg.get("features", 784),
-                                cfg.get("classes", 10), cfg.get("seed", 0))
+        if args.data is not None:
+            # Raw features, as the file holds them: the checkpoint's model standardises them
+            # as it did its training data.
+            name = f"{os.path.basename(args.data)}"
+            x, y = data_mod.read_table(args.data, "--data",
+                                       label_column=args.label_column or
+                                       cfg.get("label_column"))
+        else:
+            name = args.dataset or cfg.get("dataset", "digits")
+            dataset = data_mod.load(
+                name, args.data_dir or cfg.get("data_dir"), cfg.get("samples", 60000),
+                cfg.get("features", 784), cfg.get("classes", 10), cfg.get("seed", 0),
+                data=cfg.get("data") if name == data_mod.FILE else None,
+                test_data=cfg.get("test_data"), test_fraction=cfg.get("test_fraction", 0.2),
+                label_column=cfg.get("label_column"))
+            name = f"{dataset.name} test split"
+            # The data set's features are standardised already: the checkpoint's network
+            # without its own standardisation (which takes raw features) scores them as
+            # training did.
+            model = getattr(model, "model", model)
+            x, y = dataset.x_test, dataset.y_test
     except data_mod.DataError as err:
         parser.exit(2, f"{parser.prog}: error: {err}\n")
-    # The data set's features are preprocessed already: the checkpoint's network without its
-    # own preprocessing (which takes raw features) evaluates them as training did.
-    model = getattr(model, "model", model)
-    x = dataset.x_test
     features, classes = _model_sizes(model)
-    if x.shape[1] != features or dataset.classes > classes:
-        parser.exit(2, f"{parser.prog}: error: {name} has {x.shape[1]} features and "
-                       f"{dataset.classes} classes, the checkpoint's model takes {features} "
-                       f"features and has {classes} classes\n")
-    result = evaluate(model, x, dataset.y_test, device)
+    if x.shape[1] != features or int(y.max()) >= classes:
+        parser.exit(2, f"{parser.prog}: error: {name} has {x.shape[1]} features and labels up "
+                       f"to {int(y.max())}, the checkpoint's model takes {features} features "
+                       f"and has {classes} classes\n")
+    result = evaluate(model, x, y, device)
     loss, accuracy = result["loss"], result["accuracy"]
-    print(f"{name} test split: {x.shape[0]} samples, loss {loss:.4f}, accuracy "
+    print(f"{name}: {x.shape[0]} samples, loss {loss:.4f}, accuracy "
           f"{100 * accuracy:.2f}%")
     if args.json:
         try:
@@ -575,37 +639,27 @@ def _eval(args, parser):
 
 def _predict(args, parser):
     import numpy as np
+    from .checkpoint import load_checkpoint
     model, device = _load_model_for(args, parser)
     _distinct_paths(parser, ("--checkpoint", args.checkpoint), ("--input", args.input),
                     ("--output", args.output))
-    try:
-        x = np.load(args.input, allow_pickle=False)
-    except (OSError, ValueError) as err:
-        parser.exit(2, f"{parser.prog}: error: --input {args.input}: cannot read a .npy array "
-                       f"({_first_line(err)})\n")
-    if not isinstance(x, np.ndarray):  # an .npz archive
-        parser.exit(2, f"{parser.prog}: error: --input {args.input}: an .npz archive, not a "
-                       f".npy array\n")
+    cfg = load_checkpoint(args.checkpoint, option="--checkpoint").get("config") or {}
+    try:  # the kinds of file --data reads; a CSV's label column, if it has one, is left out
+        xt, _ = data_mod.read_table(args.input, "--input", labels=False,
+                                    label_column=cfg.get("label_column"))
+    except data_mod.DataError as err:
+        parser.exit(2, f"{parser.prog}: error: {err}\n")
     features, _ = _model_sizes(model)
-    if x.ndim == 1 and x.shape[0] == features:
-        x = x[None]
-    if x.ndim != 2 or x.shape[1] != features or not (np.issubdtype(x.dtype, np.integer) or
-                                                     np.issubdtype(x.dtype, np.floating)):
-        parser.exit(2, f"{parser.prog}: error: --input {args.input}: expected real numbers of "
-                       f"shape (rows, {features}), got {x.dtype} {x.shape}\n")
-    with np.errstate(over="ignore"):
-        x32 = np.asarray(x, dtype=np.float32)
-    bad = np.flatnonzero(~np.isfinite(x32).all(axis=1)) if x32.size else []
-    if len(bad):
-        parser.exit(2, f"{parser.prog}: error: --input {args.input}: row {bad[0]} holds NaN, "
-                       f"Inf or a value beyond float32 ({len(bad)} such rows); no prediction "
-                       f"for it would mean anything\n")
+    if xt.shape == (features, 1) and features > 1:  # one row, given as a vector
+        xt = xt.reshape(1, features)
+    if xt.shape[1] != features:
+        parser.exit(2, f"{parser.prog}: error: --input {args.input}: {xt.shape[1]} features per "
+                       f"row, the checkpoint's model takes {features}\n")
     from .checkpoint import WriteError, atomic_write, check_output_path
     try:
         check_output_path(args.output, "--output")
     except ValueError as err:
         parser.exit(2, f"{parser.prog}: error: {err}\n")
-    xt = torch.from_numpy(np.ascontiguousarray(x32))
     with torch.no_grad():
         classes = torch.cat([model(xt[i:i + 4096].to(device)).argmax(1).cpu()
                              for i in range(0, xt.shape[0], 4096)]) if len(xt) else \

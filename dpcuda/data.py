@@ -1,6 +1,7 @@
 """Data sets of the training command: scikit-learn's handwritten digits (ships with
-scikit-learn, no download), Fashion-MNIST from its standard IDX files, and a synthetic set of
-the classic 784-feature shape for throughput runs.
+scikit-learn, no download), Fashion-MNIST from its standard IDX files, a synthetic set of the
+classic 784-feature shape for throughput runs, and the user's own files (read_table: .npz with
+arrays x and y, a pair of .npy files, or CSV with a label column).
 
 Every loader returns a Dataset of float32 features standardised with the training split's
 mean and standard deviation, and int64 labels.
@@ -14,10 +15,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-__all__ = ["Dataset", "DataError", "DATASETS", "load", "read_idx", "write_idx",
-           "FASHION_MNIST_FILES"]
+__all__ = ["Dataset", "DataError", "DATASETS", "load", "read_idx", "write_idx", "read_table",
+           "FASHION_MNIST_FILES", "FILE"]
 
 DATASETS = ("digits", "fashion-mnist", "synthetic")
+FILE = "file"  # the dataset name of the user's own files (--data)
+# Label columns a CSV header is searched for when none is named (else the last column).
+LABEL_NAMES = ("label", "labels", "y", "target", "class")
 FASHION_MNIST_FILES = {
     "train_images": "train-images-idx3-ubyte",
     "train_labels": "train-labels-idx1-ubyte",
@@ -167,10 +171,200 @@ def _synthetic(samples, features, classes, seed):
     return "synthetic", x[test:], y[test:], x[:test], y[:test], classes, 1.0
 
 
-def load(name, data_dir=None, samples=60000, features=784, classes=10, seed=0):
-    """The named data set (one of DATASETS), standardised with its training split's
-    statistics."""
-    if name == "digits":
+# ---------------------------------------------------------------------------------------------
+# the user's own files
+
+def _csv(path, option, want_labels, label_column):
+    import csv
+    try:
+        with open(path, newline="") as f:
+            rows = [r for r in csv.reader(f) if r and any(v.strip() for v in r)]
+    except (OSError, UnicodeDecodeError, csv.Error) as err:
+        raise DataError(f"{option} {path}: cannot read it as CSV "
+                        f"({getattr(err, 'strerror', None) or err})") from None
+    if not rows:
+        raise DataError(f"{option} {path}: no rows")
+
+    def numeric(row):
+        try:
+            [float(v) for v in row]
+            return True
+        except ValueError:
+            return False
+    header = None if numeric(rows[0]) else [v.strip() for v in rows[0]]
+    body = rows[1:] if header is not None else rows
+    width = len(rows[0])
+    for i, row in enumerate(body):
+        if len(row) != width:
+            raise DataError(f"{option} {path}: line {i + 1 + (header is not None)} has "
+                            f"{len(row)} fields, the first has {width}")
+    try:
+        table = np.array(body, dtype=np.float64).reshape(len(body), width)
+    except ValueError:
+        bad = next(i for i, r in enumerate(body) if not numeric(r))
+        raise DataError(f"{option} {path}: line {bad + 1 + (header is not None)} holds a "
+                        f"field that is not a number") from None
+    column = None
+    if label_column is not None:
+        if header is not None and label_column in header:
+            column = header.index(label_column)
+        elif str(label_column).lstrip("-").isdigit() and \
+                -width <= int(label_column) < width:
+            column = int(label_column) % width
+        else:
+            raise DataError(f"{option} {path}: no column {label_column!r} (--label-column: a "
+                            f"header name or a 0-based index of the {width} columns)")
+    elif header is not None:
+        column = next((header.index(n) for n in LABEL_NAMES if n in header), None)
+    if want_labels and column is None:
+        column = width - 1
+    if column is None:
+        return table, None
+    if width < 2:
+        raise DataError(f"{option} {path}: one column: the labels and no features")
+    return np.delete(table, column, axis=1), table[:, column]
+
+
+def _arrays(path, option, want_labels, label_column):
+    """(x, y) as stored (y None where the file has none)."""
+    if "," in path and not os.path.exists(path):
+        xs, _, ys = path.partition(",")
+        if not (xs.endswith(".npy") and ys.endswith(".npy")):
+            raise DataError(f"{option} {path}: a pair of files is X.npy,Y.npy")
+        return _npy(xs, option), _npy(ys, option)
+    if not os.path.isfile(path):
+        raise DataError(f"{option} {path}: no such file")
+    ext = os.path.splitext(path)[1].lower()
+    if ext == ".csv":
+        return _csv(path, option, want_labels, label_column)
+    if ext == ".npy":
+        if want_labels:
+            raise DataError(f"{option} {path}: a .npy file holds no labels; give X.npy,Y.npy, "
+                            f"an .npz with arrays x and y, or a CSV with a label column")
+        return _npy(path, option), None
+    if ext == ".npz":
+        try:
+            with np.load(path, allow_pickle=False) as archive:
+                keys = set(archive.files)
+                if "x" not in keys or (want_labels and "y" not in keys):
+                    raise DataError(f"{option} {path}: an .npz needs arrays named x"
+                                    f"{' and y' if want_labels else ''}; it has "
+                                    f"{', '.join(sorted(keys)) or 'none'}")
+                return archive["x"], archive["y"] if "y" in keys else None
+        except DataError:
+            raise
+        except Exception as err:
+            raise DataError(f"{option} {path}: cannot read it as .npz "
+                            f"({_first_line(err)})") from None
+    raise DataError(f"{option} {path}: unknown kind of file {ext or '(no extension)'!r}; use "
+                    f".npz (x, y), X.npy,Y.npy or .csv")
+
+
+def _npy(path, option):
+    if not os.path.isfile(path):
+        raise DataError(f"{option} {path}: no such file")
+    try:
+        return np.load(path, allow_pickle=False)
+    except Exception as err:
+        raise DataError(f"{option} {path}: cannot read it as .npy ({_first_line(err)})") \
+            from None
+
+
+def _real(dtype):
+    return np.issubdtype(dtype, np.integer) or np.issubdtype(dtype, np.floating) or \
+        dtype == np.bool_
+
+
+def _first_line(err):
+    text = str(err).strip()
+    return text.splitlines()[0][:160] if text else type(err).__name__
+
+
+def read_table(path, option="--data", labels=True, label_column=None):
+    """Features and labels from the user's file: (x, y) as a float32 tensor (rows, features)
+    and an int64 tensor (rows,), y None when labels=False. path is an .npz with arrays x (and
+    y), a pair "X.npy,Y.npy", a single .npy of features (labels=False only), or a CSV file:
+    numbers, with or without a header line, the labels in label_column (a header name or a
+    0-based index; by default a column named label, labels, y, target or class, else the last
+    one; with labels=False only a named or found label column is dropped). A file that cannot
+    be read, or whose contents are not that (a feature that is NaN, Inf or beyond float32, a
+    label that is not an integer >= 0, a row count that differs between x and y), raises
+    DataError with one line naming option, the file and the first bad row."""
+    x, y = _arrays(path, option, labels, label_column)
+    if not isinstance(x, np.ndarray) or not _real(x.dtype):
+        raise DataError(f"{option} {path}: the features must be real numbers, got "
+                        f"{getattr(x, 'dtype', type(x).__name__)}")
+    if x.ndim == 1:
+        x = x[:, None]
+    if x.ndim != 2 or (labels and x.shape[0] == 0) or x.shape[1] == 0:
+        raise DataError(f"{option} {path}: the features must be a (rows, features) table with "
+                        f"at least one {'of each' if labels else 'feature'}, got shape "
+                        f"{x.shape}")
+    with np.errstate(over="ignore", invalid="ignore"):
+        x32 = np.asarray(x, dtype=np.float32)
+    bad = np.flatnonzero(~np.isfinite(x32).all(axis=1)) if x32.size else []
+    if len(bad):
+        raise DataError(f"{option} {path}: row {bad[0]} holds NaN, Inf or a value beyond "
+                        f"float32 ({len(bad)} such rows)")
+    if not labels:
+        return torch.from_numpy(np.ascontiguousarray(x32)), None
+    y = np.asarray(y)
+    if y.ndim == 2 and y.shape[1] == 1:
+        y = y[:, 0]
+    if y.ndim != 1 or y.shape[0] != x.shape[0]:
+        raise DataError(f"{option} {path}: {x.shape[0]} rows of features but labels of shape "
+                        f"{y.shape}")
+    if not _real(y.dtype):
+        raise DataError(f"{option} {path}: the labels must be integers >= 0, got {y.dtype}")
+    with np.errstate(invalid="ignore"):
+        bad = np.flatnonzero(~np.isfinite(y) | (y < 0) | (y != np.floor(y)) | (y > 2 ** 31))
+    if len(bad):
+        raise DataError(f"{option} {path}: row {bad[0]}'s label {y[bad[0]].item()!r} is not an "
+                        f"integer >= 0 (class indices 0, 1, ...)")
+    return (torch.from_numpy(np.ascontiguousarray(x32)),
+            torch.from_numpy(y.astype(np.int64)))
+
+
+def _files(data, test_data, test_fraction, label_column):
+    x, y = read_table(data, "--data", label_column=label_column)
+    if test_data:
+        x_test, y_test = read_table(test_data, "--test-data", label_column=label_column)
+        if x_test.shape[1] != x.shape[1]:
+            raise DataError(f"--test-data {test_data}: {x_test.shape[1]} features, --data "
+                            f"{data} has {x.shape[1]}")
+        x_train, y_train = x, y
+    else:
+        if not 0 < test_fraction < 1:
+            raise DataError(f"--test-fraction must be between 0 and 1, got {test_fraction}")
+        test = int(round(len(x) * test_fraction))
+        if test < 1 or test >= len(x):
+            raise DataError(f"--data {data}: {len(x)} rows leave no "
+                            f"{'test' if test < 1 else 'training'} rows at --test-fraction "
+                            f"{test_fraction}; give more rows or --test-data")
+        # A fixed split (seed 0 of its own generator, as the digits'): runs with different
+        # --seed are measured on the same test rows.
+        perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
+        x_train, y_train = x[perm[test:]], y[perm[test:]]
+        x_test, y_test = x[perm[:test]], y[perm[:test]]
+    classes = int(max(y_train.max(), y_test.max())) + 1
+    if classes < 2:
+        raise DataError(f"--data {data}: every label is 0; a classifier needs two classes at "
+                        f"least")
+    name = os.path.basename(data.split(",")[0]) if "," in data and not os.path.exists(data) \
+        else os.path.basename(data)
+    return name, x_train, y_train, x_test, y_test, classes, 1.0
+
+
+def load(name, data_dir=None, samples=60000, features=784, classes=10, seed=0, *, data=None,
+         test_data=None, test_fraction=0.2, label_column=None):
+    """The named data set (one of DATASETS, or FILE: the files data and test_data, read by
+    read_table, with test_fraction of data's rows held out when there is no test_data),
+    standardised with its training split's statistics."""
+    if name == FILE or data is not None:
+        if not data:
+            raise DataError("the data set 'file' needs --data PATH")
+        parts = _files(data, test_data, test_fraction, label_column)
+    elif name == "digits":
         parts = _digits()
     elif name == "fashion-mnist":
         parts = _fashion_mnist(data_dir)

@@ -34,9 +34,12 @@ _SAME_ON_RESUME = {"dataset": "--dataset", "seed": "--seed", "batch_size": "--ba
                    "activation": "--activation", "hidden": "--hidden", "samples": "--samples",
                    "features": "--features", "classes": "--classes",
                    "optimizer": "--optimizer", "lr_schedule": "--lr-schedule",
-                   "warmup_steps": "--warmup-steps"}
+                   "warmup_steps": "--warmup-steps", "data": "--data",
+                   "test_data": "--test-data", "test_fraction": "--test-fraction",
+                   "label_column": "--label-column"}
 # What the run's defaults were before a setting existed (a checkpoint written before it).
 _OLD_DEFAULTS = {"optimizer": "sgd", "lr_schedule": "constant", "warmup_steps": 0}
+_FILE_ONLY = ("data", "test_data", "test_fraction", "label_column")
 _SYNTHETIC_ONLY = ("samples", "features", "classes")
 
 _ACTIVATION_MODULES = {
@@ -90,6 +93,10 @@ class TrainConfig:
     samples: int = 60000
     features: int = 784
     classes: int = 10
+    data: str = None  # the user's files (dataset "file"): dpcuda.data.read_table
+    test_data: str = None
+    test_fraction: float = 0.2  # of data's rows held out for the test split (no test_data)
+    label_column: str = None  # a CSV's label column (name or index)
     checkpoint: str = None
     resume: str = None
     progress: bool = True
@@ -116,6 +123,13 @@ def build_model(features, hidden, classes, activation, fused, seed):
 # ---------------------------------------------------------------------------------------------
 # checkpoints
 
+def load_data(cfg):
+    """The data set cfg names (dpcuda.data.load)."""
+    return data_mod.load(cfg.dataset, cfg.data_dir, cfg.samples, cfg.features, cfg.classes,
+                         cfg.seed, data=cfg.data, test_data=cfg.test_data,
+                         test_fraction=cfg.test_fraction, label_column=cfg.label_column)
+
+
 def _model_spec(cfg, dataset):
     return {"features": dataset.features, "hidden": hidden_widths(cfg.hidden),
             "classes": dataset.classes,
@@ -128,6 +142,9 @@ def _check_resume(path, payload, cfg):
     for key, option in _SAME_ON_RESUME.items():
         if key in _SYNTHETIC_ONLY and (cfg.dataset != "synthetic" or
                                        saved.get("dataset") != "synthetic"):
+            continue
+        if key in _FILE_ONLY and (cfg.dataset != data_mod.FILE or
+                                  saved.get("dataset") != data_mod.FILE):
             continue
         have, want = saved.get(key, _OLD_DEFAULTS.get(key)), getattr(cfg, key)
         if key == "hidden" and have is not None:
@@ -215,8 +232,7 @@ def train(cfg, dataset=None, dist_info=None, announce=None):
     rank, world = dist_info or (0, 1)
     lead = rank == 0
     if dataset is None:
-        dataset = data_mod.load(cfg.dataset, cfg.data_dir, cfg.samples, cfg.features,
-                                cfg.classes, cfg.seed)
+        dataset = load_data(cfg)
     n_train = dataset.x_train.shape[0]
     replicas = len(cfg.devices) * world
     if replicas > n_train:

@@ -202,9 +202,10 @@ def test_eval_predict_and_the_v2_checkpoint(trained, tmp_path):
     # bad inputs: one line, status 2
     np.save(tmp_path / "bad.npy", np.zeros((3, 5), dtype=np.float32))
     one_line_error(run("predict", "--checkpoint", str(ck), "--input", str(tmp_path / "bad.npy"),
-                       "--output", str(tmp_path / "y2.npy")), 2, "expected real numbers of shape")
+                       "--output", str(tmp_path / "y2.npy")), 2,
+                   "5 features per row, the checkpoint's model takes 64")
     one_line_error(run("predict", "--checkpoint", str(ck), "--input", str(tmp_path / "no.npy"),
-                       "--output", str(tmp_path / "y2.npy")), 2, "cannot read a .npy array")
+                       "--output", str(tmp_path / "y2.npy")), 2, "no.npy: no such file")
     one_line_error(run("eval", "--checkpoint", str(tmp_path / "none.pt")), 2, "no such file")
 
 
@@ -306,8 +307,10 @@ def test_predict_refuses_what_has_no_prediction(trained, tmp_path):
     np.savez(tmp_path / "x.npz", a=np.zeros((2, 64)))
     np.save(tmp_path / "c.npy", np.zeros((2, 64), dtype=np.complex64))
     np.save(tmp_path / "big.npy", np.full((2, 64), 1e300))
-    for name, message in (("nan.npy", "row 1 holds NaN, Inf"), ("x.npz", "an .npz archive"),
-                          ("c.npy", "expected real numbers"), ("big.npy", "row 0 holds NaN")):
+    for name, message in (("nan.npy", "row 1 holds NaN, Inf"),
+                          ("x.npz", "an .npz needs arrays named x; it has a"),
+                          ("c.npy", "the features must be real numbers, got complex64"),
+                          ("big.npy", "row 0 holds NaN")):
         one_line_error(run("predict", "--checkpoint", str(ck), "--input", str(tmp_path / name),
                            "--output", str(tmp_path / "y.npy")), 2, message)
 
