@@ -46,10 +46,12 @@ def hidden_widths(hidden):
 
 
 def widths(spec):
+    """The layer widths a checkpoint's model spec describes: [features, *hidden, classes]."""
     return [spec["features"], *hidden_widths(spec["hidden"]), spec["classes"]]
 
 
 def describe(spec):
+    """A model spec as text: its widths joined by dashes (64-256-10)."""
     return "-".join(map(str, widths(spec)))
 
 
@@ -200,6 +202,7 @@ class Standardized(torch.nn.Module):
         self.register_buffer("std", std.detach().clone())
 
     def forward(self, x):
+        """The model's output on raw features, standardised first."""
         return self.model((x / self.divisor - self.mean) / self.std)
 
 

@@ -674,6 +674,7 @@ def _predict(args, parser):
 
 
 def main(argv=None):
+    """Runs the command line on argv (default: sys.argv[1:]); returns the exit status."""
     parser = _parser()
     args = parser.parse_args(argv)
     try:

@@ -50,6 +50,7 @@ class Dataset:
 
     @property
     def features(self):
+        """The number of features per row."""
         return self.x_train.shape[1]
 
 

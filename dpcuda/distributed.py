@@ -174,6 +174,7 @@ class Heartbeat:
         return [r for r in range(self.world) if r != self.rank and after[r] == before[r]]
 
     def stop(self):
+        """Stops the beats and joins the thread (at most 5 s)."""
         self._done.set()
         self._thread.join(timeout=5.0)
         self.store = None

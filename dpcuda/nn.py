@@ -42,6 +42,7 @@ class FusedLinear(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self):
+        """nn.Linear's initialisation (Kaiming-uniform weight, uniform bias)."""
         # The same initialisation as nn.Linear.reset_parameters.
         nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
         if self.bias is not None:
@@ -70,6 +71,7 @@ class FusedLinear(nn.Module):
     _grads_into = None
 
     def forward(self, input):
+        """act(input @ weight.T + bias) in one fused op (dpcuda.ops.full_forward)."""
         into = self._grads_into
         if into is not None:
             # Once per step: a layer called twice in one forward gets its second call's
@@ -79,6 +81,7 @@ class FusedLinear(nn.Module):
         return ops.full_forward(input, self.weight, self.bias, self.activation, _grads_into=into)
 
     def extra_repr(self):
+        """The sizes, the bias and the activation, as nn.Linear's repr shows them."""
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}, activation={self.activation!r}")
 
@@ -100,6 +103,7 @@ class FusedMLP(nn.Module):
             for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:])))
 
     def forward(self, x):
+        """The layers in turn: the hidden ones with the activation, the last without."""
         for layer in self.layers:
             x = layer(x)
         return x
@@ -166,6 +170,8 @@ class SoftmaxCrossEntropyLoss(nn.Module):
         self.ignore_index = ignore_index
 
     def forward(self, logits, labels):
+        """The cross-entropy of logits against labels (class indices), reduced as `reduction`
+        says, with its gradient computed in the same pass (dpcuda.ops.loss_grad)."""
         return ops.softmax_cross_entropy(logits, labels, self.reduction, self.label_smoothing,
                                          self.ignore_index)
 

@@ -328,3 +328,62 @@ def test_eval_refuses_a_data_set_the_model_cannot_score(tmp_path):
     bad = tmp_path / "bad.pt"
     save_checkpoint(str(bad), payload)
     one_line_error(run("eval", "--checkpoint", str(bad)), 2, "its weights do not fit")
+
+
+def test_out_of_memory_is_one_line():
+    # 64 x 10^12 float32 weights: the allocator refuses them at once
+    proc = run("train", "--no-progress", "--epochs", "1", "--hidden", "1000000000000")
+    one_line_error(proc, 1, "out of memory (a smaller --hidden")
+
+
+INTERRUPT_AT_START = """
+import sys
+import dpcuda.data
+def load(*args, **kwargs):  # Ctrl-C while the data set loads, before the first step
+    raise KeyboardInterrupt
+dpcuda.data.load = load
+from dpcuda.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_ctrl_c_before_training_starts(tmp_path):
+    proc = run("train", *QUICK, "--checkpoint", str(tmp_path / "ck.pt"), code=INTERRUPT_AT_START)
+    one_line_error(proc, 130, "dpcuda train: interrupted")
+    assert not (tmp_path / "ck.pt").exists()
+
+
+NO_ROOM = """
+import collections, shutil, sys
+usage = collections.namedtuple("usage", "total used free")
+shutil.disk_usage = lambda path: usage(10 ** 9, 10 ** 9 - 1000, 1000)  # 1000 bytes free
+from dpcuda.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_disk_without_room_for_a_checkpoint_is_refused_before_training(tmp_path):
+    proc = run("train", *QUICK, "--epochs", "50", "--checkpoint", str(tmp_path / "ck.pt"),
+               code=NO_ROOM)
+    one_line_error(proc, 2, "1000 bytes free in")
+    assert "a checkpoint needs about" in proc.stderr and proc.stdout == ""
+    assert proc.seconds < 60 and not (tmp_path / "ck.pt").exists()
+
+
+FULL_DISK_JSON = """
+import errno, os, sys
+def fsync(fd):  # the disk fills as the JSON's temporary file is flushed
+    raise OSError(errno.ENOSPC, "No space left on device")
+os.fsync = fsync
+from dpcuda.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_full_disk_during_the_json_write_is_one_line_and_the_old_json_intact(tmp_path):
+    out = tmp_path / "run.json"
+    out.write_text('{"old": true}')
+    proc = run("train", *QUICK, "--json", str(out), code=FULL_DISK_JSON)
+    one_line_error(proc, 1, f"cannot write the JSON file {out}: No space left on device")
+    assert json.loads(out.read_text()) == {"old": True}
+    assert sorted(os.listdir(tmp_path)) == ["run.json"]  # no temporary file left

@@ -167,7 +167,7 @@ class DataParallel(nn.Module, StepMixin, DistStepMixin):
                 # bytes there and saves (W-1)/W of the state and of the update (reasoned: NCCL
                 # across GPUs has never run here). gloo's reduce-scatter is slower than its
                 # all-reduce: a sharded AdamW step measured 1.4x the replicated one on 2 CPU
-                # processes (docs/results.md), so there the state stays whole by default.
+                # processes (docs/benchmarks.md), so there the state stays whole by default.
                 shard_optimizer = dist.get_backend(process_group) == "nccl"
         self.shard_optimizer = bool(shard_optimizer)
         self.buffer_mode, self.timeout = buffers, float(timeout)
@@ -246,12 +246,16 @@ class DataParallel(nn.Module, StepMixin, DistStepMixin):
     # -- the SGD hyperparameters of step() (a schedule may change them between steps) --------
 
     lr = property(lambda self: self._lr,
-                  lambda self, v: setattr(self, "_lr", _hyper("lr", v)))
+                  lambda self, v: setattr(self, "_lr", _hyper("lr", v)),
+                  doc="step()'s SGD learning rate (without an optimizer); set it between steps "
+                      "to schedule it")
     momentum = property(lambda self: self._momentum,
-                        lambda self, v: setattr(self, "_momentum", _hyper("momentum", v)))
+                        lambda self, v: setattr(self, "_momentum", _hyper("momentum", v)),
+                        doc="step()'s SGD momentum, in [0, 1)")
     weight_decay = property(lambda self: self._weight_decay,
                             lambda self, v: setattr(self, "_weight_decay",
-                                                    _hyper("weight_decay", v)))
+                                                    _hyper("weight_decay", v)),
+                            doc="step()'s SGD weight decay (L2, added to the gradient)")
 
     # -- the replicas ------------------------------------------------------------------------
 
@@ -303,6 +307,10 @@ class DataParallel(nn.Module, StepMixin, DistStepMixin):
     # -- the conventional loop ---------------------------------------------------------------
 
     def forward(self, *args, **kwargs):
+        """The module's forward on every replica, each on its share of the batch's rows; the
+        outputs gathered on devices[0] (a tuple or dict of tensors is gathered element by
+        element). A backward through them leaves every replica's .grad the one-device
+        gradient."""
         if self._pending:
             self._settle(wait=False)
         if not self._reduces:
