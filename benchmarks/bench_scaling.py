@@ -2,7 +2,7 @@
 (or --replicas), fused and plain layers, each reducer and global batch; a JSON of every run and a
 plot. Each run is dpcuda.train.train() on the same data; the first epoch of a run warms up and is
 not timed (where a run has more than one). Its options and their checks are the command line's
-(dpcuda.cli), so a bad option is one line and exit status 2, as there.
+(dpcuda.cli_options), so a bad option is one line and exit status 2, as there.
 
     python benchmarks/bench_scaling.py --samples 32768 --epochs 3 --json scaling.json \
         --plot scaling.png
@@ -13,9 +13,10 @@ import sys
 
 from dpcuda import data as data_mod
 from dpcuda.checkpoint import OutputError, WriteError, check_output_path, write_json
-from dpcuda.cli import (_add_data, _config, _data_args, _devices, _distinct_paths, _env,
-                        _Formatter, _momentum, _non_negative_float, _Parser, _positive_int,
-                        _replica_devices)
+from dpcuda.cli import _env
+from dpcuda.cli_options import (_add_data, _config, _data_args, _devices, _distinct_paths,
+                                _Formatter, _momentum, _non_negative_float, _Parser,
+                                _positive_int, _replica_devices)
 from dpcuda.parallel import SPLITS
 from dpcuda.reference import ACTIVATIONS
 from dpcuda.train import train
