@@ -218,7 +218,7 @@ def _add_model_and_data(p, epochs_default):
     p.add_argument("--hidden", type=_widths, default="256",
                    help="comma-separated widths of the hidden layers, e.g. 256,128")
     p.add_argument("--activation", choices=[a for a in ACTIVATIONS if a != "none"],
-                   default="relu", help="activation of the hidden layer")
+                   default="relu", help="activation of the hidden layers")
     p.add_argument("--split", choices=SPLITS, default="even",
                    help="rows per replica: even, weighted (by --split-weights) or auto (by "
                         "measured speed)")
