@@ -82,6 +82,24 @@ DPCUDA_HD float exp(float in) {
   return in > kHi ? from_bits(0x7f800000u) : (in < kLo ? 0.0f : y);
 }
 
+// exp(x) for x in [0, 20] (no clamps, no selects: what tanh's large branch needs), the bits of
+// exp() above for those arguments: the same reduction and polynomial.
+DPCUDA_HD float exp_of_small_nonnegative(float x) {
+  constexpr float kMagic = 12582912.0f;
+  const float shifted = x * 1.44269504088896341f + kMagic;
+  const float n = shifted - kMagic;
+  const uint32_t scale = (to_bits(shifted) - to_bits(kMagic) + 127u) << 23;
+  const float r = fma(n, 2.12194440e-4f, fma(n, -0.693359375f, x));
+  float p = 1.9875691500e-4f;
+  p = fma(p, r, 1.3981999507e-3f);
+  p = fma(p, r, 8.3334519073e-3f);
+  p = fma(p, r, 4.1665795894e-2f);
+  p = fma(p, r, 1.6666665459e-1f);
+  p = fma(p, r, 5.0000001201e-1f);
+  const float er = fma(p, r * r, r) + 1.0f;
+  return er * from_bits(scale);
+}
+
 // tanh(x) within 2 ulp: an odd polynomial for |x| < 0.625 (Cephes' tanhf), where
 // 1 - 2 / (exp(2|x|) + 1) would cancel, and that form elsewhere; both on |x|, with the sign of x
 // put back last (so tanh(-0) = -0).
@@ -95,7 +113,9 @@ DPCUDA_HD float tanh(float x) {
   p = fma(p, z, -3.33332819422e-1f);
   const float small = fma(ax * z, p, ax);
   // tanh(10) rounds to 1 in float; the clamp keeps exp's result and the quotient normal.
-  const float large = 1.0f - 2.0f / (exp(2.0f * (ax > 10.0f ? 10.0f : ax)) + 1.0f);
+  // (NaN: ax > 10 is false, so NaN reaches the exp and the result, as before)
+  const float large =
+      1.0f - 2.0f / (exp_of_small_nonnegative(2.0f * (ax > 10.0f ? 10.0f : ax)) + 1.0f);
   return copy_sign(ax < 0.625f ? small : large, x);
 }
 
