@@ -36,9 +36,8 @@ def parser():
                    default="relu")
     s.add_argument("--split", choices=SPLITS, default="even")
     s.add_argument("--split-weights", default=None)
-    _add_data(s)
+    _add_data(s, files=False, default="synthetic")
     s.add_argument("--no-progress", action="store_true", help="no progress bar")
-    s.set_defaults(dataset="synthetic")
     s.add_argument("--replicas", default="1,2,4")
     s.add_argument("--batches", default="256,512",
                    help="global batch sizes; lr scales linearly from --lr at the first")
@@ -49,9 +48,10 @@ def parser():
 
 
 def run(args, parser):
-    if args.samples is None and args.dataset == "synthetic":
-        args.samples = 16384
+    samples_given = args.samples is not None
     _data_args(args, parser)
+    if args.dataset == "synthetic" and not samples_given:
+        args.samples = 16384
     devices = _devices(args, parser)
     try:
         replica_counts = [int(r) for r in args.replicas.split(",")]

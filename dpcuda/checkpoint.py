@@ -71,7 +71,8 @@ def atomic_write(path, write, what="file"):
     predictions): write(f) fills a temporary file in path's folder, which is flushed to disk
     and then renamed over path, so a crash or a full disk leaves the old file or the new one,
     never a torn one. A symlink at path stays one (its target is written). A failed write
-    raises WriteError naming `what`, the path and the system's reason."""
+    raises WriteError naming `what`, the path and the system's reason. A file it replaces keeps
+    its permissions."""
     target = os.path.realpath(path)
     folder = os.path.dirname(target)
     tmp = os.path.join(folder, f".{os.path.basename(target)}.tmp-{os.getpid()}")
@@ -81,6 +82,8 @@ def atomic_write(path, write, what="file"):
             write(f)
             f.flush()
             os.fsync(f.fileno())
+        if os.path.exists(target):  # the file it replaces keeps its permissions
+            os.chmod(tmp, os.stat(target).st_mode & 0o7777)
         os.replace(tmp, target)
     except Exception as err:
         cause = _os_error(err)

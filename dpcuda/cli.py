@@ -77,7 +77,9 @@ def _train(args, parser):
         parser.error("--shard-optimizer on shards the optimizer state over processes: it needs "
                      "--reducer dist (within one process the fused step shards it by itself)")
     devices = _replica_devices(_devices(args, parser), args.replicas, parser)
-    _distinct_paths(parser, ("--checkpoint", args.checkpoint), ("--json", args.json))
+    # (an output must not be an input either: --data's files)
+    _distinct_paths(parser, ("--checkpoint", args.checkpoint), ("--json", args.json),
+                    ("--data", args.data), ("--test-data", args.test_data))
     if args.resume and args.resume != "auto":
         _distinct_paths(parser, ("--resume", args.resume), ("--json", args.json))
     if args.dataset == "fashion-mnist" and not args.data_dir:
@@ -134,8 +136,10 @@ def _train(args, parser):
 
         def announce():  # once every check has passed, before the first step
             if lead:
+                note = f"; {dataset.note}" if dataset.note else ""
                 print(f"dpcuda train: {dataset.name} ({dataset.x_train.shape[0]} train, "
-                      f"{dataset.x_test.shape[0]} test, {dataset.features} features), MLP "
+                      f"{dataset.x_test.shape[0]} test, {dataset.features} features, "
+                      f"{dataset.classes} classes{note}), MLP "
                       f"{describe(_model_spec(cfg, dataset))} {cfg.activation}, "
                       f"{'fused' if cfg.fused else 'plain torch'} layers, "
                       f"{_replicas_text(cfg.devices, dist_info[1] if dist_info else 1)}, "
@@ -221,13 +225,21 @@ def _model_sizes(model):
 def _eval(args, parser):
     from .checkpoint import load_checkpoint
     from .train import evaluate
-    _distinct_paths(parser, ("--checkpoint", args.checkpoint), ("--json", args.json))
-    model, device = _load_model_for(args, parser)
-    cfg = load_checkpoint(args.checkpoint, option="--checkpoint").get("config") or {}
+    _distinct_paths(parser, ("--checkpoint", args.checkpoint), ("--json", args.json),
+                    ("--data", args.data))
     if args.data is not None and args.dataset is not None:
         parser.error(f"--data and --dataset {args.dataset}: give one")
+    if args.label_column is not None and args.data is None:
+        parser.error("--label-column applies to --data")
+    model, device = _load_model_for(args, parser)
+    payload = load_checkpoint(args.checkpoint, option="--checkpoint")
+    cfg = payload.get("config") or {}
     try:
         if args.data is not None:
+            if not hasattr(model, "mean"):
+                parser.exit(2, f"{parser.prog}: error: --checkpoint {args.checkpoint}: a version "
+                               f"1 checkpoint, which saved no standardisation of its features: "
+                               f"it can score only its own test split (leave --data out)\n")
             # Raw features, as the file holds them: the checkpoint's model standardises them
             # as it did its training data.
             name = f"{os.path.basename(args.data)}"
@@ -236,6 +248,11 @@ def _eval(args, parser):
                                        cfg.get("label_column"))
         else:
             name = args.dataset or cfg.get("dataset", "digits")
+            if name == data_mod.FILE and payload.get("data_fingerprint") and \
+                    data_mod.fingerprint(cfg.get("data")) != payload["data_fingerprint"]:
+                parser.exit(2, f"{parser.prog}: error: --checkpoint {args.checkpoint}: its "
+                               f"training data {cfg.get('data')} has changed since (another "
+                               f"file's contents); score a file with --data\n")
             dataset = data_mod.load(
                 name, args.data_dir or cfg.get("data_dir"), cfg.get("samples", 60000),
                 cfg.get("features", 784), cfg.get("classes", 10), cfg.get("seed", 0),
@@ -276,14 +293,19 @@ def _predict(args, parser):
     _distinct_paths(parser, ("--checkpoint", args.checkpoint), ("--input", args.input),
                     ("--output", args.output))
     cfg = load_checkpoint(args.checkpoint, option="--checkpoint").get("config") or {}
+    label = cfg.get("label_column")
     try:  # the kinds of file --data reads; a CSV's label column, if it has one, is left out
-        xt, _ = data_mod.read_table(args.input, "--input", labels=False,
-                                    label_column=cfg.get("label_column"))
+        xt, _ = data_mod.read_table(args.input, "--input", labels=False, label_column=label)
     except data_mod.DataError as err:
         parser.exit(2, f"{parser.prog}: error: {err}\n")
     features, _ = _model_sizes(model)
     if xt.shape == (features, 1) and features > 1:  # one row, given as a vector
         xt = xt.reshape(1, features)
+    if xt.shape[1] == features + 1 and args.input.lower().endswith(".csv"):
+        # a CSV without a header that still holds its labels (the training file itself):
+        # the label column as training took it
+        drop = int(label) if label is not None and str(label).lstrip("-").isdigit() else -1
+        xt = torch.cat([xt[:, :drop % xt.shape[1]], xt[:, drop % xt.shape[1] + 1:]], 1)
     if xt.shape[1] != features:
         parser.exit(2, f"{parser.prog}: error: --input {args.input}: {xt.shape[1]} features per "
                        f"row, the checkpoint's model takes {features}\n")

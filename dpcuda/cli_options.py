@@ -17,7 +17,12 @@ from .train_step import OPTIMIZERS, SCHEDULES
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse with one-line errors: `dpcuda train: error: ...`, exit status 2."""
+    """argparse with one-line errors: `dpcuda train: error: ...`, exit status 2; an option
+    is spelled out (no prefixes: --data is not --dataset)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message):
         self.exit(2, f"{self.prog}: error: {message}\n")
@@ -150,11 +155,19 @@ def _default_devices():
     return ["cpu"]
 
 
-def _add_data(p):
+def _add_data(p, files=True, default="digits"):
+    """The data options; files: --data and its companions (the training command's)."""
     p.add_argument("--seed", type=_seed, default=0,
                    help="initial weights, data order (and the synthetic data)")
     p.add_argument("--dataset", choices=data_mod.DATASETS, default=None,
-                   help="a built-in data set (default: digits; --data: your own)")
+                   help=f"a built-in data set (default: {default}"
+                        f"{'; --data: your own' if files else ''})")
+    p.set_defaults(default_dataset=default, data=None, test_data=None, test_fraction=None,
+                   label_column=None)
+    if not files:
+        p.add_argument("--data-dir", default=None, help="folder of the Fashion-MNIST IDX files")
+        _add_synthetic(p)
+        return
     p.add_argument("--data", type=_path("--data"), default=None,
                    help="your own data: an .npz with arrays x and y, X.npy,Y.npy, or a CSV "
                         "with a label column (numbers, a header line optional)")
@@ -167,6 +180,10 @@ def _add_data(p):
                    help="a CSV's label column, a header name or a 0-based index (default: "
                         "a column named label, labels, y, target or class, else the last)")
     p.add_argument("--data-dir", default=None, help="folder of the Fashion-MNIST IDX files")
+    _add_synthetic(p)
+
+
+def _add_synthetic(p):
     p.add_argument("--samples", type=_positive_int("--samples"), default=None,
                    help="synthetic data set size (default 60000)")
     p.add_argument("--features", type=_positive_int("--features"), default=None,
@@ -188,12 +205,18 @@ def _data_args(args, parser):
         for option in ("test_data", "test_fraction", "label_column"):
             if getattr(args, option) is not None:
                 parser.error(f"--{option.replace('_', '-')} applies to --data")
-        args.dataset = args.dataset or "digits"
+        args.dataset = args.dataset or args.default_dataset
     if args.test_data is not None and args.test_fraction is not None:
         parser.error("--test-data and --test-fraction: give one (--test-data is the test "
                      "split; --test-fraction holds out part of --data)")
     if args.test_fraction is None:
         args.test_fraction = 0.2
+    # The user's files by their real paths: a resume or an eval from another folder, or with
+    # the path spelled otherwise, finds the same files.
+    for key in ("data", "test_data"):
+        spec = getattr(args, key)
+        if spec is not None:
+            setattr(args, key, ",".join(os.path.realpath(p) for p in data_mod.paths(spec)))
     given = [f"--{k}" for k in ("samples", "features", "classes") if getattr(args, k) is not None]
     if given and args.dataset != "synthetic":
         parser.error(f"{', '.join(given)} only apply to --dataset synthetic, not {args.dataset}")
@@ -333,7 +356,10 @@ def _replica_devices(devices, replicas, parser=None):
 
 
 def _distinct_paths(parser, *named):
-    """Refuses two options naming the same file (one output would destroy the other file)."""
+    """Refuses two options naming the same file (one output would destroy the other file). A
+    data option's spec counts each of its files (an X.npy,Y.npy pair is two)."""
+    named = [(option, p) for option, path in named if path
+             for p in (data_mod.paths(path) if option in _DATA_OPTIONS else [path])]
     seen = {}
     for option, path in named:
         if not path:
@@ -342,6 +368,9 @@ def _distinct_paths(parser, *named):
         if key in seen:
             parser.error(f"{option} and {seen[key]} name the same file {path}")
         seen[key] = option
+
+
+_DATA_OPTIONS = ("--data", "--test-data", "--input")
 
 
 def _split_weights(args, devices):

@@ -16,12 +16,13 @@ import numpy as np
 import torch
 
 __all__ = ["Dataset", "DataError", "DATASETS", "load", "read_idx", "write_idx", "read_table",
-           "FASHION_MNIST_FILES", "FILE"]
+           "paths", "fingerprint", "FASHION_MNIST_FILES", "FILE"]
 
 DATASETS = ("digits", "fashion-mnist", "synthetic")
 FILE = "file"  # the dataset name of the user's own files (--data)
 # Label columns a CSV header is searched for when none is named (else the last column).
 LABEL_NAMES = ("label", "labels", "y", "target", "class")
+MAX_CLASSES = 1_000_000  # class indices of the user's files are below this
 FASHION_MNIST_FILES = {
     "train_images": "train-images-idx3-ubyte",
     "train_labels": "train-labels-idx1-ubyte",
@@ -47,6 +48,10 @@ class Dataset:
     mean: torch.Tensor = None
     std: torch.Tensor = None
     divisor: float = 1.0
+    # What the run's first line says of the data (where the labels came from, test labels the
+    # training split lacks), and the files' SHA-256 (the user's own files only).
+    note: str = ""
+    fingerprint: str = None
 
     @property
     def features(self):
@@ -175,36 +180,70 @@ def _synthetic(samples, features, classes, seed):
 # ---------------------------------------------------------------------------------------------
 # the user's own files
 
+def _number(text):
+    try:
+        float(text)
+        return True
+    except ValueError:
+        return False
+
+
+def _is_header(fields):
+    """Whether a CSV's first row names the columns: every field that is not empty is a name
+    (not a number), or the row is pandas' default names for a frame's columns, 0, 1, ...,
+    n - 1 (what DataFrame(array).to_csv(index=False) writes; as data such a row would be a
+    rare coincidence beyond 3 columns)."""
+    names = [f for f in fields if f]
+    if names and not any(_number(f) for f in names):
+        return True
+    return len(fields) > 3 and fields == [str(i) for i in range(len(fields))]
+
+
+def _csv_problem(path, option, skip, width):
+    """The first line of the body that does not parse: one line naming it (file line numbers,
+    counted from 1, blank lines included)."""
+    import csv
+    with open(path, newline="", encoding="utf-8-sig") as f:
+        reader = csv.reader(f)
+        for row in reader:
+            if reader.line_num <= skip or not any(v.strip() for v in row):
+                continue
+            if len(row) != width:
+                return (f"{option} {path}: line {reader.line_num} has {len(row)} fields, the "
+                        f"first has {width}")
+            for v in row:
+                if not _number(v):
+                    return (f"{option} {path}: line {reader.line_num} holds a field that is "
+                            f"not a number ({v.strip()[:20]!r})")
+    return f"{option} {path}: cannot read it as CSV of numbers"
+
+
 def _csv(path, option, want_labels, label_column):
+    """(features, labels or None, which column held the labels) of a CSV file."""
     import csv
     try:
-        with open(path, newline="") as f:
-            rows = [r for r in csv.reader(f) if r and any(v.strip() for v in r)]
+        with open(path, newline="", encoding="utf-8-sig") as f:  # (a BOM is not a name)
+            reader = csv.reader(f)
+            first = next((r for r in reader if any(v.strip() for v in r)), None)
+            first_line = reader.line_num
     except (OSError, UnicodeDecodeError, csv.Error) as err:
         raise DataError(f"{option} {path}: cannot read it as CSV "
                         f"({getattr(err, 'strerror', None) or err})") from None
-    if not rows:
+    if first is None:
         raise DataError(f"{option} {path}: no rows")
-
-    def numeric(row):
-        try:
-            [float(v) for v in row]
-            return True
-        except ValueError:
-            return False
-    header = None if numeric(rows[0]) else [v.strip() for v in rows[0]]
-    body = rows[1:] if header is not None else rows
-    width = len(rows[0])
-    for i, row in enumerate(body):
-        if len(row) != width:
-            raise DataError(f"{option} {path}: line {i + 1 + (header is not None)} has "
-                            f"{len(row)} fields, the first has {width}")
+    fields = [v.strip() for v in first]
+    width = len(fields)
+    header = fields if _is_header(fields) else None
+    skip = first_line if header is not None else first_line - 1
     try:
-        table = np.array(body, dtype=np.float64).reshape(len(body), width)
-    except ValueError:
-        bad = next(i for i, r in enumerate(body) if not numeric(r))
-        raise DataError(f"{option} {path}: line {bad + 1 + (header is not None)} holds a "
-                        f"field that is not a number") from None
+        table = np.loadtxt(path, delimiter=",", skiprows=skip, dtype=np.float64, ndmin=2,
+                           encoding="utf-8-sig", quotechar='"')
+    except (ValueError, UnicodeDecodeError):
+        raise DataError(_csv_problem(path, option, skip, width)) from None
+    if table.size and table.shape[1] != width:
+        raise DataError(_csv_problem(path, option, skip, width))
+    if table.shape[0] == 0:
+        table = table.reshape(0, width)
     column = None
     if label_column is not None:
         if header is not None and label_column in header:
@@ -212,37 +251,61 @@ def _csv(path, option, want_labels, label_column):
         elif str(label_column).lstrip("-").isdigit() and \
                 -width <= int(label_column) < width:
             column = int(label_column) % width
-        else:
+        elif want_labels:
             raise DataError(f"{option} {path}: no column {label_column!r} (--label-column: a "
                             f"header name or a 0-based index of the {width} columns)")
     elif header is not None:
-        column = next((header.index(n) for n in LABEL_NAMES if n in header), None)
+        named = [n for n in LABEL_NAMES if n in header]
+        if len(named) > 1 and want_labels:
+            raise DataError(f"{option} {path}: the columns {', '.join(map(repr, named))} could "
+                            f"each be the labels; name one with --label-column")
+        if named:
+            column = header.index(named[0])
     if want_labels and column is None:
         column = width - 1
     if column is None:
-        return table, None
+        return table, None, None
     if width < 2:
         raise DataError(f"{option} {path}: one column: the labels and no features")
-    return np.delete(table, column, axis=1), table[:, column]
+    which = repr(header[column]) if header is not None else f"{column} (counting from 0)"
+    return np.delete(table, column, axis=1), table[:, column], f"column {which}"
+
+
+def paths(spec):
+    """The files a --data spec names: [spec], or the two of an "X.npy,Y.npy" pair."""
+    if "," in spec and not os.path.exists(spec):
+        return [part.strip() for part in spec.split(",", 1)]
+    return [spec]
+
+
+def _file(path, option):
+    if os.path.isdir(path):
+        raise DataError(f"{option} {path}: is a folder, not a file")
+    if not os.path.isfile(path):
+        raise DataError(f"{option} {path}: no such file")
 
 
 def _arrays(path, option, want_labels, label_column):
-    """(x, y) as stored (y None where the file has none)."""
-    if "," in path and not os.path.exists(path):
-        xs, _, ys = path.partition(",")
+    """(x, y, where the labels came from) as stored (y None where the file has none)."""
+    parts = paths(path)
+    if len(parts) == 2:
+        xs, ys = parts
         if not (xs.endswith(".npy") and ys.endswith(".npy")):
             raise DataError(f"{option} {path}: a pair of files is X.npy,Y.npy")
-        return _npy(xs, option), _npy(ys, option)
-    if not os.path.isfile(path):
-        raise DataError(f"{option} {path}: no such file")
+        if label_column is not None:
+            raise DataError(f"{option} {path}: --label-column applies to a CSV file")
+        return _npy(xs, option), _npy(ys, option), ys
+    _file(path, option)
     ext = os.path.splitext(path)[1].lower()
     if ext == ".csv":
         return _csv(path, option, want_labels, label_column)
+    if label_column is not None and want_labels:
+        raise DataError(f"{option} {path}: --label-column applies to a CSV file")
     if ext == ".npy":
         if want_labels:
             raise DataError(f"{option} {path}: a .npy file holds no labels; give X.npy,Y.npy, "
                             f"an .npz with arrays x and y, or a CSV with a label column")
-        return _npy(path, option), None
+        return _npy(path, option), None, None
     if ext == ".npz":
         try:
             with np.load(path, allow_pickle=False) as archive:
@@ -251,7 +314,8 @@ def _arrays(path, option, want_labels, label_column):
                     raise DataError(f"{option} {path}: an .npz needs arrays named x"
                                     f"{' and y' if want_labels else ''}; it has "
                                     f"{', '.join(sorted(keys)) or 'none'}")
-                return archive["x"], archive["y"] if "y" in keys else None
+                return (_member(archive, "x", path, option),
+                        _member(archive, "y", path, option) if "y" in keys else None, "y")
         except DataError:
             raise
         except Exception as err:
@@ -261,11 +325,24 @@ def _arrays(path, option, want_labels, label_column):
                     f".npz (x, y), X.npy,Y.npy or .csv")
 
 
+def _member(archive, key, path, option):
+    try:
+        return archive[key]
+    except ValueError as err:
+        if "allow_pickle" in str(err):
+            raise DataError(f"{option} {path}: array {key} holds Python objects, not numbers")
+        raise
+
+
 def _npy(path, option):
-    if not os.path.isfile(path):
-        raise DataError(f"{option} {path}: no such file")
+    _file(path, option)
     try:
         return np.load(path, allow_pickle=False)
+    except ValueError as err:
+        if "allow_pickle" in str(err):
+            raise DataError(f"{option} {path}: holds Python objects, not numbers") from None
+        raise DataError(f"{option} {path}: cannot read it as .npy ({_first_line(err)})") \
+            from None
     except Exception as err:
         raise DataError(f"{option} {path}: cannot read it as .npy ({_first_line(err)})") \
             from None
@@ -291,7 +368,13 @@ def read_table(path, option="--data", labels=True, label_column=None):
     be read, or whose contents are not that (a feature that is NaN, Inf or beyond float32, a
     label that is not an integer >= 0, a row count that differs between x and y), raises
     DataError with one line naming option, the file and the first bad row."""
-    x, y = _arrays(path, option, labels, label_column)
+    x, y, _ = _read(path, option, labels, label_column)
+    return x, y
+
+
+def _read(path, option, labels, label_column):
+    """read_table's work; also says where the labels came from (for the run's first line)."""
+    x, y, source = _arrays(path, option, labels, label_column)
     if not isinstance(x, np.ndarray) or not _real(x.dtype):
         raise DataError(f"{option} {path}: the features must be real numbers, got "
                         f"{getattr(x, 'dtype', type(x).__name__)}")
@@ -305,10 +388,10 @@ def read_table(path, option="--data", labels=True, label_column=None):
         x32 = np.asarray(x, dtype=np.float32)
     bad = np.flatnonzero(~np.isfinite(x32).all(axis=1)) if x32.size else []
     if len(bad):
-        raise DataError(f"{option} {path}: row {bad[0]} holds NaN, Inf or a value beyond "
-                        f"float32 ({len(bad)} such rows)")
+        raise DataError(f"{option} {path}: row {bad[0]} (counting from 0) holds NaN, Inf or a "
+                        f"value beyond float32 ({len(bad)} such rows)")
     if not labels:
-        return torch.from_numpy(np.ascontiguousarray(x32)), None
+        return torch.from_numpy(np.ascontiguousarray(x32)), None, None
     y = np.asarray(y)
     if y.ndim == 2 and y.shape[1] == 1:
         y = y[:, 0]
@@ -320,16 +403,37 @@ def read_table(path, option="--data", labels=True, label_column=None):
     with np.errstate(invalid="ignore"):
         bad = np.flatnonzero(~np.isfinite(y) | (y < 0) | (y != np.floor(y)) | (y > 2 ** 31))
     if len(bad):
-        raise DataError(f"{option} {path}: row {bad[0]}'s label {y[bad[0]].item()!r} is not an "
-                        f"integer >= 0 (class indices 0, 1, ...)")
+        raise DataError(f"{option} {path}: row {bad[0]} (counting from 0): its label "
+                        f"{y[bad[0]].item()!r} is not an integer >= 0 (class indices 0, 1, ...)")
+    if y.size and y.max() >= MAX_CLASSES:
+        raise DataError(f"{option} {path}: a label of {int(y.max())}: class indices must be "
+                        f"below {MAX_CLASSES} (a label of n makes a model of n + 1 outputs)")
     return (torch.from_numpy(np.ascontiguousarray(x32)),
-            torch.from_numpy(y.astype(np.int64)))
+            torch.from_numpy(y.astype(np.int64)), source)
+
+
+def fingerprint(spec):
+    """The SHA-256 of the bytes of the files a --data spec names: what a checkpoint keeps of its
+    data, so that a resume or an eval finds a file changed since (paths alone cannot)."""
+    import hashlib
+    digest = hashlib.sha256()
+    for path in paths(spec):
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+    return digest.hexdigest()
 
 
 def _files(data, test_data, test_fraction, label_column):
-    x, y = read_table(data, "--data", label_column=label_column)
+    x, y, source = _read(data, "--data", True, label_column)
+    notes = [f"labels from {source}"] if source and source != "y" else []
     if test_data:
-        x_test, y_test = read_table(test_data, "--test-data", label_column=label_column)
+        same = {os.path.realpath(p) for p in paths(data)} & \
+            {os.path.realpath(p) for p in paths(test_data)}
+        if same:
+            raise DataError(f"--test-data {test_data}: the same file as --data; the test split "
+                            f"must be other rows (or leave --test-data out: --test-fraction)")
+        x_test, y_test, _ = _read(test_data, "--test-data", True, label_column)
         if x_test.shape[1] != x.shape[1]:
             raise DataError(f"--test-data {test_data}: {x_test.shape[1]} features, --data "
                             f"{data} has {x.shape[1]}")
@@ -347,13 +451,18 @@ def _files(data, test_data, test_fraction, label_column):
         perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
         x_train, y_train = x[perm[test:]], y[perm[test:]]
         x_test, y_test = x[perm[:test]], y[perm[:test]]
+    seen = torch.unique(y_train)
+    if len(seen) < 2:
+        raise DataError(f"--data {data}: every training label is {int(seen[0])}; a classifier "
+                        f"needs two classes at least")
+    unseen = sorted(set(torch.unique(y_test).tolist()) - set(seen.tolist()))
+    if unseen:
+        notes.append(f"the test split has {len(unseen)} label"
+                     f"{'s' if len(unseen) > 1 else ''} the training split lacks "
+                     f"({', '.join(map(str, unseen[:5]))}{', ...' if len(unseen) > 5 else ''})")
     classes = int(max(y_train.max(), y_test.max())) + 1
-    if classes < 2:
-        raise DataError(f"--data {data}: every label is 0; a classifier needs two classes at "
-                        f"least")
-    name = os.path.basename(data.split(",")[0]) if "," in data and not os.path.exists(data) \
-        else os.path.basename(data)
-    return name, x_train, y_train, x_test, y_test, classes, 1.0
+    name = os.path.basename(paths(data)[0])
+    return name, x_train, y_train, x_test, y_test, classes, 1.0, "; ".join(notes)
 
 
 def load(name, data_dir=None, samples=60000, features=784, classes=10, seed=0, *, data=None,
@@ -361,10 +470,15 @@ def load(name, data_dir=None, samples=60000, features=784, classes=10, seed=0, *
     """The named data set (one of DATASETS, or FILE: the files data and test_data, read by
     read_table, with test_fraction of data's rows held out when there is no test_data),
     standardised with its training split's statistics."""
+    note, digest = "", None
     if name == FILE or data is not None:
         if not data:
             raise DataError("the data set 'file' needs --data PATH")
-        parts = _files(data, test_data, test_fraction, label_column)
+        if name != FILE:
+            raise DataError(f"data {data!r} is the data set {FILE!r}; give dataset={FILE!r} "
+                            f"with it (not {name!r})")
+        *parts, note = _files(data, test_data, test_fraction, label_column)
+        digest = fingerprint(data)
     elif name == "digits":
         parts = _digits()
     elif name == "fashion-mnist":
@@ -381,4 +495,4 @@ def load(name, data_dir=None, samples=60000, features=784, classes=10, seed=0, *
     std = x_train.std(0).clamp_min(0.1)
     return Dataset(name, ((x_train - mean) / std).contiguous(), y_train.contiguous(),
                    ((x_test - mean) / std).contiguous(), y_test.contiguous(), classes,
-                   mean, std, divisor)
+                   mean, std, divisor, note, digest)

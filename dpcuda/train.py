@@ -34,12 +34,11 @@ _SAME_ON_RESUME = {"dataset": "--dataset", "seed": "--seed", "batch_size": "--ba
                    "activation": "--activation", "hidden": "--hidden", "samples": "--samples",
                    "features": "--features", "classes": "--classes",
                    "optimizer": "--optimizer", "lr_schedule": "--lr-schedule",
-                   "warmup_steps": "--warmup-steps", "data": "--data",
-                   "test_data": "--test-data", "test_fraction": "--test-fraction",
+                   "warmup_steps": "--warmup-steps", "test_fraction": "--test-fraction",
                    "label_column": "--label-column"}
 # What the run's defaults were before a setting existed (a checkpoint written before it).
 _OLD_DEFAULTS = {"optimizer": "sgd", "lr_schedule": "constant", "warmup_steps": 0}
-_FILE_ONLY = ("data", "test_data", "test_fraction", "label_column")
+_FILE_ONLY = ("test_fraction", "label_column")
 _SYNTHETIC_ONLY = ("samples", "features", "classes")
 
 _ACTIVATION_MODULES = {
@@ -159,6 +158,15 @@ def _check_resume(path, payload, cfg):
             if key in saved and saved[key] != getattr(cfg, key):
                 diffs.append(f"{option} {getattr(cfg, key)} (checkpoint: {saved[key]}; "
                              f"--lr-schedule {cfg.lr_schedule} spans the run)")
+    if cfg.dataset == data_mod.FILE and saved.get("dataset") == data_mod.FILE:
+        # the same files, however their paths are spelled (their contents: train() compares
+        # the checkpoint's fingerprint)
+        for key, option in (("data", "--data"), ("test_data", "--test-data")):
+            have, want = saved.get(key), getattr(cfg, key)
+            real = (lambda spec: [os.path.realpath(p) for p in data_mod.paths(spec)]
+                    if spec else None)
+            if real(have) != real(want):
+                diffs.append(f"{option} {want} (checkpoint: {have})")
     if cfg.dataset == "fashion-mnist" and saved.get("dataset") == "fashion-mnist" and \
             saved.get("data_dir") and cfg.data_dir and \
             os.path.realpath(saved["data_dir"]) != os.path.realpath(cfg.data_dir):
@@ -248,6 +256,10 @@ def train(cfg, dataset=None, dist_info=None, announce=None):
     resumed = load_checkpoint(cfg.resume) if cfg.resume else None
     if resumed is not None:
         _check_resume(cfg.resume, resumed, cfg)  # every difference of the run, listed
+        saved_digest = resumed.get("data_fingerprint")
+        if saved_digest and dataset.fingerprint and saved_digest != dataset.fingerprint:
+            raise CheckpointError(f"--resume {cfg.resume}: --data {cfg.data}: the file's "
+                                  f"contents differ from those the checkpoint trained on")
         _check_spec(cfg.resume, resumed, spec)  # the model, where the configuration says less
     if cfg.checkpoint and lead:
         # The checkpoint holds the weights, the momentum buffer, the data order: room for it
@@ -330,7 +342,8 @@ def train(cfg, dataset=None, dist_info=None, announce=None):
                 "epoch": epoch, "step": step,
                 "order": order, "order_generator": order_gen.get_state(),
                 "torch_rng": torch.get_rng_state(), "history": history,
-                "partial": dict(partial), "config": asdict(cfg)}
+                "partial": dict(partial), "config": asdict(cfg),
+                "data_fingerprint": dataset.fingerprint}
 
     def save(epoch, step, order, partial):
         if not cfg.checkpoint:

@@ -307,10 +307,10 @@ def test_predict_refuses_what_has_no_prediction(trained, tmp_path):
     np.savez(tmp_path / "x.npz", a=np.zeros((2, 64)))
     np.save(tmp_path / "c.npy", np.zeros((2, 64), dtype=np.complex64))
     np.save(tmp_path / "big.npy", np.full((2, 64), 1e300))
-    for name, message in (("nan.npy", "row 1 holds NaN, Inf"),
+    for name, message in (("nan.npy", "row 1 (counting from 0) holds NaN, Inf"),
                           ("x.npz", "an .npz needs arrays named x; it has a"),
                           ("c.npy", "the features must be real numbers, got complex64"),
-                          ("big.npy", "row 0 holds NaN")):
+                          ("big.npy", "row 0 (counting from 0) holds NaN")):
         one_line_error(run("predict", "--checkpoint", str(ck), "--input", str(tmp_path / name),
                            "--output", str(tmp_path / "y.npy")), 2, message)
 
