@@ -46,14 +46,8 @@ def _momentum(text):
 
 
 def _timeout(text):
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not math.isfinite(value) or value <= 0 or value > 1e7:
-        raise argparse.ArgumentTypeError(f"--timeout must be a positive number of seconds (at "
-                                         f"most 1e7), got {text!r}")
-    return value
+    return _number("--timeout", float, "a positive number of seconds (at most 1e7)", 0.0, 1e7,
+                   above=True)(text)
 
 
 def _seed(text):
@@ -74,16 +68,38 @@ def _path(option):
     return parse
 
 
-def _positive_int(name):
+def _number(name, kind, what, low, high=math.inf, above=False, below=False):
+    """An option's parser: a finite `kind` (int or float) in [low, high] (above: > low;
+    below: < high); else "NAME must be WHAT, got 'TEXT'" ("a number" for a float option given
+    text that is none)."""
     def parse(text):
         try:
-            value = int(text)
+            value = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be a positive integer, got {text!r}")
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"{name} must be a positive integer, got {text!r}")
+            if kind is float:
+                raise argparse.ArgumentTypeError(f"{name} must be a number, got {text!r}")
+            value = None
+        if value is None or not math.isfinite(value) or not low <= value <= high or \
+                (above and value == low) or (below and value == high):
+            raise argparse.ArgumentTypeError(f"{name} must be {what}, got {text!r}")
         return value
     return parse
+
+
+def _positive_int(name):
+    return _number(name, int, "a positive integer", 0, above=True)
+
+
+def _non_negative_int(name):
+    return _number(name, int, "a non-negative integer", 0)
+
+
+def _positive_float(name):
+    return _number(name, float, "a positive finite number", 0.0, above=True)
+
+
+def _non_negative_float(name):
+    return _number(name, float, "a non-negative finite number", 0.0)
 
 
 def _widths(text):
@@ -99,52 +115,8 @@ def _widths(text):
 
 
 def _fraction(text):
-    try:
-        value = float(text)
-    except ValueError:
-        value = None
-    if value is None or not 0 < value < 1:
-        raise argparse.ArgumentTypeError(f"must be a number between 0 and 1, got {text!r}")
-    return value
-
-
-def _non_negative_int(name):
-    def parse(text):
-        try:
-            value = int(text)
-        except ValueError:
-            value = -1
-        if value < 0:
-            raise argparse.ArgumentTypeError(f"{name} must be a non-negative integer, got "
-                                             f"{text!r}")
-        return value
-    return parse
-
-
-def _positive_float(name):
-    def parse(text):
-        try:
-            value = float(text)
-        except ValueError:
-            value = -1.0
-        if not math.isfinite(value) or value <= 0:
-            raise argparse.ArgumentTypeError(f"{name} must be a positive finite number, got "
-                                             f"{text!r}")
-        return value
-    return parse
-
-
-def _non_negative_float(name):
-    def parse(text):
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be a number, got {text!r}")
-        if not math.isfinite(value) or value < 0:
-            raise argparse.ArgumentTypeError(f"{name} must be a non-negative finite number, "
-                                             f"got {text!r}")
-        return value
-    return parse
+    return _number("--test-fraction", float, "a number between 0 and 1", 0.0, 1.0, above=True,
+                   below=True)(text)
 
 
 def _default_devices():

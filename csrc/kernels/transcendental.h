@@ -54,17 +54,12 @@ DPCUDA_HD float copy_sign(float magnitude, float sign) {
   return from_bits((to_bits(magnitude) & 0x7fffffffu) | (to_bits(sign) & 0x80000000u));
 }
 
-// exp(x) within 2 ulp for x in [-87, 88.37]; +inf above, 0 below (where the true result is
-// below 1.7e-38), NaN for NaN. The lower bound keeps every intermediate a normal float:
-// subnormal operands cost x86 cores a microcode assist, tens of times an ordinary multiply. Cody-Waite reduction
-// x = n ln2 + r, |r| <= ln2 / 2, Cephes' expf polynomial for exp(r), and 2^n assembled from its
-// exponent bits.
-DPCUDA_HD float exp(float in) {
-  constexpr float kHi = 88.3762626647949f, kLo = -87.0f;
+// exp(x) for x in [-87, 88.37], with no range handling: Cody-Waite reduction x = n ln2 + r,
+// |r| <= ln2 / 2, Cephes' expf polynomial for exp(r), and 2^n assembled from its exponent bits.
+// exp() below is this with its clamps and selects; tanh's large branch, whose argument is in
+// [0, 20], calls it as it is (the same bits, without the compares and blends).
+DPCUDA_HD float exp_in_range(float x) {
   constexpr float kMagic = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
-  // Comparisons with NaN are false, so NaN passes through the clamps and the result.
-  float x = in > kHi ? kHi : in;
-  x = x < kLo ? kLo : x;
   const float shifted = x * 1.44269504088896341f + kMagic;
   const float n = shifted - kMagic;
   // The integer n sits in the low mantissa bits of `shifted`: 2^n without a float-to-int
@@ -78,26 +73,19 @@ DPCUDA_HD float exp(float in) {
   p = fma(p, r, 1.6666665459e-1f);
   p = fma(p, r, 5.0000001201e-1f);
   const float er = fma(p, r * r, r) + 1.0f;
-  const float y = er * from_bits(scale);
-  return in > kHi ? from_bits(0x7f800000u) : (in < kLo ? 0.0f : y);
+  return er * from_bits(scale);
 }
 
-// exp(x) for x in [0, 20] (no clamps, no selects: what tanh's large branch needs), the bits of
-// exp() above for those arguments: the same reduction and polynomial.
-DPCUDA_HD float exp_of_small_nonnegative(float x) {
-  constexpr float kMagic = 12582912.0f;
-  const float shifted = x * 1.44269504088896341f + kMagic;
-  const float n = shifted - kMagic;
-  const uint32_t scale = (to_bits(shifted) - to_bits(kMagic) + 127u) << 23;
-  const float r = fma(n, 2.12194440e-4f, fma(n, -0.693359375f, x));
-  float p = 1.9875691500e-4f;
-  p = fma(p, r, 1.3981999507e-3f);
-  p = fma(p, r, 8.3334519073e-3f);
-  p = fma(p, r, 4.1665795894e-2f);
-  p = fma(p, r, 1.6666665459e-1f);
-  p = fma(p, r, 5.0000001201e-1f);
-  const float er = fma(p, r * r, r) + 1.0f;
-  return er * from_bits(scale);
+// exp(x) within 2 ulp for x in [-87, 88.37]; +inf above, 0 below (where the true result is
+// below 1.7e-38), NaN for NaN. The lower bound keeps every intermediate a normal float:
+// subnormal operands cost x86 cores a microcode assist, tens of times an ordinary multiply.
+DPCUDA_HD float exp(float in) {
+  constexpr float kHi = 88.3762626647949f, kLo = -87.0f;
+  // Comparisons with NaN are false, so NaN passes through the clamps and the result.
+  float x = in > kHi ? kHi : in;
+  x = x < kLo ? kLo : x;
+  const float y = exp_in_range(x);
+  return in > kHi ? from_bits(0x7f800000u) : (in < kLo ? 0.0f : y);
 }
 
 // tanh(x) within 2 ulp: an odd polynomial for |x| < 0.625 (Cephes' tanhf), where
@@ -115,7 +103,7 @@ DPCUDA_HD float tanh(float x) {
   // tanh(10) rounds to 1 in float; the clamp keeps exp's result and the quotient normal.
   // (NaN: ax > 10 is false, so NaN reaches the exp and the result, as before)
   const float large =
-      1.0f - 2.0f / (exp_of_small_nonnegative(2.0f * (ax > 10.0f ? 10.0f : ax)) + 1.0f);
+      1.0f - 2.0f / (exp_in_range(2.0f * (ax > 10.0f ? 10.0f : ax)) + 1.0f);
   return copy_sign(ax < 0.625f ? small : large, x);
 }
 
