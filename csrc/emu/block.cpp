@@ -389,7 +389,7 @@ void run_block(Runner& r, uint3 block_idx, dim3 block_dim, dim3 grid_dim) {
       if (!(first_warp->mask >> l & 1u) || base + l >= n) continue;
       const Fiber& g = *r.fibers[base + l];
       if (g.state == State::kWarp && g.mask == first_warp->mask) continue;
-      s << "; lane " << l << " of that mask "
+      s << "; lane " << l << " of the mask "
         << (g.state == State::kDone      ? "has exited"
             : g.state == State::kBarrier ? "waits at __syncthreads"
                                          : "waits in another warp intrinsic or mask");
