@@ -175,8 +175,8 @@ def allreduce_gpu():
                  rows)
 
 
-def sweep_full():
-    results = load("sweep-full-cpu-2026-11-27.json")["results"]
+def sweep_full(name):
+    results = load(name)["results"]
     rows = []
     for act in sorted({r["activation"] for r in results}):
         row = [act]
@@ -350,7 +350,8 @@ def launches():
 TABLES = {
     "layers-cpu-2026-11-21.json + layers-gelu-cpu-2026-11-21.json": layers_cpu,
     "allreduce-cpu-2026-11-21.json": allreduce_cpu,
-    "sweep-full-cpu-2026-11-27.json": sweep_full,
+    "sweep-full-cpu-2026-11-27.json": lambda: sweep_full("sweep-full-cpu-2026-11-27.json"),
+    "sweep-full-cpu-2026-11-27b.json": lambda: sweep_full("sweep-full-cpu-2026-11-27b.json"),
     "step-sync-cpu-2026-11-25.json": step_sync,
     "step-cpu-2026-11-22.json": step_cpu,
     "optim-cpu-2026-11-24.json#update": optim_update,
