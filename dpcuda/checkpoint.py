@@ -12,11 +12,13 @@ import tempfile
 
 import torch
 
+from ._text import first_line
 from .nn import FusedMLP
 
 __all__ = ["CHECKPOINT_FORMAT", "CHECKPOINT_VERSION", "CheckpointError", "OutputError",
            "WriteError", "atomic_write", "save_checkpoint", "write_json", "check_output_path",
-           "lock_checkpoint", "load_checkpoint", "load_checkpoint_model", "Standardized",
+           "lock_checkpoint", "load_checkpoint", "load_checkpoint_model", "model_from_payload",
+           "Standardized",
            "widths", "describe"]
 
 CHECKPOINT_FORMAT = "dpcuda-checkpoint"
@@ -140,9 +142,8 @@ def load_checkpoint(path, spec=None, option="--resume"):
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # truncated zip, not a pickle, unsupported objects ...
-        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise CheckpointError(f"{option} {path}: not a readable checkpoint (truncated or "
-                              f"another kind of file): {reason[:160]}") from None
+                              f"another kind of file): {first_line(err, 160)}") from None
     if not isinstance(payload, dict) or payload.get("format") != CHECKPOINT_FORMAT:
         raise CheckpointError(f"{option} {path}: not a dpcuda checkpoint")
     if payload.get("version") not in _READABLE_VERSIONS:
@@ -213,7 +214,11 @@ def load_checkpoint_model(path, device="cpu"):
     """The model a `dpcuda train` checkpoint holds, ready for inference (eval mode): a
     Standardized(FusedMLP) that takes raw features. Version 1 checkpoints, which did not save
     the standardisation, give the bare FusedMLP (it takes standardised features)."""
-    payload = load_checkpoint(path, option="--checkpoint")
+    return model_from_payload(load_checkpoint(path, option="--checkpoint"), device)
+
+
+def model_from_payload(payload, device="cpu"):
+    """load_checkpoint_model's model from a payload load_checkpoint already read."""
     spec = payload["model"]
     model = FusedMLP(widths(spec), activation=spec["activation"])
     model.load_state_dict(payload["model_state_dict"])

@@ -23,7 +23,7 @@ from . import data as data_mod
 from .checkpoint import write_json
 from .cli_options import (_config, _data_args, _devices, _distinct_paths, _parser,
                           _replica_devices)
-from .distributed import first_line as _first_line
+from ._text import first_line as _first_line
 
 __all__ = ["main"]
 
@@ -171,8 +171,7 @@ def _train(args, parser):
                            f"--samples, --features or --batch-size?): {_first_line(err)}\n")
         if dist_info is None or not distributed.is_dist_failure(err):
             raise
-        reason = str(err).strip().splitlines()[0][:160] if str(err).strip() else \
-            type(err).__name__
+        reason = _first_line(err, 160)
         kept = f"; the last checkpoint {cfg.checkpoint} is intact" if cfg.checkpoint else ""
         silent = heartbeat.silent_ranks() if heartbeat is not None else []
         who = (f"rank{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))} stopped "
@@ -208,11 +207,13 @@ def _is_out_of_memory(err):
 
 
 def _load_model_for(args, parser):
-    from .checkpoint import CheckpointError, load_checkpoint_model
+    """The checkpoint's model on --device, its device and the checkpoint (read once)."""
+    from .checkpoint import CheckpointError, load_checkpoint, model_from_payload
     from .parallel import _device
     try:
         device = _device(args.device, "--device")
-        return load_checkpoint_model(args.checkpoint, device), device
+        payload = load_checkpoint(args.checkpoint, option="--checkpoint")
+        return model_from_payload(payload, device), device, payload
     except (CheckpointError, ValueError) as err:
         parser.exit(2, f"{parser.prog}: error: {err}\n")
 
@@ -223,7 +224,6 @@ def _model_sizes(model):
 
 
 def _eval(args, parser):
-    from .checkpoint import load_checkpoint
     from .train import evaluate
     _distinct_paths(parser, ("--checkpoint", args.checkpoint), ("--json", args.json),
                     ("--data", args.data))
@@ -231,8 +231,7 @@ def _eval(args, parser):
         parser.error(f"--data and --dataset {args.dataset}: give one")
     if args.label_column is not None and args.data is None:
         parser.error("--label-column applies to --data")
-    model, device = _load_model_for(args, parser)
-    payload = load_checkpoint(args.checkpoint, option="--checkpoint")
+    model, device, payload = _load_model_for(args, parser)
     cfg = payload.get("config") or {}
     try:
         if args.data is not None:
@@ -288,11 +287,10 @@ def _eval(args, parser):
 
 def _predict(args, parser):
     import numpy as np
-    from .checkpoint import load_checkpoint
-    model, device = _load_model_for(args, parser)
+    model, device, payload = _load_model_for(args, parser)
     _distinct_paths(parser, ("--checkpoint", args.checkpoint), ("--input", args.input),
                     ("--output", args.output))
-    cfg = load_checkpoint(args.checkpoint, option="--checkpoint").get("config") or {}
+    cfg = payload.get("config") or {}
     label = cfg.get("label_column")
     try:  # the kinds of file --data reads; a CSV's label column, if it has one, is left out
         xt, _ = data_mod.read_table(args.input, "--input", labels=False, label_column=label)

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ._text import first_line
+
 __all__ = ["Dataset", "DataError", "DATASETS", "load", "read_idx", "write_idx", "read_table",
            "paths", "fingerprint", "FASHION_MNIST_FILES", "FILE"]
 
@@ -225,7 +227,7 @@ def _csv(path, option, want_labels, label_column):
         with open(path, newline="", encoding="utf-8-sig") as f:  # (a BOM is not a name)
             reader = csv.reader(f)
             first = next((r for r in reader if any(v.strip() for v in r)), None)
-            first_line = reader.line_num
+            first_at = reader.line_num
     except (OSError, UnicodeDecodeError, csv.Error) as err:
         raise DataError(f"{option} {path}: cannot read it as CSV "
                         f"({getattr(err, 'strerror', None) or err})") from None
@@ -234,7 +236,7 @@ def _csv(path, option, want_labels, label_column):
     fields = [v.strip() for v in first]
     width = len(fields)
     header = fields if _is_header(fields) else None
-    skip = first_line if header is not None else first_line - 1
+    skip = first_at if header is not None else first_at - 1
     try:
         table = np.loadtxt(path, delimiter=",", skiprows=skip, dtype=np.float64, ndmin=2,
                            encoding="utf-8-sig", quotechar='"')
@@ -320,7 +322,7 @@ def _arrays(path, option, want_labels, label_column):
             raise
         except Exception as err:
             raise DataError(f"{option} {path}: cannot read it as .npz "
-                            f"({_first_line(err)})") from None
+                            f"({first_line(err, 160)})") from None
     raise DataError(f"{option} {path}: unknown kind of file {ext or '(no extension)'!r}; use "
                     f".npz (x, y), X.npy,Y.npy or .csv")
 
@@ -341,21 +343,16 @@ def _npy(path, option):
     except ValueError as err:
         if "allow_pickle" in str(err):
             raise DataError(f"{option} {path}: holds Python objects, not numbers") from None
-        raise DataError(f"{option} {path}: cannot read it as .npy ({_first_line(err)})") \
-            from None
+        raise DataError(f"{option} {path}: cannot read it as .npy "
+                        f"({first_line(err, 160)})") from None
     except Exception as err:
-        raise DataError(f"{option} {path}: cannot read it as .npy ({_first_line(err)})") \
-            from None
+        raise DataError(f"{option} {path}: cannot read it as .npy "
+                        f"({first_line(err, 160)})") from None
 
 
 def _real(dtype):
     return np.issubdtype(dtype, np.integer) or np.issubdtype(dtype, np.floating) or \
         dtype == np.bool_
-
-
-def _first_line(err):
-    text = str(err).strip()
-    return text.splitlines()[0][:160] if text else type(err).__name__
 
 
 def read_table(path, option="--data", labels=True, label_column=None):

@@ -11,6 +11,8 @@ import time
 
 import torch
 
+from ._text import first_line
+
 __all__ = ["init_process_group", "JoinError", "Heartbeat", "is_dist_failure", "shutdown",
            "attempt_namespace", "shared_store_warning", "wait_for_store", "first_line"]
 
@@ -180,10 +182,6 @@ class Heartbeat:
         self.store = None
 
 
-def first_line(err):
-    """err's message, its first line (at most 200 characters), or its type's name."""
-    text = str(err).strip()
-    return text.splitlines()[0][:200] if text else type(err).__name__
 
 
 def is_dist_failure(err):

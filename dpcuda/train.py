@@ -120,7 +120,7 @@ def build_model(features, hidden, classes, activation, fused, seed):
 
 
 # ---------------------------------------------------------------------------------------------
-# checkpoints
+# the data and the model it sizes
 
 def load_data(cfg):
     """The data set cfg names (dpcuda.data.load)."""
