@@ -186,6 +186,12 @@ def main(argv=None):
     if not cuda:
         wanted = [c for c in wanted if c not in CUDA_ONLY]
     rows = []
+
+    def save(rows):
+        write_json(args.json, {"benchmark": "step", "steps_per_sync": per,
+                               "repeats": repeats, "environment": environment(device),
+                               "results": rows,
+                               "not_run": [c for c in CONTENDERS if c not in wanted]})
     print(f"{'shape':>16}{'batch':>6}{'opt':>6}{'R':>3}{'method':>20}{'ms/step':>10}"
           f"{'latency':>10}{'eager/this':>11}")
     for dims, batch in parse_shapes(args.shapes):
@@ -229,9 +235,9 @@ def main(argv=None):
                     print(f"{'-'.join(map(str, dims)):>16}{batch:>6}{opt_name:>6}{R:>3}"
                           f"{name:>20}{ms:>10.3f}{latency:>10.3f}"
                           f"{ratio if ratio else float('nan'):>11.2f}", flush=True)
-    write_json(args.json, {"benchmark": "step", "steps_per_sync": per, "repeats": repeats,
-                           "environment": environment(device), "results": rows,
-                           "not_run": [c for c in CONTENDERS if c not in wanted]})
+                # written after every row group, so a run stopped at its time limit keeps them
+                save(rows)
+    save(rows)
 
 
 if __name__ == "__main__":

@@ -9,8 +9,10 @@
 #   check     tests/test_cuda_step.py, and benchmarks/count_launches.py (kernels, syncs per step)
 #   sanitize  compute-sanitizer memcheck, racecheck and synccheck over the CUDA tests
 #   graphs    the graphed step first (issue #25): its CUDA tests (graphed against eager, 1000
-#             replays with a changing lr; steps from two streams), memcheck, racecheck and
-#             synccheck over the graph replays, and bench_step's graphed contenders
+#             replays with a changing lr; steps from two streams)
+#   launches  benchmarks/count_launches.py alone
+#   graphsan  memcheck, racecheck and synccheck over the graph replays
+#   stepbench bench_step with its graphed contenders (BENCH_STEP_ARGS narrows it)
 #   bench     the layer, step and all-reduce benchmarks on cuda
 #   train     the README's main job on the GPU: 1 replica, 2 on one GPU, NCCL under torchrun
 #   exc       does a C++ argument check raise a Python ValueError there (GDB=1: a backtrace)
@@ -60,12 +62,17 @@ sanitize)  # compute-sanitizer: memcheck and racecheck over the CUDA step tests,
     log "$tool"; timeout ${SAN_TIMEOUT:-130} compute-sanitizer --tool $tool --error-exitcode 9 $PY -m pytest -q -p no:cacheprovider -k "float64 or faults or torch_sgd" tests/test_cuda_step.py 2>&1 | tail -4; echo "$tool rc=${PIPESTATUS[0]}"
   done
   log "synccheck"; timeout ${SAN_TIMEOUT:-130} compute-sanitizer --tool synccheck --error-exitcode 9 $PY -m pytest -q -p no:cacheprovider -x -k "cuda and not 1048576" tests/test_cross_entropy.py tests/test_parallel.py 2>&1 | tail -4; echo "synccheck rc=${PIPESTATUS[0]}" ;;
-graphs)  # DataParallel(graphs=True): what the CPU could not check
-  log "graphed tests"; timeout 300 $PY -m pytest -q -p no:cacheprovider -k "graphed or two_streams or nonblocking_optimizer" tests/test_cuda_step.py 2>&1 | tail -5
+graphs)  # DataParallel(graphs=True): what the CPU could not check: its CUDA tests
+  log "graphed tests"; timeout ${GRAPH_TIMEOUT:-300} $PY -m pytest -v -p no:cacheprovider -rfE -k "graphed or two_streams or nonblocking_optimizer" tests/test_cuda_step.py >"$OUT/graphs.log" 2>&1
+  log "graphed tests rc=$?"; grep -E "(FAILED|ERROR) " "$OUT/graphs.log" | head -20; tail -3 "$OUT/graphs.log" ;;
+launches)  # kernels, graph launches and syncs per step
+  log "count_launches"; timeout ${LAUNCH_TIMEOUT:-120} $PY benchmarks/count_launches.py --json "$OUT/res/launches.json" 2>&1 | grep -v Warn | tail -14 ;;
+graphsan)  # memcheck, racecheck and synccheck over the graph replays
   for tool in memcheck racecheck synccheck; do
-    log "$tool over graph replays"; timeout ${SAN_TIMEOUT:-300} compute-sanitizer --tool $tool --error-exitcode 9 $PY -m pytest -q -p no:cacheprovider -k "graphed and AdamW and 1" tests/test_cuda_step.py 2>&1 | tail -4; echo "$tool rc=${PIPESTATUS[0]}"
-  done
-  log "bench_step"; timeout ${BENCH_TIMEOUT:-500} $PY benchmarks/bench_step.py --device cuda --json "$OUT/res/step-sync-cuda.json" >"$OUT/res/step-sync-cuda.txt" 2>&1; echo "rc=$?"; tail -40 "$OUT/res/step-sync-cuda.txt" ;;
+    log "$tool over graph replays"; timeout ${SAN_TIMEOUT:-300} compute-sanitizer --tool $tool --error-exitcode 9 $PY -m pytest -q -p no:cacheprovider -k "graphed and AdamW and 1" tests/test_cuda_step.py >"$OUT/res/$tool-graphs.txt" 2>&1; echo "$tool rc=$?"; tail -4 "$OUT/res/$tool-graphs.txt"
+  done ;;
+stepbench)  # bench_step with every contender, the graphed ones among them (BENCH_STEP_ARGS narrows it)
+  log "bench_step"; timeout ${BENCH_TIMEOUT:-500} $PY benchmarks/bench_step.py --device cuda --json "$OUT/res/step-sync-cuda.json" ${BENCH_STEP_ARGS:-} >"$OUT/res/step-sync-cuda.txt" 2>&1; echo "rc=$?"; tail -40 "$OUT/res/step-sync-cuda.txt" ;;
 train)  # the README's main job on the GPU: 1 replica, 2 replicas on it, and NCCL under torchrun
   log "train cuda:0"; timeout 150 $PY -m dpcuda train --no-progress --json "$OUT/res/train-cuda.json" 2>&1 | tail -4
   log "train 2 replicas on cuda:0"; timeout 150 $PY -m dpcuda train --no-progress --replicas 2 --json "$OUT/res/train-cuda-r2.json" 2>&1 | tail -3
