@@ -76,8 +76,14 @@ def torch_compiled(dims, opt_name, lr, x, y, device, mode):
     model = plain_mlp(dims).to(device)
     opt = torch_optimizer(opt_name, model.parameters(), lr, foreach=True)
     compiled = torch.compile(model, mode=mode)
+    # reduce-overhead graphs the model; the optimizer's step is compiled in the default mode
+    # after one eager step has made its state: graphed, the state it makes on its first call
+    # would be a graph output that the next replay overwrites.
+    if mode == "reduce-overhead":
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
 
-    @torch.compile(mode=mode)
+    @torch.compile(mode="default" if mode == "reduce-overhead" else mode)
     def opt_step():
         opt.step()
 
@@ -116,6 +122,9 @@ def torch_cuda_graph(dims, opt_name, lr, x, y, device):
         static_x.copy_(x)
         static_y.copy_(y)
         graph.replay()
+    # The replays write the parameters and the optimizer's state in place: they must live as
+    # long as the graph (freed, their memory would be handed to whatever is allocated next).
+    step.keep = (model, opt)
     return step
 
 
@@ -188,11 +197,27 @@ def main(argv=None):
     if not cuda:
         wanted = [c for c in wanted if c not in CUDA_ONLY]
     rows = []
+    failed = {}  # "contender shape batch optimizer replicas": the error that dropped it
+
+    def tried(name, dims, opt_name, x, y, device, R):
+        """The contender's step function after one trial step, or None (its error kept in
+        the JSON's "failed"): one contender that fails does not end the others' run."""
+        try:
+            fn = make(name, dims, opt_name, x, y, device, R)
+            fn()
+            if getattr(fn, "finish", None) is not None:
+                fn.finish()
+            return fn
+        except Exception as err:  # (whatever the contender raised, reported, not hidden)
+            where = f"{name} {'-'.join(map(str, dims))} {x.shape[0]} {opt_name} {R}"
+            failed[where] = f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"
+            print(f"FAILED {where}: {failed[where]}", flush=True)
+            return None
 
     def save(rows):
         write_json(args.json, {"benchmark": "step", "steps_per_sync": per,
                                "repeats": repeats, "environment": environment(device),
-                               "results": rows,
+                               "results": rows, "failed": failed,
                                "not_run": [c for c in CONTENDERS if c not in wanted]})
     print(f"{'shape':>16}{'batch':>6}{'opt':>6}{'R':>3}{'method':>20}{'ms/step':>10}"
           f"{'latency':>10}{'eager/this':>11}")
@@ -208,11 +233,14 @@ def main(argv=None):
                     if name.startswith("torch") and (name == "torch eager" or R == 1):
                         if name == "torch eager fused" and opt_name != "adamw":
                             continue
-                        fns[name] = single.get(name) or make(name, dims, opt_name, x, y,
-                                                             device, 1)
-                        single[name] = fns[name]
+                        fn = single.get(name) or tried(name, dims, opt_name, x, y, device, 1)
+                        single[name] = fn
                     elif name.startswith("dpcuda"):
-                        fns[name] = make(name, dims, opt_name, x, y, device, R)
+                        fn = tried(name, dims, opt_name, x, y, device, R)
+                    else:
+                        continue
+                    if fn is not None:
+                        fns[name] = fn
 
                 def burst(fn):
                     def run():

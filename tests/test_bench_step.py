@@ -26,6 +26,7 @@ def test_bench_step_runs_every_cpu_contender(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     payload = json.loads(out.read_text())
     assert payload["steps_per_sync"] == 3
+    assert payload["failed"] == {}
     assert sorted(payload["not_run"]) == ["dpcuda graphed", "torch cuda graph",
                                           "torch.compile r-o"]
     rows = payload["results"]
@@ -46,3 +47,23 @@ def test_bench_step_refuses_what_it_cannot_run(tmp_path):
     assert proc.returncode == 2 and "unknown contenders" in proc.stderr
     proc, _ = run(tmp_path, "--steps-per-sync", "0")
     assert proc.returncode == 2 and "--steps-per-sync must be at least 1" in proc.stderr
+
+
+def test_bench_step_reports_a_failing_contender_and_runs_the_others(tmp_path, monkeypatch):
+    # (on the H100, 2026-11-27, one contender's error ended the whole run and its JSON)
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import bench_step
+
+    def broken(*args, **kwargs):
+        def step():
+            raise RuntimeError("boom at the first step")
+        return step
+    monkeypatch.setattr(bench_step, "torch_compiled", broken)
+    out = tmp_path / "step.json"
+    bench_step.main(["--device", "cpu", "--shapes", "16-8-4:8", "--replicas", "1",
+                     "--optimizers", "sgd", "--contenders", "torch eager,torch.compile",
+                     "--steps-per-sync", "2", "--repeats", "2", "--json", str(out)])
+    payload = json.loads(out.read_text())
+    assert payload["failed"] == {"torch.compile 16-8-4 8 sgd 1":
+                                 "RuntimeError: boom at the first step"}
+    assert [r["method"] for r in payload["results"]] == ["torch eager"]
