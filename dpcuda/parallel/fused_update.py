@@ -18,8 +18,9 @@ NaN/Inf) counts no step, with no host read.
 """
 
 import torch
+from torch.optim.optimizer import _global_optimizer_pre_hooks  # (a dict torch fills in place)
 
-from ..optim import _FIRST, _FLAGS, _HYPER, _STEP
+from ..optim import _FIRST, _FLAGS, _HYPER, _STEP, _FusedOptimizer
 
 
 def shard_range(n, replicas, k, align):
@@ -214,9 +215,6 @@ class FusedUpdate:
         state in every group, the replicas on one device, every parameter with a gradient and
         the step counts of each group alike. Otherwise the step reduces and then calls
         opt.step() (as exact, slower)."""
-        from torch.optim.optimizer import _global_optimizer_pre_hooks
-
-        from ..optim import _FusedOptimizer
         if not isinstance(opt, _FusedOptimizer) or unused or opt._optimizer_step_pre_hooks \
                 or _global_optimizer_pre_hooks:
             return False

@@ -28,8 +28,10 @@ import collections
 import warnings
 
 import torch
+from torch.nn.modules import module as _module
 
 from .pending import PendingStep
+from .step import summed_loss
 
 WARMUP = 3        # eager steps of a shape before it is captured
 RING = 16         # the device ring's steps: the host reads the records every RING steps
@@ -155,18 +157,25 @@ class GraphedSteps:
 
     @staticmethod
     def _hooked(module):
+        """A module with hooks of its own (the loss: the model's are read by its walk)."""
         return any(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or
-                   getattr(m, "_backward_pre_hooks", None) for m in module.modules()) or \
-            any(p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks", None)
-                for p in module.parameters())
+                   m._backward_pre_hooks for m in module.modules()) or \
+            any(p._backward_hooks or p._post_accumulate_grad_hooks for p in module.parameters())
 
-    def _why_not(self, dp, targets, loss_fn, summed):
-        """Why this step cannot be replayed from a graph (None: it can)."""
+    @staticmethod
+    def _global_hooks():
+        m = _module
+        return bool(m._global_forward_hooks or m._global_forward_pre_hooks or
+                    m._global_backward_hooks or m._global_backward_pre_hooks)
+
+    def _why_not(self, dp, targets, loss_fn, summed, hooked):
+        """Why this step cannot be replayed from a graph (None: it can). hooked: the model's
+        walk found a hook."""
         if summed is None:
             return (f"the loss {type(loss_fn).__name__} is computed on the gathered output "
                     f"(graphs replay the per-replica cross-entropy losses)")
-        if self._hooked(dp.module) or (isinstance(loss_fn, torch.nn.Module) and
-                                       self._hooked(loss_fn)):
+        if hooked or self._global_hooks() or (isinstance(loss_fn, torch.nn.Module) and
+                                              self._hooked(loss_fn)):
             return "Python hooks on the model or the loss would run at the capture only"
         kind = dp._replicas[0].device.type
         half = dp._replicas[0].flat_grad.dtype == torch.float16 or (
@@ -175,7 +184,7 @@ class GraphedSteps:
             return "float16 gradients count their labels on the host"
         return None
 
-    def _key(self, dp, inputs, targets, loss_fn, optimizer, accumulate):
+    def _key(self, dp, inputs, targets, loss_fn, optimizer, accumulate, training):
         settings = tuple(getattr(loss_fn, k, None) for k in
                          ("reduction", "label_smoothing", "ignore_index"))
         if optimizer is None:
@@ -188,32 +197,34 @@ class GraphedSteps:
         shape = (tuple(inputs.shape), inputs.dtype, inputs.device, tuple(targets.shape),
                  targets.dtype, targets.device, dp._set.generation, dp._set._structure)
         return shape, shape + (type(loss_fn), id(loss_fn) if not isinstance(
-            loss_fn, torch.nn.Module) else None, settings, update, accumulate,
-            tuple(m.training for m in dp.module.modules()), torch.is_autocast_enabled(kind),
-            dp.algorithm, torch.is_grad_enabled(), tuple(weights) if weights else None)
+            loss_fn, torch.nn.Module) else None, settings, update, accumulate, training,
+            torch.is_autocast_enabled(kind), dp.algorithm, torch.is_grad_enabled(),
+            tuple(weights) if weights else None)
 
     # -- the step --------------------------------------------------------------------------
 
-    def step(self, dp, inputs, targets, loss_fn, optimizer, accumulate):
-        from .step import summed_loss
+    def step(self, dp, inputs, targets, loss_fn, optimizer, accumulate, walk=None):
+        """walk: the model's walk (ReplicaSet.walk) that DataParallel.step made for this step,
+        or None to make it here."""
         if dp.blocking or not isinstance(inputs, torch.Tensor) or \
                 not isinstance(targets, torch.Tensor):
             return self._eager(dp, inputs, targets, loss_fn, optimizer, accumulate)
+        # The structure the key names, its hooks and training flags, in one walk without the
+        # weight copies (the graph makes them).
+        params, _, structure, (hooked, training) = walk or dp._set.walk()
         summed = summed_loss(loss_fn, targets)
-        reason = self._why_not(dp, targets, loss_fn, summed)
+        reason = self._why_not(dp, targets, loss_fn, summed, hooked)
         if reason is not None:
             if reason not in self.warned:
                 self.warned.add(reason)
                 warnings.warn(f"dpcuda DataParallel(graphs=True): this step runs eagerly: "
                               f"{reason}", RuntimeWarning, stacklevel=3)
             return self._eager(dp, inputs, targets, loss_fn, optimizer, accumulate)
-        # The structure the key names, read without the weight copies (the graph makes them):
-        # a changed model is built again first.
-        params, _, structure = dp._set._read_structure()
+        # A changed model is built again first.
         if structure != dp._set._structure or \
                 [p.data_ptr() for p in params] != dp._set._pointers:
             dp._sync()
-        shape, key = self._key(dp, inputs, targets, loss_fn, optimizer, accumulate)
+        shape, key = self._key(dp, inputs, targets, loss_fn, optimizer, accumulate, training)
         graph = self.graphs.get(key)
         if graph is not None and optimizer is not None:
             fused = dp._fused_update

@@ -297,7 +297,16 @@ class ReplicaSet:
         """The model's parameters and buffers (in model.parameters() and model.buffers()
         order) and the key of its structure, in one walk over its modules (preorder, as
         named_modules walks them), which also refuses what cannot be made exact."""
+        params, buffers, key, _ = self.walk()
+        return params, buffers, key
+
+    def walk(self):
+        """_read_structure's walk, with what a graphed step checks at every step in the same
+        pass: (params, buffers, key, (hooked, training)). hooked: whether a module of the
+        model has a forward or backward hook or a parameter a gradient hook; training: every
+        module's training flag, in the walk's order."""
         params, buffers, key, seen = [], [], [], set()
+        hooked, training = False, []
         replicas = len(self.devices)
         stack = [self.model]
         while stack:
@@ -306,6 +315,9 @@ class ReplicaSet:
                 continue
             seen.add(id(m))
             key += (id(m), type(m))
+            training.append(m.training)
+            hooked = hooked or bool(m._forward_hooks or m._forward_pre_hooks or
+                                    m._backward_hooks or m._backward_pre_hooks)
             if isinstance(m, (nn.Embedding, nn.EmbeddingBag)):
                 _refuse(self._module_name(m), m, replicas)
             for p in m._parameters.values():
@@ -319,6 +331,7 @@ class ReplicaSet:
                     seen.add(id(p))
                     params.append(p)
                     key += (id(p), p.shape, p.requires_grad)
+                    hooked = hooked or bool(p._backward_hooks or p._post_accumulate_grad_hooks)
                     if replicas > 1 and (p._backward_hooks or p._post_accumulate_grad_hooks):
                         _refuse_hook(self._param_names()[id(p)], replicas)
             for b in m._buffers.values():
@@ -330,7 +343,7 @@ class ReplicaSet:
             stack.extend(reversed(children))
         # (a new dtype or device is new storage: sync() compares the data pointers too)
         key = tuple(key)
-        return params, buffers, key
+        return params, buffers, key, (hooked, tuple(training))
 
     def sync(self):
         """Brings every replica to the model's state (module docstring). Returns the replicas.

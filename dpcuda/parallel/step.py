@@ -129,11 +129,13 @@ class StepMixin(LabelChecks, PendingSteps, UpdateMixin):
         if not self._reduction.sync:
             raise RuntimeError("dpcuda DataParallel: step() inside no_sync(): a step applies "
                                "its update at once, with nothing to defer")
+        # A graphed step walks the model once for all its checks (graphed.py).
+        walk = self._set.walk() if self._graphed is not None else None
         if optimizer is not None:
-            self._check_optimizer(optimizer)
+            self._check_optimizer(optimizer, walk[0] if walk else None)
         streams = self._own_streams()
         if not streams:
-            return self._step_checked(inputs, targets, loss_fn, optimizer, accumulate)
+            return self._step_checked(inputs, targets, loss_fn, optimizer, accumulate, walk)
         # On CUDA the step runs on DataParallel's own stream of each device: ordered after the
         # work the caller queued before it (its batch) and after the previous step, whichever
         # stream or thread issued that; the caller's streams then wait for it, so whatever the
@@ -146,7 +148,8 @@ class StepMixin(LabelChecks, PendingSteps, UpdateMixin):
             with contextlib.ExitStack() as stack:
                 for d in reversed(list(streams)):  # (devices[0]'s last: the current device)
                     stack.enter_context(torch.cuda.stream(streams[d]))
-                result = self._step_checked(inputs, targets, loss_fn, optimizer, accumulate)
+                result = self._step_checked(inputs, targets, loss_fn, optimizer, accumulate,
+                                            walk)
         finally:
             for d, s in streams.items():
                 callers[d].wait_stream(s)
@@ -166,9 +169,10 @@ class StepMixin(LabelChecks, PendingSteps, UpdateMixin):
             self.__dict__["_streams"] = streams
         return streams
 
-    def _step_checked(self, inputs, targets, loss_fn, optimizer, accumulate):
+    def _step_checked(self, inputs, targets, loss_fn, optimizer, accumulate, walk=None):
         if self._graphed is not None:
-            return self._graphed.step(self, inputs, targets, loss_fn, optimizer, accumulate)
+            return self._graphed.step(self, inputs, targets, loss_fn, optimizer, accumulate,
+                                      walk)
         return self._step_eager(inputs, targets, loss_fn, optimizer, accumulate)
 
     def _step_eager(self, inputs, targets, loss_fn, optimizer, accumulate):
