@@ -67,3 +67,15 @@ def test_bench_step_reports_a_failing_contender_and_runs_the_others(tmp_path, mo
     assert payload["failed"] == {"torch.compile 16-8-4 8 sgd 1":
                                  "RuntimeError: boom at the first step"}
     assert [r["method"] for r in payload["results"]] == ["torch eager"]
+
+
+def test_bench_host_runs_and_times_the_graphed_steps_host_part(tmp_path):
+    out = tmp_path / "host.json"
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_host.py"),
+                           "--optimizers", "adamw", "--steps", "5", "--rounds", "2",
+                           "--json", str(out)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = json.loads(out.read_text())["results"]
+    assert [r["method"] for r in rows] == ["torch eager", "dpcuda blocking",
+                                           "dpcuda nonblocking", "dpcuda graphed host"]
+    assert all(r["us_per_step"] > 0 for r in rows)

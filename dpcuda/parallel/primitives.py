@@ -218,8 +218,9 @@ def _run_all(fns, devices, concurrent=False, on_error=None):
     threaded = len(fns) > 1 and (concurrent or len(set(devices)) == len(devices))
     # What a worker thread does not inherit and torch.nn.parallel.parallel_apply carries over:
     # grad mode, autocast (per device type) and, per CUDA device, the caller's current stream.
-    grad_enabled = torch.is_grad_enabled()
-    kinds = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    # (read only for threads: on this thread they hold as they are)
+    grad_enabled = torch.is_grad_enabled() if threaded else None
+    kinds = (["cpu"] + (["cuda"] if torch.cuda.is_available() else [])) if threaded else []
     autocast = {k: (torch.is_autocast_enabled(k), torch.get_autocast_dtype(k)) for k in kinds}
     streams = [torch.cuda.current_stream(d) if d.type == "cuda" else None for d in devices]
 

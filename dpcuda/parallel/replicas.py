@@ -265,6 +265,10 @@ def _replicate_tree(model, pmap, bmap):
 class ReplicaSet:
     """The replicas of model on devices (devices[0] is the model's)."""
 
+    # DataParallel.step's walk of the model (walk()), which the step's first sync reads
+    # instead of walking again; None outside a step.
+    step_walk = None
+
     def __init__(self, model, devices, record=0, before_build=None):
         self.model = model
         self._before_build = before_build
@@ -297,7 +301,7 @@ class ReplicaSet:
         """The model's parameters and buffers (in model.parameters() and model.buffers()
         order) and the key of its structure, in one walk over its modules (preorder, as
         named_modules walks them), which also refuses what cannot be made exact."""
-        params, buffers, key, _ = self.walk()
+        params, buffers, key, _ = self.step_walk or self.walk()
         return params, buffers, key
 
     def walk(self):

@@ -129,10 +129,18 @@ class StepMixin(LabelChecks, PendingSteps, UpdateMixin):
         if not self._reduction.sync:
             raise RuntimeError("dpcuda DataParallel: step() inside no_sync(): a step applies "
                                "its update at once, with nothing to defer")
-        # A graphed step walks the model once for all its checks (graphed.py).
-        walk = self._set.walk() if self._graphed is not None else None
+        # One walk over the model for the step's checks and its first sync (no user code runs
+        # in between); a graphed step's checks read it too (graphed.py).
+        walk = self._set.walk()
+        self._set.step_walk = walk
+        try:
+            return self._step_on_streams(inputs, targets, loss_fn, optimizer, accumulate, walk)
+        finally:
+            self._set.step_walk = None
+
+    def _step_on_streams(self, inputs, targets, loss_fn, optimizer, accumulate, walk):
         if optimizer is not None:
-            self._check_optimizer(optimizer, walk[0] if walk else None)
+            self._check_optimizer(optimizer, walk[0])
         streams = self._own_streams()
         if not streams:
             return self._step_checked(inputs, targets, loss_fn, optimizer, accumulate, walk)
@@ -177,6 +185,7 @@ class StepMixin(LabelChecks, PendingSteps, UpdateMixin):
 
     def _step_eager(self, inputs, targets, loss_fn, optimizer, accumulate):
         self._sync()
+        self._set.step_walk = None  # (what the step's own code runs next may change the model)
         # A step that raises leaves the buffers (batch-norm statistics) as they were, as it
         # leaves the weights.
         saved = [[b.clone() for b in bs] for bs in self._replica_buffers] if self._replica_buffers[0] else None
