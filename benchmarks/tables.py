@@ -191,10 +191,18 @@ def sweep_full(name):
                   "bfloat16: min-max (geomean), cells < 1"], rows)
 
 
-def step_sync():
-    results = load("step-sync-cpu-2026-11-25.json")["results"]
-    columns = [(1, "dpcuda blocking"), (1, "dpcuda nonblocking"), (2, "dpcuda blocking"),
-               (4, "dpcuda blocking"), (1, "torch.compile"), (1, "torch eager fused")]
+STEP_SYNC_CPU = ([(1, "dpcuda blocking"), (1, "dpcuda nonblocking"), (2, "dpcuda blocking"),
+                  (4, "dpcuda blocking"), (1, "torch.compile"), (1, "torch eager fused")],
+                 ["R=1 blocking", "R=1 non-blocking", "R=2", "R=4", "torch.compile",
+                  "torch fused"])
+STEP_SYNC_GPU = ([(1, "dpcuda blocking"), (1, "dpcuda nonblocking"), (2, "dpcuda blocking"),
+                  (2, "dpcuda nonblocking")],
+                 ["R=1 blocking", "R=1 non-blocking", "R=2 blocking", "R=2 non-blocking"])
+
+
+def step_sync(name="step-sync-cpu-2026-11-25.json", spec=STEP_SYNC_CPU):
+    results = load(name)["results"]
+    columns, headers = spec
     names = {"sgd": "SGD", "adamw": "AdamW"}
     rows = []
     for key in dict.fromkeys((r["shape"], r["batch"], r["optimizer"]) for r in results):
@@ -206,8 +214,35 @@ def step_sync():
                                                                              method)]
             cells.append(f2(found[0]["eager_over_this"]) if found else "")
         rows.append([shape, str(batch), names[opt]] + cells)
-    return table(["shape", "batch", "opt", "R=1 blocking", "R=1 non-blocking", "R=2", "R=4",
-                  "torch.compile", "torch fused"], rows)
+    return table(["shape", "batch", "opt"] + headers, rows)
+
+
+def host():
+    after = load("host-cpu-2026-11-27.json")["results"]
+    before = load("host-cpu-2026-11-27-before.json")["results"]
+    rows = []
+    for r in after:
+        b = pick(before, optimizer=r["optimizer"], method=r["method"])
+        rows.append([{"sgd": "SGD", "adamw": "AdamW"}[r["optimizer"]], r["method"],
+                     f1(b["us_per_step"]), f1(r["us_per_step"]), f2(b["torch_over_this"]),
+                     f2(r["torch_over_this"])])
+    return table(["opt", "step", "before: us per step", "now: us per step",
+                  "before: torch eager / this", "now: torch eager / this"], rows)
+
+
+def launches_graphed():
+    run = load("launches-h100-2026-11-27.json")
+    rows = []
+    for key in run:
+        if "graphs=True" not in key and key not in ("torch eager (foreach SGD)",
+                                                    "dpcuda 1 replica, blocking=False"):
+            continue
+        step = run[key]["per_step"]
+        rows.append([key, f"{step.get('kernel', 0):g}", f"{step.get('memcpy', 0):g}",
+                     f"{step.get('host calls', 0):g}", f"{step.get('graph launches', 0):g}",
+                     f"{run[key]['host_syncs']:g}"])
+    return table(["step", "kernels", "copies", "host calls", "graph launches",
+                  "host synchronisations"], rows)
 
 
 def step_cpu():
@@ -353,6 +388,10 @@ TABLES = {
     "sweep-full-cpu-2026-11-27.json": lambda: sweep_full("sweep-full-cpu-2026-11-27.json"),
     "sweep-full-cpu-2026-11-27b.json": lambda: sweep_full("sweep-full-cpu-2026-11-27b.json"),
     "step-sync-cpu-2026-11-25.json": step_sync,
+    "step-sync-h100-2026-11-27.json": lambda: step_sync("step-sync-h100-2026-11-27.json",
+                                                        STEP_SYNC_GPU),
+    "host-cpu-2026-11-27.json + host-cpu-2026-11-27-before.json": host,
+    "launches-h100-2026-11-27.json": launches_graphed,
     "step-cpu-2026-11-22.json": step_cpu,
     "optim-cpu-2026-11-24.json#update": optim_update,
     "optim-cpu-2026-11-24.json#reduce-update": optim_reduce_update,
