@@ -94,8 +94,13 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=15, help="(default: %(default)s)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
+    if args.rounds < 2 or args.steps < 1:
+        parser.error("--rounds must be at least 2 (the quartiles) and --steps at least 1")
     torch.set_num_threads(1)
+    # The CPU stand-in of the graph, and the labels counted by step_status as on a GPU (where
+    # the non-blocking and graphed steps never count them on the host).
     DataParallel._graph_backend = "closure"
+    DataParallel._count_on_device = True
     dims_text, _, batch = args.shape.partition(":")
     dims = [int(d) for d in dims_text.split("-")]
     gen = torch.Generator().manual_seed(0)

@@ -233,8 +233,9 @@ def main(argv=None):
                     if name.startswith("torch") and (name == "torch eager" or R == 1):
                         if name == "torch eager fused" and opt_name != "adamw":
                             continue
-                        fn = single.get(name) or tried(name, dims, opt_name, x, y, device, 1)
-                        single[name] = fn
+                        if name not in single:  # (one try per shape: it has no replicas)
+                            single[name] = tried(name, dims, opt_name, x, y, device, 1)
+                        fn = single[name]
                     elif name.startswith("dpcuda"):
                         fn = tried(name, dims, opt_name, x, y, device, R)
                     else:
@@ -249,9 +250,16 @@ def main(argv=None):
                         if getattr(fn, "finish", None) is not None:
                             fn.finish()  # (a non-blocking step's records read: its sync)
                     return run
-                bursts = compare_samples({n: burst(f) for n, f in fns.items()}, device,
-                                         warmup=1, repeats=repeats)
-                single_steps = compare_samples(fns, device, warmup=1, repeats=repeats)
+                try:
+                    bursts = compare_samples({n: burst(f) for n, f in fns.items()}, device,
+                                             warmup=1, repeats=repeats)
+                    single_steps = compare_samples(fns, device, warmup=1, repeats=repeats)
+                except Exception as err:  # (a contender failing after its trial step)
+                    where = f"{'-'.join(map(str, dims))} {batch} {opt_name} {R}"
+                    failed[f"timing {where}"] = \
+                        f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"
+                    print(f"FAILED timing {where}: {failed[f'timing {where}']}", flush=True)
+                    continue
                 med = lambda v: sorted(v)[len(v) // 2]  # noqa: E731
                 base = med(bursts["torch eager"]) / per if "torch eager" in bursts else None
                 for name in fns:

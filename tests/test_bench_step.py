@@ -79,3 +79,25 @@ def test_bench_host_runs_and_times_the_graphed_steps_host_part(tmp_path):
     assert [r["method"] for r in rows] == ["torch eager", "dpcuda blocking",
                                            "dpcuda nonblocking", "dpcuda graphed host"]
     assert all(r["us_per_step"] > 0 for r in rows)
+
+
+def test_bench_step_reports_a_contender_failing_in_its_timing(tmp_path, monkeypatch):
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import bench_step
+
+    def flaky(*args, **kwargs):
+        calls = []
+
+        def step():
+            calls.append(1)
+            if len(calls) > 1:  # (its trial step passes)
+                raise RuntimeError("boom later")
+        return step
+    monkeypatch.setattr(bench_step, "torch_compiled", flaky)
+    out = tmp_path / "step.json"
+    bench_step.main(["--device", "cpu", "--shapes", "16-8-4:8", "--replicas", "1",
+                     "--optimizers", "sgd,adamw", "--contenders", "torch eager,torch.compile",
+                     "--steps-per-sync", "2", "--repeats", "2", "--json", str(out)])
+    payload = json.loads(out.read_text())
+    assert payload["failed"] == {"timing 16-8-4 8 sgd 1": "RuntimeError: boom later",
+                                 "timing 16-8-4 8 adamw 1": "RuntimeError: boom later"}

@@ -488,3 +488,97 @@ def test_a_replayed_step_walks_the_model_once(closure, monkeypatch):
     for x, y in data[6:]:
         dp.step(x, y, SoftmaxCrossEntropyLoss(), optimizer=opt)
     assert len(walks) == 2 and module_walks == []
+
+
+@pytest.mark.parametrize("change", ["dropout p", "slope", "buffer storage", "forward",
+                                    "plain tensor attribute"])
+def test_what_a_graph_holds_from_its_capture_makes_a_new_graph(closure, monkeypatch, change):
+    # A captured graph keeps a module attribute's value (a dropout's p, a slope), a buffer's
+    # storage and the forward it ran: changed after the capture, the next step must capture
+    # again (the CPU stand-in re-runs the Python, so the count of captures is what shows it).
+    captures = collections.Counter()
+    original = graphed_module._ClosureGraph.capture
+
+    def counting(self, body):
+        captures["n"] += 1
+        return original(self, body)
+    monkeypatch.setattr(graphed_module._ClosureGraph, "capture", counting)
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(12, 16), torch.nn.Linear(16, 5)
+            self.act = torch.nn.LeakyReLU(0.1)
+            self.drop = torch.nn.Dropout(0.0)
+            self.bn = torch.nn.BatchNorm1d(16)
+            self.shift = torch.zeros(16)  # (a plain tensor attribute, not a buffer)
+
+        def forward(self, x):
+            return self.b(self.drop(self.act(self.bn(self.a(x)) + self.shift)))
+    torch.manual_seed(0)
+    model = Net()
+    dp = DataParallel(model, ["cpu"], graphs=True)
+    opt = dpcuda.optim.SGD(model.parameters(), lr=0.05)
+    data = batches(12)
+    for x, y in data[:6]:
+        dp.step(x, y, torch.nn.CrossEntropyLoss(), optimizer=opt)
+    assert captures["n"] == 1
+    if change == "dropout p":
+        model.drop.p = 0.5
+    elif change == "slope":
+        model.act.negative_slope = 0.3
+    elif change == "buffer storage":
+        model.bn.running_mean.data = model.bn.running_mean.clone()
+    elif change == "forward":
+        model.act.forward = lambda x: x * 2
+    else:
+        model.shift = torch.ones(16)
+    for x, y in data[6:]:
+        dp.step(x, y, torch.nn.CrossEntropyLoss(), optimizer=opt)
+    dp.synchronize()
+    assert captures["n"] == 2
+
+
+def test_a_copy_made_in_an_optimizer_hook_during_a_replay_follows_its_model(closure):
+    # (found by review: a walk kept on the replica set while the replay ran the optimizer's
+    # post-hooks went into copies made there; unfrozen later, the copy's layer got a wrong
+    # gradient, and a forward in the hook after a buffer swap used the old buffer)
+    import copy
+    x, y, xv = torch.randn(8, 12), torch.randint(0, 5, (8,)), torch.randn(8, 12)
+
+    def run(bn, hook_body):
+        torch.manual_seed(0)
+        layers = [torch.nn.Linear(12, 16)] + ([torch.nn.BatchNorm1d(16)] if bn else []) + \
+            [torch.nn.Tanh(), torch.nn.Linear(16, 5)]
+        model = torch.nn.Sequential(*layers)
+        if not bn:
+            model[0].weight.requires_grad_(False)
+        dp = DataParallel(model, ["cpu"] * 2, graphs=True)
+        opt = dpcuda.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+        out = {}
+        opt.register_step_post_hook(
+            lambda o, a, k: hook_body(dp, model, out) if dp.steps == 6 else None)
+        for _ in range(8):
+            dp.step(x, y, torch.nn.CrossEntropyLoss(), optimizer=opt)
+        dp.synchronize()
+        assert dp._graphed.graphs
+        return out
+
+    def snapshot(dp, model, out):
+        out["twin"] = copy.deepcopy(dp)
+
+    def swap_and_eval(dp, model, out):
+        model[1].running_mean = torch.full((16,), 3.0)
+        model.eval()
+        with torch.no_grad():
+            out["diff"] = (dp(xv) - model(xv)).abs().max().item()
+        model.train()
+
+    twin = run(False, snapshot)["twin"]
+    m = twin.module
+    twin(x)
+    m[0].weight.requires_grad_(True)
+    torch.nn.functional.cross_entropy(twin(x), y).backward()
+    want = torch.autograd.grad(torch.nn.functional.cross_entropy(m(x), y), m[0].weight)[0]
+    torch.testing.assert_close(m[0].weight.grad, want)
+    assert run(True, swap_and_eval)["diff"] < 1e-6

@@ -279,8 +279,10 @@ class DataParallel(nn.Module, StepMixin, DistStepMixin):
         other processes)."""
         return len(self.devices) > 1 or self.reducer == "dist"
 
-    def _sync(self):
-        self._set.sync()
+    def _sync(self, walk=None):
+        """The replicas brought to the model (ReplicaSet.sync; walk: a walk of the model made
+        since the caller's code last ran, or None)."""
+        self._set.sync(walk)
         if self.momentum:
             for r in self._set.replicas:
                 r.ensure_momentum()

@@ -177,7 +177,8 @@ class GraphedSteps:
                     f"(graphs replay the per-replica cross-entropy losses)")
         if hooked or self._global_hooks() or (isinstance(loss_fn, torch.nn.Module) and
                                               self._hooked(loss_fn)):
-            return "Python hooks on the model or the loss would run at the capture only"
+            return ("Python hooks on the model or the loss, or torch's global module hooks, "
+                    "would run at the capture only")
         kind = dp._replicas[0].device.type
         half = dp._replicas[0].flat_grad.dtype == torch.float16 or (
             torch.is_autocast_enabled(kind) and torch.get_autocast_dtype(kind) == torch.float16)
@@ -185,7 +186,9 @@ class GraphedSteps:
             return "float16 gradients count their labels on the host"
         return None
 
-    def _key(self, dp, inputs, targets, loss_fn, optimizer, accumulate, training):
+    def _key(self, dp, inputs, targets, loss_fn, optimizer, accumulate, state):
+        """(the shape's part, the whole key) of a step: what its graph holds as constants.
+        state: the walk's (ReplicaSet.walk) modules' attributes and buffers' storage."""
         settings = tuple(getattr(loss_fn, k, None) for k in
                          ("reduction", "label_smoothing", "ignore_index"))
         if optimizer is None:
@@ -198,7 +201,7 @@ class GraphedSteps:
         shape = (tuple(inputs.shape), inputs.dtype, inputs.device, tuple(targets.shape),
                  targets.dtype, targets.device, dp._set.generation, dp._set._structure)
         return shape, shape + (type(loss_fn), id(loss_fn) if not isinstance(
-            loss_fn, torch.nn.Module) else None, settings, update, accumulate, training,
+            loss_fn, torch.nn.Module) else None, settings, update, accumulate, state,
             torch.is_autocast_enabled(kind), dp.algorithm, torch.is_grad_enabled(),
             tuple(weights) if weights else None)
 
@@ -209,10 +212,10 @@ class GraphedSteps:
         or None to make it here."""
         if dp.blocking or not isinstance(inputs, torch.Tensor) or \
                 not isinstance(targets, torch.Tensor):
-            return self._eager(dp, inputs, targets, loss_fn, optimizer, accumulate)
+            return self._eager(dp, inputs, targets, loss_fn, optimizer, accumulate, walk)
         # The structure the key names, its hooks and training flags, in one walk without the
         # weight copies (the graph makes them).
-        params, _, structure, (hooked, training) = walk or dp._set.walk()
+        params, _, structure, (hooked, state) = walk or dp._set.walk()
         summed = summed_loss(loss_fn, targets)
         reason = self._why_not(dp, targets, loss_fn, summed, hooked)
         if reason is not None:
@@ -220,17 +223,17 @@ class GraphedSteps:
                 self.warned.add(reason)
                 warnings.warn(f"dpcuda DataParallel(graphs=True): this step runs eagerly: "
                               f"{reason}", RuntimeWarning, stacklevel=3)
-            return self._eager(dp, inputs, targets, loss_fn, optimizer, accumulate)
+            return self._eager(dp, inputs, targets, loss_fn, optimizer, accumulate, walk)
         # A changed model is built again first.
         if structure != dp._set._structure or \
                 [p.data_ptr() for p in params] != dp._set._pointers:
-            dp._sync()
-        shape, key = self._key(dp, inputs, targets, loss_fn, optimizer, accumulate, training)
+            dp._sync(walk)
+        shape, key = self._key(dp, inputs, targets, loss_fn, optimizer, accumulate, state)
         graph = self.graphs.get(key)
         if graph is not None and optimizer is not None:
             fused = dp._fused_update
             if not fused.ready(optimizer, dp._replicas, set(), dp._set.generation):
-                return self._eager(dp, inputs, targets, loss_fn, optimizer, accumulate)
+                return self._eager(dp, inputs, targets, loss_fn, optimizer, accumulate, walk)
             if fused._plan is not graph.plan:  # (a new plan: new state buffers)
                 del self.graphs[key]
                 graph = None
@@ -262,19 +265,19 @@ class GraphedSteps:
             self.seen[shape] += 1
             self.seen[key] += 1
             if key in self.eager_keys or self.seen[shape] <= WARMUP or self.seen[key] < 2:
-                return self._eager(dp, inputs, targets, loss_fn, optimizer, accumulate)
+                return self._eager(dp, inputs, targets, loss_fn, optimizer, accumulate, walk)
             graph = self._capture(dp, key, inputs, targets, loss_fn, summed, optimizer,
                                   accumulate)
             if graph is None:
-                return self._eager(dp, inputs, targets, loss_fn, optimizer, accumulate)
+                return self._eager(dp, inputs, targets, loss_fn, optimizer, accumulate, walk)
         self.graphs.move_to_end(key)
         return self._replay(dp, graph, inputs, targets, summed, optimizer)
 
-    def _eager(self, dp, inputs, targets, loss_fn, optimizer, accumulate):
+    def _eager(self, dp, inputs, targets, loss_fn, optimizer, accumulate, walk=None):
         # The ring's steps are read before an eager step's (the records in step order).
         if self.ring is not None:
             self.ring.flush(dp._pending)
-        return dp._step_eager(inputs, targets, loss_fn, optimizer, accumulate)
+        return dp._step_eager(inputs, targets, loss_fn, optimizer, accumulate, walk)
 
     def _capture(self, dp, key, inputs, targets, loss_fn, summed, optimizer, accumulate):
         device = dp._replicas[0].device

@@ -262,12 +262,12 @@ def _replicate_tree(model, pmap, bmap):
     return rep(model), memo
 
 
+# The attribute values a graphed step's key holds as they are (walk()); others by identity.
+_VALUES = (bool, int, float, str, type(None))
+
+
 class ReplicaSet:
     """The replicas of model on devices (devices[0] is the model's)."""
-
-    # DataParallel.step's walk of the model (walk()), which the step's first sync reads
-    # instead of walking again; None outside a step.
-    step_walk = None
 
     def __init__(self, model, devices, record=0, before_build=None):
         self.model = model
@@ -301,16 +301,19 @@ class ReplicaSet:
         """The model's parameters and buffers (in model.parameters() and model.buffers()
         order) and the key of its structure, in one walk over its modules (preorder, as
         named_modules walks them), which also refuses what cannot be made exact."""
-        params, buffers, key, _ = self.step_walk or self.walk()
+        params, buffers, key, _ = self.walk()
         return params, buffers, key
 
     def walk(self):
         """_read_structure's walk, with what a graphed step checks at every step in the same
-        pass: (params, buffers, key, (hooked, training)). hooked: whether a module of the
-        model has a forward or backward hook or a parameter a gradient hook; training: every
-        module's training flag, in the walk's order."""
+        pass: (params, buffers, key, (hooked, state)). hooked: whether a module of the model
+        has a forward or backward hook or a parameter a gradient hook. state: what a captured
+        graph holds as it was at the capture, in the walk's order: every module's public
+        attributes (its training flag, a dropout's p, a slope or an eps, as values; any other
+        object, a forward set on the instance among them, by identity) and every buffer's
+        storage."""
         params, buffers, key, seen = [], [], [], set()
-        hooked, training = False, []
+        hooked, state = False, []
         replicas = len(self.devices)
         stack = [self.model]
         while stack:
@@ -319,7 +322,8 @@ class ReplicaSet:
                 continue
             seen.add(id(m))
             key += (id(m), type(m))
-            training.append(m.training)
+            state += [v if type(v) in _VALUES else id(v) for k, v in m.__dict__.items()
+                      if k[0] != "_"]
             hooked = hooked or bool(m._forward_hooks or m._forward_pre_hooks or
                                     m._backward_hooks or m._backward_pre_hooks)
             if isinstance(m, (nn.Embedding, nn.EmbeddingBag)):
@@ -343,21 +347,24 @@ class ReplicaSet:
                     seen.add(id(b))
                     buffers.append(b)
                     key += (id(b), b.shape)
+                    state.append(b.data_ptr())
             children = [c for c in m._modules.values() if c is not None]
             stack.extend(reversed(children))
         # (a new dtype or device is new storage: sync() compares the data pointers too)
         key = tuple(key)
-        return params, buffers, key, (hooked, tuple(training))
+        return params, buffers, key, (hooked, tuple(state))
 
-    def sync(self):
+    def sync(self, walk=None):
         """Brings every replica to the model's state (module docstring). Returns the replicas.
         Runs outside inference mode (the buffers it makes and the versions it reads must be
-        those of normal tensors), whatever the caller's mode."""
+        those of normal tensors), whatever the caller's mode. walk: the model's walk (walk())
+        if the caller made one since any other code could change the model; else walked
+        here."""
         with torch.inference_mode(False), torch.no_grad():
-            return self._sync()
+            return self._sync(walk)
 
-    def _sync(self):
-        params, buffers, key = self._read_structure()
+    def _sync(self, walk=None):
+        params, buffers, key, _ = walk or self.walk()
         r0 = self.replicas[0] if self.replicas else None
         if key != self._structure or [p.data_ptr() for p in params] != self._pointers:
             self._build(params, buffers, key)

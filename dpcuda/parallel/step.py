@@ -129,16 +129,10 @@ class StepMixin(LabelChecks, PendingSteps, UpdateMixin):
         if not self._reduction.sync:
             raise RuntimeError("dpcuda DataParallel: step() inside no_sync(): a step applies "
                                "its update at once, with nothing to defer")
-        # One walk over the model for the step's checks and its first sync (no user code runs
-        # in between); a graphed step's checks read it too (graphed.py).
+        # One walk over the model for the step's checks and its first sync, handed down as an
+        # argument (no user code runs in between); a graphed step's checks read it too
+        # (graphed.py).
         walk = self._set.walk()
-        self._set.step_walk = walk
-        try:
-            return self._step_on_streams(inputs, targets, loss_fn, optimizer, accumulate, walk)
-        finally:
-            self._set.step_walk = None
-
-    def _step_on_streams(self, inputs, targets, loss_fn, optimizer, accumulate, walk):
         if optimizer is not None:
             self._check_optimizer(optimizer, walk[0])
         streams = self._own_streams()
@@ -181,11 +175,12 @@ class StepMixin(LabelChecks, PendingSteps, UpdateMixin):
         if self._graphed is not None:
             return self._graphed.step(self, inputs, targets, loss_fn, optimizer, accumulate,
                                       walk)
-        return self._step_eager(inputs, targets, loss_fn, optimizer, accumulate)
+        return self._step_eager(inputs, targets, loss_fn, optimizer, accumulate, walk)
 
-    def _step_eager(self, inputs, targets, loss_fn, optimizer, accumulate):
-        self._sync()
-        self._set.step_walk = None  # (what the step's own code runs next may change the model)
+    def _step_eager(self, inputs, targets, loss_fn, optimizer, accumulate, walk=None):
+        """walk: the step's walk of the model (ReplicaSet.walk), made since the caller's last
+        code ran; None: walked here."""
+        self._sync(walk)
         # A step that raises leaves the buffers (batch-norm statistics) as they were, as it
         # leaves the weights.
         saved = [[b.clone() for b in bs] for bs in self._replica_buffers] if self._replica_buffers[0] else None
