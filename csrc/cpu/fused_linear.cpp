@@ -49,6 +49,23 @@ DPCUDA_CPU_CLONES void forward_rows(T* __restrict__ out, T* __restrict__ pre,
   }
 }
 
+// pre_activation_forward's rows: z = pre + bias (written back only with a bias), out = act(z).
+template <typename T, Activation A, bool kBias>
+DPCUDA_CPU_CLONES void forward_rows_from_pre(T* __restrict__ out, T* __restrict__ pre,
+                                             const T* __restrict__ bias, int64_t row_begin,
+                                             int64_t row_end, int64_t cols) {
+  for (int64_t r = row_begin; r < row_end; ++r) {
+    T* __restrict__ row = out + r * cols;
+    T* __restrict__ pre_row = pre + r * cols;
+#pragma GCC ivdep
+    for (int64_t c = 0; c < cols; ++c) {
+      const T z = kBias ? pre_row[c] + bias[c] : pre_row[c];
+      if (kBias) pre_row[c] = z;
+      row[c] = activate<T>(A, z);
+    }
+  }
+}
+
 // grad_out * act'(saved) for one element (activation_backward_value, shared with the CUDA
 // kernel). relu's select of values loaded unconditionally vectorises: a conditional load
 // becomes a branch on the sign, a coin toss on real data, and its mispredictions cost several
@@ -114,6 +131,19 @@ void bias_activation_forward(T* out, T* pre, const T* bias, int64_t row_begin, i
       forward_rows<T, A, false, true>(out, pre, bias, row_begin, row_end, cols);
     } else {
       forward_rows<T, A, false, false>(out, pre, bias, row_begin, row_end, cols);
+    }
+  });
+}
+
+template <typename T>
+void pre_activation_forward(T* out, T* pre, const T* bias, int64_t row_begin, int64_t row_end,
+                            int64_t cols, Activation act) {
+  with_activation(act, [&](auto a) {
+    constexpr Activation A = decltype(a)::value;
+    if (bias) {
+      forward_rows_from_pre<T, A, true>(out, pre, bias, row_begin, row_end, cols);
+    } else {
+      forward_rows_from_pre<T, A, false>(out, pre, bias, row_begin, row_end, cols);
     }
   });
 }
@@ -211,6 +241,8 @@ void reduce_column_partials(const T* partials, int64_t chunks, int64_t cols, T* 
 #define DPCUDA_INSTANTIATE(T)                                                                  \
   template void bias_activation_forward<T>(T*, T*, const T*, int64_t, int64_t, int64_t,        \
                                            Activation);                                        \
+  template void pre_activation_forward<T>(T*, T*, const T*, int64_t, int64_t, int64_t,         \
+                                          Activation);                                         \
   template void activation_backward_rows<T>(const T*, const T*, T*, T*, int64_t, int64_t,      \
                                             int64_t, Activation, int64_t, int64_t);            \
   template void reduce_column_partials<T>(const T*, int64_t, int64_t, T*, int64_t, int64_t);

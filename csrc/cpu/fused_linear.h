@@ -16,6 +16,14 @@ template <typename T>
 void bias_activation_forward(T* out, T* pre, const T* bias, int64_t row_begin, int64_t row_end,
                              int64_t cols, Activation act);
 
+// The same for a layer that keeps its pre-activation, with the GEMM's result in `pre` instead:
+// rows [row_begin, row_end) of pre hold x @ W^T on entry; z = pre + bias is written back to pre
+// (bias may be null: pre is then read only), out = act(z). The bits of bias_activation_forward;
+// without a bias one stream fewer (no copy of z).
+template <typename T>
+void pre_activation_forward(T* out, T* pre, const T* bias, int64_t row_begin, int64_t row_end,
+                            int64_t cols, Activation act);
+
 // Rows [row_begin, row_end): g = grad_out * act'(saved), written to grad_pre unless it is null
 // (activation "none", where g is grad_out itself), and the column sums of g over these rows
 // written to bias_partial[0, cols) when it is not null. saved and grad_pre are row-major

@@ -126,15 +126,18 @@ std::tuple<Tensor, Tensor> full_forward_cpu(const Tensor& input, const Tensor& w
     return {aten_activation(z, act), keep_pre ? z : empty_like_options(z)};
   }
   // With an activation, the GEMM writes x @ W^T alone and our pass adds the bias as it applies
-  // the activation in place (keeping the pre-activation when the backward needs it): that saves
-  // addmm's broadcast copy of the bias into the output and its beta = 1 read. Without one, the
-  // bias goes into the GEMM, as nn.Linear does.
+  // the activation (keeping the pre-activation when the backward needs it): that saves addmm's
+  // broadcast copy of the bias into the output and its beta = 1 read. The GEMM writes into the
+  // output, which the pass rewrites in place; or, where the pre-activation is kept, into the
+  // pre-activation, which the pass reads (and adds the bias to), so that no pass copies it.
+  // Without an activation, the bias goes into the GEMM, as nn.Linear does.
   const bool has_bias = bias.has_value() && bias->defined();
   const Tensor x = as_matrix(input, s);
   const bool pass = act != Activation::kNone;
-  Tensor out = has_bias && !pass ? at::addmm(*bias, x, weight.t()) : at::mm(x, weight.t());
   const bool keep_pre = saved_for_backward(act) == Saved::kPreActivation;
-  Tensor pre = keep_pre ? at::empty_like(out) : empty_like_options(out);
+  Tensor gemm = has_bias && !pass ? at::addmm(*bias, x, weight.t()) : at::mm(x, weight.t());
+  Tensor out = keep_pre ? at::empty_like(gemm) : gemm;
+  Tensor pre = keep_pre ? gemm : empty_like_options(gemm);
   if (pass) {
     const Tensor b = has_bias ? bias->contiguous() : Tensor();
     const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, s.out_features));
@@ -143,8 +146,13 @@ std::tuple<Tensor, Tensor> full_forward_cpu(const Tensor& input, const Tensor& w
       scalar_t* pre_ptr = keep_pre ? pre.data_ptr<scalar_t>() : nullptr;
       const scalar_t* bias_ptr = has_bias ? b.data_ptr<scalar_t>() : nullptr;
       at::parallel_for(0, s.rows, grain, [&](int64_t begin, int64_t end) {
-        cpu::bias_activation_forward<scalar_t>(out_ptr, pre_ptr, bias_ptr, begin, end,
-                                               s.out_features, act);
+        if (keep_pre) {
+          cpu::pre_activation_forward<scalar_t>(out_ptr, pre_ptr, bias_ptr, begin, end,
+                                                s.out_features, act);
+        } else {
+          cpu::bias_activation_forward<scalar_t>(out_ptr, nullptr, bias_ptr, begin, end,
+                                                 s.out_features, act);
+        }
       });
     });
   }

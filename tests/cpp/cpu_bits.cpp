@@ -64,9 +64,15 @@ void layer(Hash& hash) {
       auto out = inputs<T>(rows * cols, 1 + a, spread);
       const auto bias = inputs<T>(cols, 100 + a, 1.0);
       std::vector<T> pre(rows * cols);
+      auto from_pre = out;  // (the GEMM's result in pre: pre_activation_forward)
+      std::vector<T> out2(rows * cols);
       cpu::bias_activation_forward<T>(out.data(), pre.data(), bias.data(), 0, rows, cols, act);
       hash.add(out);
       hash.add(pre);
+      cpu::pre_activation_forward<T>(out2.data(), from_pre.data(), bias.data(), 0, rows, cols,
+                                     act);
+      hash.add(out2);
+      hash.add(from_pre);
       const auto go = inputs<T>(rows * cols, 200 + a, 1.0);
       // dense, expanded (one value a row) and transposed upstream gradients
       const int64_t strides[3][2] = {{cols, 1}, {1, 0}, {1, rows}};

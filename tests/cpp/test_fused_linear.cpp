@@ -1,6 +1,7 @@
 // Tests of the CPU fused-linear kernels against formulas written out here independently:
 // forward values against the textbook definitions, derivatives against central differences.
 #include <cmath>
+#include <cstring>
 #include <random>
 #include <vector>
 
@@ -33,6 +34,19 @@ void test_forward(int64_t rows, int64_t cols, Activation act, std::mt19937& rng,
       CHECK_CLOSE(double(pre[r * cols + c]), z, tol);
       CHECK_CLOSE(double(out[r * cols + c]), activation_reference(act, z), tol);
     }
+  }
+  // The GEMM's result in pre instead (pre_activation_forward): the same bits, with a bias and
+  // without (then pre is read only: it keeps the GEMM's values).
+  for (const bool with_bias : {true, false}) {
+    std::vector<T> pre2 = gemm, out2(rows * cols, T(NAN)), want_out = gemm,
+                   want_pre(rows * cols, T(NAN));
+    const T* b = with_bias ? bias.data() : nullptr;
+    dpcuda::cpu::bias_activation_forward<T>(want_out.data(), want_pre.data(), b, 0, rows, cols,
+                                            act);
+    dpcuda::cpu::pre_activation_forward<T>(out2.data(), pre2.data(), b, 0, mid, cols, act);
+    dpcuda::cpu::pre_activation_forward<T>(out2.data(), pre2.data(), b, mid, rows, cols, act);
+    CHECK(std::memcmp(out2.data(), want_out.data(), out2.size() * sizeof(T)) == 0);
+    CHECK(std::memcmp(pre2.data(), want_pre.data(), pre2.size() * sizeof(T)) == 0);
   }
 }
 
