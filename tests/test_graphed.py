@@ -480,7 +480,7 @@ def test_a_replayed_step_walks_the_model_once(closure, monkeypatch):
         if not replaying[0]:
             log.append(item)
     monkeypatch.setattr(graphed_module._ClosureGraph, "replay", host)
-    monkeypatch.setattr(ReplicaSet, "walk", lambda self: seen(walks, 1) or walk(self))
+    monkeypatch.setattr(ReplicaSet, "walk", lambda self, *a: seen(walks, 1) or walk(self, *a))
     monkeypatch.setattr(torch.nn.Module, "parameters", lambda self, *a, **k: (
         seen(module_walks, self) if self is model else None) or parameters(self, *a, **k))
     monkeypatch.setattr(torch.nn.Module, "named_modules", lambda self, *a, **k: (

@@ -301,12 +301,13 @@ class ReplicaSet:
         """The model's parameters and buffers (in model.parameters() and model.buffers()
         order) and the key of its structure, in one walk over its modules (preorder, as
         named_modules walks them), which also refuses what cannot be made exact."""
-        params, buffers, key, _ = self.walk()
+        params, buffers, key, _ = self.walk(False)
         return params, buffers, key
 
-    def walk(self):
+    def walk(self, graphed=True):
         """_read_structure's walk, with what a graphed step checks at every step in the same
-        pass: (params, buffers, key, (hooked, state)). hooked: whether a module of the model
+        pass (graphed=False: not read, (False, ()) returned): (params, buffers, key, (hooked,
+        state)). hooked: whether a module of the model
         has a forward or backward hook or a parameter a gradient hook. state: what a captured
         graph holds as it was at the capture, in the walk's order: every module's public
         attributes (its training flag, a dropout's p, a slope or an eps, as values; any other
@@ -322,10 +323,11 @@ class ReplicaSet:
                 continue
             seen.add(id(m))
             key += (id(m), type(m))
-            state += [v if type(v) in _VALUES else id(v) for k, v in m.__dict__.items()
-                      if k[0] != "_"]
-            hooked = hooked or bool(m._forward_hooks or m._forward_pre_hooks or
-                                    m._backward_hooks or m._backward_pre_hooks)
+            if graphed:
+                state += [v if type(v) in _VALUES else id(v) for k, v in m.__dict__.items()
+                          if k[0] != "_"]
+            hooked = hooked or graphed and bool(m._forward_hooks or m._forward_pre_hooks or
+                                                m._backward_hooks or m._backward_pre_hooks)
             if isinstance(m, (nn.Embedding, nn.EmbeddingBag)):
                 _refuse(self._module_name(m), m, replicas)
             for p in m._parameters.values():
@@ -339,7 +341,8 @@ class ReplicaSet:
                     seen.add(id(p))
                     params.append(p)
                     key += (id(p), p.shape, p.requires_grad)
-                    hooked = hooked or bool(p._backward_hooks or p._post_accumulate_grad_hooks)
+                    hooked = hooked or graphed and bool(p._backward_hooks or
+                                                        p._post_accumulate_grad_hooks)
                     if replicas > 1 and (p._backward_hooks or p._post_accumulate_grad_hooks):
                         _refuse_hook(self._param_names()[id(p)], replicas)
             for b in m._buffers.values():
@@ -347,7 +350,8 @@ class ReplicaSet:
                     seen.add(id(b))
                     buffers.append(b)
                     key += (id(b), b.shape)
-                    state.append(b.data_ptr())
+                    if graphed:
+                        state.append(b.data_ptr())
             children = [c for c in m._modules.values() if c is not None]
             stack.extend(reversed(children))
         # (a new dtype or device is new storage: sync() compares the data pointers too)
@@ -364,7 +368,7 @@ class ReplicaSet:
             return self._sync(walk)
 
     def _sync(self, walk=None):
-        params, buffers, key, _ = walk or self.walk()
+        params, buffers, key, _ = walk or self.walk(False)
         r0 = self.replicas[0] if self.replicas else None
         if key != self._structure or [p.data_ptr() for p in params] != self._pointers:
             self._build(params, buffers, key)

@@ -132,7 +132,7 @@ class StepMixin(LabelChecks, PendingSteps, UpdateMixin):
         # One walk over the model for the step's checks and its first sync, handed down as an
         # argument (no user code runs in between); a graphed step's checks read it too
         # (graphed.py).
-        walk = self._set.walk()
+        walk = self._set.walk(self._graphed is not None)
         if optimizer is not None:
             self._check_optimizer(optimizer, walk[0])
         streams = self._own_streams()
