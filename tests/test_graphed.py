@@ -582,3 +582,80 @@ def test_a_copy_made_in_an_optimizer_hook_during_a_replay_follows_its_model(clos
     want = torch.autograd.grad(torch.nn.functional.cross_entropy(m(x), y), m[0].weight)[0]
     torch.testing.assert_close(m[0].weight.grad, want)
     assert run(True, swap_and_eval)["diff"] < 1e-6
+
+
+class _Keeps(torch.nn.Module):
+    """A model whose forward stores what it saw: equal values (a shape, a device) or a new
+    tensor at every step."""
+
+    def __init__(self, what):
+        super().__init__()
+        self.what = what
+        self.a, self.b = torch.nn.Linear(12, 16), torch.nn.Linear(16, 5)
+
+    def forward(self, x):
+        if self.what == "shape":
+            self.in_shape = x.shape
+        elif self.what == "device":
+            self.in_device = x.device
+        h = torch.tanh(self.a(x))
+        if self.what == "tensor":
+            self.last_hidden = h.detach()
+        return self.b(h)
+
+
+@pytest.mark.parametrize("what", ["shape", "device", "tensor"])
+def test_a_forward_that_stores_what_it_saw_is_replayed_or_warned_about(closure, monkeypatch,
+                                                                        what):
+    # (found by review: a new torch.Size at every step, keyed by identity, changed the key at
+    # every step and no step was ever replayed, silently)
+    replays = collections.Counter()
+    original = graphed_module._ClosureGraph.replay
+
+    def counting(self):
+        replays["n"] += 1
+        return original(self)
+    monkeypatch.setattr(graphed_module._ClosureGraph, "replay", counting)
+    results = []
+    for mode in ("nonblocking", "graphed"):
+        torch.manual_seed(0)
+        model = _Keeps(what)
+        kw = {"graphs": True} if mode == "graphed" else {"blocking": False}
+        dp = DataParallel(model, ["cpu"], **kw)
+        opt = dpcuda.optim.SGD(model.parameters(), lr=0.05)
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            for x, y in batches(20):
+                dp.step(x, y, torch.nn.CrossEntropyLoss(), optimizer=opt)
+            dp.synchronize()
+        said = [str(m.message) for m in w if "changes at every step" in str(m.message)]
+        results.append([p.detach().clone() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+    if what == "tensor":  # (new storage at most steps: eager, said once)
+        assert len(said) == 1
+    else:
+        assert said == [] and replays["n"] >= 14
+
+
+def test_a_graph_keeps_the_objects_its_key_names_by_identity(closure):
+    # An attribute keyed by identity stays alive while its graph lives: freed, its id could be
+    # given to a new object, which the old key would then stand for.
+    import gc
+    import weakref
+
+    class Config:
+        scale = 1.0
+    model = make(False)
+    model.cfg = Config()
+    dp = DataParallel(model, ["cpu"], graphs=True)
+    for x, y in batches(8):
+        dp.step(x, y, torch.nn.CrossEntropyLoss())
+    assert len(dp._graphed.graphs) == 1
+    ref = weakref.ref(model.cfg)
+    model.cfg = Config()
+    gc.collect()
+    assert ref() is not None
+    for x, y in batches(8):
+        dp.step(x, y, torch.nn.CrossEntropyLoss())
+    dp.synchronize()
+    assert len(dp._graphed.graphs) == 2

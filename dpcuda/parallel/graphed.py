@@ -13,11 +13,14 @@ post-hooks and the schedulers' bookkeeping).
 
 What the capture holds as constants makes a new graph when it changes: the shapes, dtypes and
 devices of the batch, the loss and its settings, the optimizer (its plan, max_grad_norm) or the
-wrapper's lr/momentum/weight_decay, accumulate, the model's structure and training flags,
-autocast. What a graph cannot replay falls back to the eager non-blocking step with one warning
-naming the reason: a loss computed on the gathered output, Python hooks on the model or the
-loss (they would run at capture only), float16 gradients (their labels are counted on the host),
-a capture the runtime refuses. DataParallel refuses at construction what never can be graphed.
+wrapper's lr/momentum/weight_decay, accumulate, the model's structure, its modules' public
+attributes (values; tensors by storage; other objects by identity, kept alive with the graph)
+and its buffers' storage, autocast. An object changed in place (a dict, a config object) is not
+seen: the graph replays what it captured. What a graph cannot replay falls back to the eager
+non-blocking step with one warning naming the reason: a loss computed on the gathered output,
+Python hooks on the model or the loss, or torch's global module hooks (they would run at capture
+only), float16 gradients (their labels are counted on the host), a capture the runtime refuses;
+a model whose attributes or buffers change at every step is warned about once. DataParallel refuses at construction what never can be graphed.
 
 Replicas on one CUDA device: one graph. The CPU has no graphs: there a test runs this module's
 logic with _ClosureGraph (capture keeps the body, replay runs it), which checks everything but
@@ -135,7 +138,8 @@ class _Ring:
 class _Graph:
     """One captured step: its static batch, the plan it updates, and the graph."""
 
-    def __init__(self, graph, static_x, static_y, plan, sink):
+    def __init__(self, objects, graph, static_x, static_y, plan, sink):
+        self.objects = list(objects)  # (their ids are in the key: none is freed and reused)
         self.graph, self.static_x, self.static_y, self.plan = graph, static_x, static_y, plan
         self.sink = sink
 
@@ -150,6 +154,8 @@ class GraphedSteps:
         self.eager_keys = set()  # keys whose capture failed: eager from then on
         self.sgd_changes = 0  # consecutive steps whose wrapper lr/momentum/weight_decay changed
         self.last_sgd = None  # the wrapper's (lr, momentum, weight_decay) at the last step
+        self.state_changes = 0  # consecutive steps whose model attributes or buffers changed
+        self.last_state = None
         self.warned = set()
         self.ring = None
         self.pool = None
@@ -213,9 +219,10 @@ class GraphedSteps:
         if dp.blocking or not isinstance(inputs, torch.Tensor) or \
                 not isinstance(targets, torch.Tensor):
             return self._eager(dp, inputs, targets, loss_fn, optimizer, accumulate, walk)
-        # The structure the key names, its hooks and training flags, in one walk without the
-        # weight copies (the graph makes them).
-        params, _, structure, (hooked, state) = walk or dp._set.walk()
+        # The structure the key names, its hooks and what a graph holds from its capture (the
+        # modules' attributes, the buffers' storage), in one walk without the weight copies
+        # (the graph makes them).
+        params, _, structure, (hooked, state, objects) = walk or dp._set.walk()
         summed = summed_loss(loss_fn, targets)
         reason = self._why_not(dp, targets, loss_fn, summed, hooked)
         if reason is not None:
@@ -229,6 +236,19 @@ class GraphedSteps:
                 [p.data_ptr() for p in params] != dp._set._pointers:
             dp._sync(walk)
         shape, key = self._key(dp, inputs, targets, loss_fn, optimizer, accumulate, state)
+        # A model whose attributes or buffers change at every step (a forward that keeps a new
+        # object, a buffer given new storage) is never replayed: said once.
+        self.state_changes = self.state_changes + 1 if (
+            self.last_state is not None and state != self.last_state) else 0
+        self.last_state = state
+        if self.state_changes == 3 and "state" not in self.warned:
+            self.warned.add("state")
+            warnings.warn(
+                "dpcuda DataParallel(graphs=True): a module attribute or a buffer of the model "
+                "changes at every step (a forward that stores a new object or tensor, a buffer "
+                "given new storage): each change runs the step eagerly, as a graph holds them "
+                "as they were at its capture; keep such values out of the module's attributes "
+                "(or in place)", RuntimeWarning, stacklevel=3)
         graph = self.graphs.get(key)
         if graph is not None and optimizer is not None:
             fused = dp._fused_update
@@ -258,16 +278,19 @@ class GraphedSteps:
         if graph is None:
             # Captured once the shape has run WARMUP eager steps and this key one of its own
             # (whatever a new code path sets up lazily is then set up outside the capture).
+            # (counted by hash: a key holds a value per module attribute and buffer)
             if len(self.seen) > SEEN_LIMIT:  # (keys seen once and never again: bounded)
-                self.seen = collections.Counter({k: self.seen[k] for k in self.graphs})
+                self.seen = collections.Counter({h: self.seen[h] for h in
+                                                 map(hash, self.graphs)})
             if len(self.eager_keys) > SEEN_LIMIT:
                 self.eager_keys.clear()
-            self.seen[shape] += 1
-            self.seen[key] += 1
-            if key in self.eager_keys or self.seen[shape] <= WARMUP or self.seen[key] < 2:
+            self.seen[hash(shape)] += 1
+            self.seen[hash(key)] += 1
+            if key in self.eager_keys or self.seen[hash(shape)] <= WARMUP or \
+                    self.seen[hash(key)] < 2:
                 return self._eager(dp, inputs, targets, loss_fn, optimizer, accumulate, walk)
             graph = self._capture(dp, key, inputs, targets, loss_fn, summed, optimizer,
-                                  accumulate)
+                                  accumulate, objects)
             if graph is None:
                 return self._eager(dp, inputs, targets, loss_fn, optimizer, accumulate, walk)
         self.graphs.move_to_end(key)
@@ -279,7 +302,10 @@ class GraphedSteps:
             self.ring.flush(dp._pending)
         return dp._step_eager(inputs, targets, loss_fn, optimizer, accumulate, walk)
 
-    def _capture(self, dp, key, inputs, targets, loss_fn, summed, optimizer, accumulate):
+    def _capture(self, dp, key, inputs, targets, loss_fn, summed, optimizer, accumulate,
+                 objects=()):
+        """The step captured for key (None: the runtime refused; eager from then on).
+        objects: what the key holds by identity, kept alive with the graph."""
         device = dp._replicas[0].device
         if self.ring is None or self.ring.records.shape[1] != len(dp._replicas):
             if self.ring is not None:
@@ -332,13 +358,13 @@ class GraphedSteps:
             return None
         finally:
             dp._optimizer = None
-        captured = _Graph(graph, static_x, static_y,
+        captured = _Graph(objects, graph, static_x, static_y,
                           dp._fused_update._plan if optimizer is not None else None, sink)
         self.graphs[key] = captured
         while len(self.graphs) > MAX_GRAPHS:
             # An evicted key warms up again before its next capture.
             evicted, _ = self.graphs.popitem(last=False)
-            self.seen.pop(evicted, None)
+            self.seen.pop(hash(evicted), None)
         return captured
 
     def _replay(self, dp, graph, inputs, targets, summed, optimizer):

@@ -262,8 +262,24 @@ def _replicate_tree(model, pmap, bmap):
     return rep(model), memo
 
 
-# The attribute values a graphed step's key holds as they are (walk()); others by identity.
-_VALUES = (bool, int, float, str, type(None))
+# The attribute values a graphed step's key holds as they are (walk()).
+_VALUES = (bool, int, float, str, type(None), torch.Size, torch.device, torch.dtype)
+
+
+def _attribute_key(v, objects):
+    """A module attribute as a graph's key holds it: a plain value (a tuple of them) as it is
+    (NaN as "nan", which equals itself); a tensor by its storage, dtype and shape; any other
+    object by its identity, the object kept in objects (the graph keeps them alive, so that a
+    freed object's id, given to a new one, cannot stand for it)."""
+    t = type(v)
+    if t in _VALUES:
+        return "nan" if t is float and v != v else v
+    if t is tuple and all(type(e) in _VALUES for e in v):
+        return tuple("nan" if type(e) is float and e != e else e for e in v)
+    if isinstance(v, torch.Tensor):
+        return (v.data_ptr(), v.dtype, tuple(v.shape))
+    objects.append(v)
+    return id(v)
 
 
 class ReplicaSet:
@@ -297,24 +313,21 @@ class ReplicaSet:
         for k, v in parked:
             self._parked[k] = v
 
-    def _read_structure(self):
+    def walk(self, graphed=True):
         """The model's parameters and buffers (in model.parameters() and model.buffers()
         order) and the key of its structure, in one walk over its modules (preorder, as
-        named_modules walks them), which also refuses what cannot be made exact."""
-        params, buffers, key, _ = self.walk(False)
-        return params, buffers, key
-
-    def walk(self, graphed=True):
-        """_read_structure's walk, with what a graphed step checks at every step in the same
-        pass (graphed=False: not read, (False, ()) returned): (params, buffers, key, (hooked,
-        state)). hooked: whether a module of the model
-        has a forward or backward hook or a parameter a gradient hook. state: what a captured
-        graph holds as it was at the capture, in the walk's order: every module's public
-        attributes (its training flag, a dropout's p, a slope or an eps, as values; any other
-        object, a forward set on the instance among them, by identity) and every buffer's
-        storage."""
+        named_modules walks them), which also refuses what cannot be made exact; with what a
+        graphed step checks at every step, in the same pass (graphed=False: not read, (False,
+        (), []) returned). Returns (params, buffers, key, (hooked, state, objects)). hooked:
+        whether a module of the model has a forward or backward hook or a parameter a gradient
+        hook. state: what a captured graph holds as it was at the capture, in the walk's
+        order: every module's public attributes (_attribute_key: its training flag, a dropout's
+        p, a slope or an eps by value, a tensor by its storage, any other object, a forward set
+        on the instance among them, by identity, kept in objects) and every buffer's storage.
+        An object changed in place (a dict, a config object) is not seen: the graph replays
+        what it captured."""
         params, buffers, key, seen = [], [], [], set()
-        hooked, state = False, []
+        hooked, state, objects = False, [], []
         replicas = len(self.devices)
         stack = [self.model]
         while stack:
@@ -324,8 +337,8 @@ class ReplicaSet:
             seen.add(id(m))
             key += (id(m), type(m))
             if graphed:
-                state += [v if type(v) in _VALUES else id(v) for k, v in m.__dict__.items()
-                          if k[0] != "_"]
+                state += [_attribute_key(v, objects) for k, v in m.__dict__.items()
+                          if k[:1] != "_"]
             hooked = hooked or graphed and bool(m._forward_hooks or m._forward_pre_hooks or
                                                 m._backward_hooks or m._backward_pre_hooks)
             if isinstance(m, (nn.Embedding, nn.EmbeddingBag)):
@@ -356,7 +369,7 @@ class ReplicaSet:
             stack.extend(reversed(children))
         # (a new dtype or device is new storage: sync() compares the data pointers too)
         key = tuple(key)
-        return params, buffers, key, (hooked, tuple(state))
+        return params, buffers, key, (hooked, tuple(state), objects)
 
     def sync(self, walk=None):
         """Brings every replica to the model's state (module docstring). Returns the replicas.

@@ -69,10 +69,14 @@ void layer(Hash& hash) {
       cpu::bias_activation_forward<T>(out.data(), pre.data(), bias.data(), 0, rows, cols, act);
       hash.add(out);
       hash.add(pre);
+      auto no_bias = from_pre;  // (the same, without a bias: pre read only)
       cpu::pre_activation_forward<T>(out2.data(), from_pre.data(), bias.data(), 0, rows, cols,
                                      act);
       hash.add(out2);
       hash.add(from_pre);
+      cpu::pre_activation_forward<T>(out2.data(), no_bias.data(), nullptr, 0, rows, cols, act);
+      hash.add(out2);
+      hash.add(no_bias);
       const auto go = inputs<T>(rows * cols, 200 + a, 1.0);
       // dense, expanded (one value a row) and transposed upstream gradients
       const int64_t strides[3][2] = {{cols, 1}, {1, 0}, {1, rows}};
