@@ -7,7 +7,6 @@ import os
 import subprocess
 import sys
 
-import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -49,24 +48,43 @@ def test_bench_step_refuses_what_it_cannot_run(tmp_path):
     assert proc.returncode == 2 and "--steps-per-sync must be at least 1" in proc.stderr
 
 
-def test_bench_step_reports_a_failing_contender_and_runs_the_others(tmp_path, monkeypatch):
-    # (on the H100, 2026-11-27, one contender's error ended the whole run and its JSON)
+def with_compile_contender(tmp_path, monkeypatch, fake, optimizers):
+    """bench_step.main in this process, its torch.compile contender replaced by fake (a factory
+    of step functions), against torch eager; returns its JSON."""
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     import bench_step
+    monkeypatch.setattr(bench_step, "torch_compiled", lambda *args, **kwargs: fake())
+    out = tmp_path / "step.json"
+    bench_step.main(["--device", "cpu", "--shapes", "16-8-4:8", "--replicas", "1",
+                     "--optimizers", optimizers, "--contenders", "torch eager,torch.compile",
+                     "--steps-per-sync", "2", "--repeats", "2", "--json", str(out)])
+    return json.loads(out.read_text())
 
-    def broken(*args, **kwargs):
+
+def test_bench_step_reports_a_failing_contender_and_runs_the_others(tmp_path, monkeypatch):
+    # (on the H100, 2026-11-27, one contender's error ended the whole run and its JSON)
+    def broken():
         def step():
             raise RuntimeError("boom at the first step")
         return step
-    monkeypatch.setattr(bench_step, "torch_compiled", broken)
-    out = tmp_path / "step.json"
-    bench_step.main(["--device", "cpu", "--shapes", "16-8-4:8", "--replicas", "1",
-                     "--optimizers", "sgd", "--contenders", "torch eager,torch.compile",
-                     "--steps-per-sync", "2", "--repeats", "2", "--json", str(out)])
-    payload = json.loads(out.read_text())
+    payload = with_compile_contender(tmp_path, monkeypatch, broken, "sgd")
     assert payload["failed"] == {"torch.compile 16-8-4 8 sgd 1":
                                  "RuntimeError: boom at the first step"}
     assert [r["method"] for r in payload["results"]] == ["torch eager"]
+
+
+def test_bench_step_reports_a_contender_failing_in_its_timing(tmp_path, monkeypatch):
+    def flaky():
+        calls = []
+
+        def step():
+            calls.append(1)
+            if len(calls) > 1:  # (its trial step passes)
+                raise RuntimeError("boom later")
+        return step
+    payload = with_compile_contender(tmp_path, monkeypatch, flaky, "sgd,adamw")
+    assert payload["failed"] == {"timing 16-8-4 8 sgd 1": "RuntimeError: boom later",
+                                 "timing 16-8-4 8 adamw 1": "RuntimeError: boom later"}
 
 
 def test_bench_host_runs_and_times_the_graphed_steps_host_part(tmp_path):
@@ -79,25 +97,3 @@ def test_bench_host_runs_and_times_the_graphed_steps_host_part(tmp_path):
     assert [r["method"] for r in rows] == ["torch eager", "dpcuda blocking",
                                            "dpcuda nonblocking", "dpcuda graphed host"]
     assert all(r["us_per_step"] > 0 for r in rows)
-
-
-def test_bench_step_reports_a_contender_failing_in_its_timing(tmp_path, monkeypatch):
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    import bench_step
-
-    def flaky(*args, **kwargs):
-        calls = []
-
-        def step():
-            calls.append(1)
-            if len(calls) > 1:  # (its trial step passes)
-                raise RuntimeError("boom later")
-        return step
-    monkeypatch.setattr(bench_step, "torch_compiled", flaky)
-    out = tmp_path / "step.json"
-    bench_step.main(["--device", "cpu", "--shapes", "16-8-4:8", "--replicas", "1",
-                     "--optimizers", "sgd,adamw", "--contenders", "torch eager,torch.compile",
-                     "--steps-per-sync", "2", "--repeats", "2", "--json", str(out)])
-    payload = json.loads(out.read_text())
-    assert payload["failed"] == {"timing 16-8-4 8 sgd 1": "RuntimeError: boom later",
-                                 "timing 16-8-4 8 adamw 1": "RuntimeError: boom later"}

@@ -27,6 +27,19 @@ def closure(monkeypatch):
     monkeypatch.setattr(DataParallel, "_count_on_device", True)
 
 
+def counted(monkeypatch, method):
+    """A Counter whose "n" counts the calls of the CPU stand-in graph's method ("capture" or
+    "replay")."""
+    calls = collections.Counter()
+    original = getattr(graphed_module._ClosureGraph, method)
+
+    def counting(self, *args):
+        calls["n"] += 1
+        return original(self, *args)
+    monkeypatch.setattr(graphed_module._ClosureGraph, method, counting)
+    return calls
+
+
 def make(fused=True):
     torch.manual_seed(1)
     if fused:
@@ -98,13 +111,7 @@ def test_the_graphed_loss_is_the_blocking_steps(closure):
 
 
 def test_one_capture_per_shape_with_static_buffers(closure, monkeypatch):
-    captures = collections.Counter()
-    original = graphed_module._ClosureGraph.capture
-
-    def counting(self, body):
-        captures["n"] += 1
-        return original(self, body)
-    monkeypatch.setattr(graphed_module._ClosureGraph, "capture", counting)
+    captures = counted(monkeypatch, "capture")
     model = make()
     dp = DataParallel(model, ["cpu"] * 2, graphs=True)
     opt = dpcuda.optim.Adam(model.parameters(), lr=0.01)
@@ -496,13 +503,7 @@ def test_what_a_graph_holds_from_its_capture_makes_a_new_graph(closure, monkeypa
     # A captured graph keeps a module attribute's value (a dropout's p, a slope), a buffer's
     # storage and the forward it ran: changed after the capture, the next step must capture
     # again (the CPU stand-in re-runs the Python, so the count of captures is what shows it).
-    captures = collections.Counter()
-    original = graphed_module._ClosureGraph.capture
-
-    def counting(self, body):
-        captures["n"] += 1
-        return original(self, body)
-    monkeypatch.setattr(graphed_module._ClosureGraph, "capture", counting)
+    captures = counted(monkeypatch, "capture")
 
     class Net(torch.nn.Module):
         def __init__(self):
@@ -609,13 +610,7 @@ def test_a_forward_that_stores_what_it_saw_is_replayed_or_warned_about(closure, 
                                                                         what):
     # (found by review: a new torch.Size at every step, keyed by identity, changed the key at
     # every step and no step was ever replayed, silently)
-    replays = collections.Counter()
-    original = graphed_module._ClosureGraph.replay
-
-    def counting(self):
-        replays["n"] += 1
-        return original(self)
-    monkeypatch.setattr(graphed_module._ClosureGraph, "replay", counting)
+    replays = counted(monkeypatch, "replay")
     results = []
     for mode in ("nonblocking", "graphed"):
         torch.manual_seed(0)

@@ -152,10 +152,10 @@ class GraphedSteps:
         self.graphs = collections.OrderedDict()
         self.seen = collections.Counter()
         self.eager_keys = set()  # keys whose capture failed: eager from then on
-        self.sgd_changes = 0  # consecutive steps whose wrapper lr/momentum/weight_decay changed
-        self.last_sgd = None  # the wrapper's (lr, momentum, weight_decay) at the last step
-        self.state_changes = 0  # consecutive steps whose model attributes or buffers changed
-        self.last_state = None
+        # _count_change: the last step's value of the wrapper's (lr, momentum, weight_decay)
+        # ("sgd") and of the model's attributes and buffers ("state"), and how many
+        # consecutive steps changed it
+        self.last, self.changes = {}, {}
         self.warned = set()
         self.ring = None
         self.pool = None
@@ -238,17 +238,12 @@ class GraphedSteps:
         shape, key = self._key(dp, inputs, targets, loss_fn, optimizer, accumulate, state)
         # A model whose attributes or buffers change at every step (a forward that keeps a new
         # object, a buffer given new storage) is never replayed: said once.
-        self.state_changes = self.state_changes + 1 if (
-            self.last_state is not None and state != self.last_state) else 0
-        self.last_state = state
-        if self.state_changes == 3 and "state" not in self.warned:
-            self.warned.add("state")
-            warnings.warn(
-                "dpcuda DataParallel(graphs=True): a module attribute or a buffer of the model "
-                "changes at every step (a forward that stores a new object or tensor, a buffer "
-                "given new storage): each change runs the step eagerly, as a graph holds them "
-                "as they were at its capture; keep such values out of the module's attributes "
-                "(or in place)", RuntimeWarning, stacklevel=3)
+        self._count_change(
+            "state", state,
+            "a module attribute or a buffer of the model changes at every step (a forward that "
+            "stores a new object or tensor, a buffer given new storage): each change runs the "
+            "step eagerly, as a graph holds them as they were at its capture; keep such values "
+            "out of the module's attributes (or in place)")
         graph = self.graphs.get(key)
         if graph is not None and optimizer is not None:
             fused = dp._fused_update
@@ -261,20 +256,11 @@ class GraphedSteps:
             # The wrapper's SGD takes lr, momentum and weight_decay as constants of the graph:
             # a new value is a new key, which runs eagerly once and is captured again. A value
             # changed at every step (a schedule) would never be replayed: said once.
-            sgd = (dp.lr, dp.momentum, dp.weight_decay)
-            changed = self.last_sgd is not None and sgd != self.last_sgd
-            # (counted over consecutive steps: a schedule that changes now and then, as
-            # MultiStepLR, is captured again after each change and replayed in between)
-            self.sgd_changes = self.sgd_changes + 1 if changed else 0
-            if self.sgd_changes == 3 and "sgd" not in self.warned:
-                self.warned.add("sgd")
-                warnings.warn(
-                    "dpcuda DataParallel(graphs=True): the wrapper's lr, momentum or "
-                    "weight_decay keep changing: each new value runs a step eagerly and "
-                    "captures the step again (the wrapper's SGD takes them as constants); "
-                    "a dpcuda.optim optimizer's schedule reaches the replayed update",
-                    RuntimeWarning, stacklevel=3)
-            self.last_sgd = sgd
+            self._count_change(
+                "sgd", (dp.lr, dp.momentum, dp.weight_decay),
+                "the wrapper's lr, momentum or weight_decay keep changing: each new value runs "
+                "a step eagerly and captures the step again (the wrapper's SGD takes them as "
+                "constants); a dpcuda.optim optimizer's schedule reaches the replayed update")
         if graph is None:
             # Captured once the shape has run WARMUP eager steps and this key one of its own
             # (whatever a new code path sets up lazily is then set up outside the capture).
@@ -295,6 +281,19 @@ class GraphedSteps:
                 return self._eager(dp, inputs, targets, loss_fn, optimizer, accumulate, walk)
         self.graphs.move_to_end(key)
         return self._replay(dp, graph, inputs, targets, summed, optimizer)
+
+    def _count_change(self, what, value, message):
+        """One warning (message) once what's value has changed at 3 consecutive steps. (Over
+        consecutive steps: a value that changes now and then, as MultiStepLR's lr, is captured
+        again after each change and replayed in between.)"""
+        last = self.last.get(what)
+        self.changes[what] = self.changes.get(what, 0) + 1 if (
+            last is not None and value != last) else 0
+        self.last[what] = value
+        if self.changes[what] == 3 and what not in self.warned:
+            self.warned.add(what)
+            warnings.warn(f"dpcuda DataParallel(graphs=True): {message}", RuntimeWarning,
+                          stacklevel=4)
 
     def _eager(self, dp, inputs, targets, loss_fn, optimizer, accumulate, walk=None):
         # The ring's steps are read before an eager step's (the records in step order).
