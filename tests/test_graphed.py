@@ -654,3 +654,14 @@ def test_a_graph_keeps_the_objects_its_key_names_by_identity(closure):
         dp.step(x, y, torch.nn.CrossEntropyLoss())
     dp.synchronize()
     assert len(dp._graphed.graphs) == 2
+
+
+def test_a_tensor_attribute_without_storage_does_not_stop_a_graphed_step(closure):
+    # A sparse tensor has no data pointer: held by identity instead.
+    model = make(False)
+    model.mask = torch.eye(5).to_sparse()
+    dp = DataParallel(model, ["cpu"], graphs=True)
+    for x, y in batches(8):
+        dp.step(x, y, torch.nn.CrossEntropyLoss())
+    dp.synchronize()
+    assert len(dp._graphed.graphs) == 1

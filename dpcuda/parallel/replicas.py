@@ -277,7 +277,10 @@ def _attribute_key(v, objects):
     if t is tuple and all(type(e) in _VALUES for e in v):
         return tuple("nan" if type(e) is float and e != e else e for e in v)
     if isinstance(v, torch.Tensor):
-        return (v.data_ptr(), v.dtype, tuple(v.shape))
+        try:
+            return (v.data_ptr(), v.dtype, tuple(v.shape))
+        except RuntimeError:  # (no storage: a sparse or meta tensor, held as an object)
+            pass
     objects.append(v)
     return id(v)
 
