@@ -187,6 +187,11 @@ def _has_hooks(module):
                 or module._backward_pre_hooks)
 
 
+def _has_grad_hooks(param):
+    """Whether a parameter has gradient hooks (register_hook, post-accumulate-grad hooks)."""
+    return bool(param._backward_hooks or param._post_accumulate_grad_hooks)
+
+
 _ACTIVATION_TYPES = {nn.ReLU: "relu", nn.SiLU: "silu", nn.Sigmoid: "sigmoid", nn.Tanh: "tanh"}
 
 

@@ -20,7 +20,8 @@ seen: the graph replays what it captured. What a graph cannot replay falls back 
 non-blocking step with one warning naming the reason: a loss computed on the gathered output,
 Python hooks on the model or the loss, or torch's global module hooks (they would run at capture
 only), float16 gradients (their labels are counted on the host), a capture the runtime refuses;
-a model whose attributes or buffers change at every step is warned about once. DataParallel refuses at construction what never can be graphed.
+a model whose attributes or buffers change at every step is warned about once. DataParallel
+refuses at construction what never can be graphed.
 
 Replicas on one CUDA device: one graph. The CPU has no graphs: there a test runs this module's
 logic with _ClosureGraph (capture keeps the body, replay runs it), which checks everything but
@@ -34,6 +35,7 @@ import warnings
 import torch
 from torch.nn.modules import module as _module
 
+from ..nn import _has_grad_hooks, _has_hooks
 from .pending import PendingStep
 from .step import summed_loss
 
@@ -165,15 +167,13 @@ class GraphedSteps:
     @staticmethod
     def _hooked(module):
         """A module with hooks of its own (the loss: the model's are read by its walk)."""
-        return any(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or
-                   m._backward_pre_hooks for m in module.modules()) or \
-            any(p._backward_hooks or p._post_accumulate_grad_hooks for p in module.parameters())
+        return any(map(_has_hooks, module.modules())) or \
+            any(map(_has_grad_hooks, module.parameters()))
 
     @staticmethod
     def _global_hooks():
-        m = _module
-        return bool(m._global_forward_hooks or m._global_forward_pre_hooks or
-                    m._global_backward_hooks or m._global_backward_pre_hooks)
+        return bool(_module._global_forward_hooks or _module._global_forward_pre_hooks or
+                    _module._global_backward_hooks or _module._global_backward_pre_hooks)
 
     def _why_not(self, dp, targets, loss_fn, summed, hooked):
         """Why this step cannot be replayed from a graph (None: it can). hooked: the model's
@@ -270,10 +270,11 @@ class GraphedSteps:
                                                  map(hash, self.graphs)})
             if len(self.eager_keys) > SEEN_LIMIT:
                 self.eager_keys.clear()
-            self.seen[hash(shape)] += 1
-            self.seen[hash(key)] += 1
-            if key in self.eager_keys or self.seen[hash(shape)] <= WARMUP or \
-                    self.seen[hash(key)] < 2:
+            shape_seen, key_seen = hash(shape), hash(key)
+            self.seen[shape_seen] += 1
+            self.seen[key_seen] += 1
+            if key in self.eager_keys or self.seen[shape_seen] <= WARMUP or \
+                    self.seen[key_seen] < 2:
                 return self._eager(dp, inputs, targets, loss_fn, optimizer, accumulate, walk)
             graph = self._capture(dp, key, inputs, targets, loss_fn, summed, optimizer,
                                   accumulate, objects)

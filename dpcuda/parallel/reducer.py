@@ -18,6 +18,7 @@ import threading
 import torch
 
 from .primitives import _leaves, _map
+from ..nn import _has_grad_hooks
 from .replicas import accumulator
 
 
@@ -139,7 +140,7 @@ class GradReduction:
         r0 = rs[0]
         for i in r0.trainable:
             p = r0.params[i]
-            if p._backward_hooks or p._post_accumulate_grad_hooks:
+            if _has_grad_hooks(p):
                 raise RuntimeError(
                     f"dpcuda DataParallel: a parameter of the model has a gradient hook "
                     f"(registered after the forward); with {len(rs)} replicas it would see "

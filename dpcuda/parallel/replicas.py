@@ -25,7 +25,7 @@ from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .. import _C
-from ..nn import FusedLinear
+from ..nn import FusedLinear, _has_grad_hooks, _has_hooks
 
 
 class ReplicaError(RuntimeError):
@@ -342,8 +342,7 @@ class ReplicaSet:
             if graphed:
                 state += [_attribute_key(v, objects) for k, v in m.__dict__.items()
                           if k[:1] != "_"]
-            hooked = hooked or graphed and bool(m._forward_hooks or m._forward_pre_hooks or
-                                                m._backward_hooks or m._backward_pre_hooks)
+            hooked = hooked or graphed and _has_hooks(m)
             if isinstance(m, (nn.Embedding, nn.EmbeddingBag)):
                 _refuse(self._module_name(m), m, replicas)
             for p in m._parameters.values():
@@ -357,9 +356,9 @@ class ReplicaSet:
                     seen.add(id(p))
                     params.append(p)
                     key += (id(p), p.shape, p.requires_grad)
-                    hooked = hooked or graphed and bool(p._backward_hooks or
-                                                        p._post_accumulate_grad_hooks)
-                    if replicas > 1 and (p._backward_hooks or p._post_accumulate_grad_hooks):
+                    grad_hooked = _has_grad_hooks(p)
+                    hooked = hooked or graphed and grad_hooked
+                    if replicas > 1 and grad_hooked:
                         _refuse_hook(self._param_names()[id(p)], replicas)
             for b in m._buffers.values():
                 if b is not None and id(b) not in seen:

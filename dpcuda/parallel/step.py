@@ -19,7 +19,7 @@ import torch
 
 from .. import _C, ops
 from ..batchnorm import Exchange, replica_context
-from ..nn import SoftmaxCrossEntropyLoss
+from ..nn import SoftmaxCrossEntropyLoss, _has_grad_hooks, _has_hooks
 from .labels import LabelChecks, LabelError, typed_label_error
 from .pending import PendingSteps
 from .primitives import _run_all, split_sizes
@@ -29,9 +29,7 @@ from .update import UpdateMixin
 def _plain(loss_fn, cls):
     """loss_fn is exactly a cls (not a subclass, which may have a forward of its own) with no
     hooks, so that its result is known without calling it."""
-    return type(loss_fn) is cls and not (loss_fn._forward_hooks or loss_fn._forward_pre_hooks
-                                         or loss_fn._backward_hooks
-                                         or getattr(loss_fn, "_backward_pre_hooks", None))
+    return type(loss_fn) is cls and not _has_hooks(loss_fn)
 
 
 def summed_loss(loss_fn, targets):
@@ -117,8 +115,7 @@ class StepMixin(LabelChecks, PendingSteps, UpdateMixin):
             raise TypeError(f"accumulate must be a positive int, got {accumulate!r}") from None
         if accumulate < 1:
             raise ValueError(f"accumulate must be a positive int, got {accumulate}")
-        if accumulate > 1 and any(p._backward_hooks or p._post_accumulate_grad_hooks
-                                  for p in self.module.parameters()):
+        if accumulate > 1 and any(map(_has_grad_hooks, self.module.parameters())):
             # (a hook would see each micro-batch's gradient alone, where torch's accumulating
             # loop hands it the running sum)
             raise ValueError("accumulate > 1 does not work with gradient hooks on the model's "

@@ -13,8 +13,8 @@ from ..optim import _FusedOptimizer
 class UpdateMixin:
     """The update half of DataParallel's step (the module docstring)."""
 
-    def _check_optimizer(self, optimizer, params=None):
-        """params: the model's parameters if the caller has walked it (else walked here)."""
+    def _check_optimizer(self, optimizer, params):
+        """optimizer fits this step; params: the model's parameters (its walk's)."""
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer (dpcuda.optim's or "
                             f"torch's), got {type(optimizer).__name__}")
@@ -27,7 +27,7 @@ class UpdateMixin:
                     "update is fused into the reduction and the device decides to skip it; "
                     f"got {type(optimizer).__name__} over replicas on "
                     f"{sorted(map(str, devices))}; use blocking=True")
-        own = {id(p) for p in (self.module.parameters() if params is None else params)}
+        own = {id(p) for p in params}
         for group in optimizer.param_groups:
             for p in group["params"]:
                 if id(p) not in own:
