@@ -246,19 +246,25 @@ def test_cuda_warmed_up_graphed_steps_allocate_only_their_outputs(replicas):
     dp.synchronize()
 
 
-def test_cuda_steps_from_two_streams_are_ordered():
-    # Consecutive non-blocking steps issued from different streams run on DataParallel's own
-    # stream, one after another, and the caller's stream waits for each: the same weights as
-    # steps issued from one stream.
-    data = batches(torch.float32, steps=6)
+@pytest.mark.parametrize("graphs", [False, True])
+@pytest.mark.parametrize("pattern", ["01", "0011", "0001101"])
+def test_cuda_steps_from_two_streams_are_ordered(pattern, graphs):
+    # Consecutive non-blocking steps issued from different streams, alternating or in runs
+    # (a run's later steps go on the caller's stream directly, streams.py), with the records
+    # read in between: one after another, and the caller's stream after each: the same
+    # weights as steps issued from one stream.
+    data = batches(torch.float32, steps=12)
     results = []
-    for streams in (1, 2):
+    for streams in ("0", pattern):
         model = mlp(True, torch.float32).cuda()
-        dp = DataParallel(model, ["cuda:0"] * 2, blocking=False, lr=0.1, momentum=0.9)
-        side = [torch.cuda.Stream() for _ in range(streams)]
+        dp = DataParallel(model, ["cuda:0"] * (1 if graphs else 2), blocking=False,
+                          graphs=graphs, lr=0.1, momentum=0.9)
+        side = [torch.cuda.Stream() for _ in range(2)]
         for i, (x, y) in enumerate(data):
-            with torch.cuda.stream(side[i % streams]):
+            with torch.cuda.stream(side[int(streams[i % len(streams)])]):
                 dp.step(x.cuda(), y.cuda(), SoftmaxCrossEntropyLoss())
+                if i == 7:
+                    dp.synchronize()
         dp.synchronize()
         torch.cuda.synchronize()
         results.append([p.detach().clone() for p in model.parameters()])

@@ -235,10 +235,9 @@ class DataParallel(nn.Module, StepMixin, DistStepMixin):
             raise ValueError(f"dpcuda DataParallel: graphs=True: {why}")
 
     def __getstate__(self):
-        # (copy.deepcopy, pickle: CUDA streams and captured graphs are not state; a copy makes
-        # its own)
+        # (copy.deepcopy, pickle: captured graphs are not state; a copy makes its own, as it
+        # makes its own streams, StepStreams.__getstate__)
         state = self.__dict__.copy()
-        state.pop("_streams", None)
         if state.get("_graphed") is not None:
             state["_graphed"] = self._graphed_steps()
         return state

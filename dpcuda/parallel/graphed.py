@@ -416,10 +416,9 @@ class GraphedSteps:
         stream, after the replays, whichever stream the caller is on."""
         if self.ring is None or not self.ring.window:
             return
-        stream = dp._own_streams().get(self.ring.device)
+        stream = dp._streams().side(self.ring.device)
         if stream is None:
             self.ring.flush(dp._pending)
             return
-        stream.wait_stream(torch.cuda.current_stream(self.ring.device))
         with torch.cuda.stream(stream):
             self.ring.flush(dp._pending)

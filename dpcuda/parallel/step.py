@@ -24,6 +24,7 @@ from .labels import LabelChecks, LabelError, typed_label_error
 from .pending import PendingSteps
 from .primitives import _run_all, split_sizes
 from .update import UpdateMixin
+from .streams import StepStreams
 
 
 def _plain(loss_fn, cls):
@@ -132,40 +133,17 @@ class StepMixin(LabelChecks, PendingSteps, UpdateMixin):
         walk = self._set.walk(self._graphed is not None)
         if optimizer is not None:
             self._check_optimizer(optimizer, walk[0])
-        streams = self._own_streams()
-        if not streams:
-            return self._step_checked(inputs, targets, loss_fn, optimizer, accumulate, walk)
-        # On CUDA the step runs on DataParallel's own stream of each device: ordered after the
-        # work the caller queued before it (its batch) and after the previous step, whichever
-        # stream or thread issued that; the caller's streams then wait for it, so whatever the
-        # caller queues next (reading the loss, .grad, the weights) sees the step done.
-        import contextlib
-        callers = {d: torch.cuda.current_stream(d) for d in streams}
-        for d, s in streams.items():
-            s.wait_stream(callers[d])
-        try:
-            with contextlib.ExitStack() as stack:
-                for d in reversed(list(streams)):  # (devices[0]'s last: the current device)
-                    stack.enter_context(torch.cuda.stream(streams[d]))
-                result = self._step_checked(inputs, targets, loss_fn, optimizer, accumulate,
-                                            walk)
-        finally:
-            for d, s in streams.items():
-                callers[d].wait_stream(s)
-        if torch.is_tensor(result) and result.device.type == "cuda":
-            # (made on our stream, freed by the caller's: the allocator waits for the caller)
-            result.record_stream(callers[result.device])
-        return result
+        # On CUDA each step is ordered after the previous one and after the caller's work,
+        # and the caller's streams after it, whichever stream or thread issued it (streams.py).
+        return self._streams().run(lambda: self._step_checked(
+            inputs, targets, loss_fn, optimizer, accumulate, walk))
 
-    def _own_streams(self):
-        """DataParallel's stream on each CUDA device of its replicas ({} on the CPU)."""
-        streams = self.__dict__.get("_streams")
+    def _streams(self):
+        """The StepStreams of the replicas' devices (made at first use)."""
+        streams = self.__dict__.get("_step_streams")
         if streams is None:
-            streams = {}
-            for d in dict.fromkeys(r.device for r in self._replicas):
-                if d.type == "cuda":
-                    streams[d] = torch.cuda.Stream(d)
-            self.__dict__["_streams"] = streams
+            streams = self.__dict__["_step_streams"] = StepStreams(
+                [r.device for r in self._replicas])
         return streams
 
     def _step_checked(self, inputs, targets, loss_fn, optimizer, accumulate, walk=None):

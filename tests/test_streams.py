@@ -1,0 +1,178 @@
+"""DataParallel's step streams (dpcuda/parallel/streams.py) on a model of CUDA's stream order,
+which runs on the CPU: each stream a queue with a vector clock, wait_stream a join of clocks,
+so that "a happens before b" is exact. Random programs of steps, side work and the callers' own
+work, from several streams, checked for the order the step promises; the checker is seen to
+fire on a twin that skips the waits. The real streams run in tests/test_cuda_step.py."""
+
+import contextlib
+import copy
+import pickle
+import random
+
+import pytest
+import torch
+
+from dpcuda.parallel.streams import StepStreams
+
+DEV = torch.device("cuda:0")
+
+
+class _Stream:
+    def __init__(self, model, name):
+        self.model, self.name = model, name
+        self.clock = {}
+
+    def wait_stream(self, other):
+        self.model.waits += 1
+        for k, v in other.clock.items():
+            self.clock[k] = max(self.clock.get(k, 0), v)
+
+    def op(self):
+        """An operation queued on this stream: its timestamp."""
+        self.clock[self.name] = self.clock.get(self.name, 0) + 1
+        return self.name, dict(self.clock)
+
+    def __repr__(self):
+        return self.name
+
+
+class _Cuda:
+    """The stand-in of torch.cuda that StepStreams uses: current_stream, Stream, stream."""
+
+    def __init__(self):
+        self.waits = 0
+        self.made = 0
+        self.current = _Stream(self, "default")
+
+    def current_stream(self, device):
+        return self.current
+
+    def Stream(self, device):
+        self.made += 1
+        return _Stream(self, f"own{self.made}")
+
+    @contextlib.contextmanager
+    def stream(self, s):
+        before, self.current = self.current, s
+        try:
+            yield
+        finally:
+            self.current = before
+
+
+def before(a, b):
+    """Whether operation a happens before operation b (vector clocks)."""
+    (stream, clock), (_, later) = a, b
+    return clock[stream] <= later.get(stream, 0)
+
+
+class _NoWaits(StepStreams):
+    """The broken twin: every step on the caller's stream, side work on our own with no wait."""
+
+    def run(self, fn):
+        return fn()
+
+    def side(self, device):
+        return self._own()[device]
+
+
+def program(order, cuda, streams, seed, length=60):
+    """Random steps, side work and callers' work from the streams; returns what went wrong."""
+    rng = random.Random(seed)
+    steps, sides, wrong = [], [], []
+    for i in range(length):
+        caller = rng.choice(streams)
+        cuda.current = caller
+        mine = caller.op()  # the caller's work before (its batch)
+        what = rng.random()
+        if what < 0.75:
+            done = order.run(lambda: cuda.current_stream(DEV).op())
+            for earlier in steps + sides:
+                if not before(earlier, done):
+                    wrong.append(f"step {i} not after {earlier}")
+            if not before(mine, done):
+                wrong.append(f"step {i} not after its caller's work")
+            after = caller.op()  # the caller reads the loss
+            if not before(done, after):
+                wrong.append(f"the caller's work after step {i} came before it")
+            steps.append(done)
+        else:
+            s = order.side(DEV)
+            with cuda.stream(s):
+                done = s.op()
+            for earlier in steps:
+                if not before(earlier, done):
+                    wrong.append(f"side work {i} not after {earlier}")
+            sides.append(done)
+    return wrong
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_steps_are_ordered_on_the_model_of_streams(seed):
+    cuda = _Cuda()
+    streams = [cuda.current] + [_Stream(cuda, f"caller{i}") for i in range(2)]
+    order = StepStreams([DEV, torch.device("cpu")], cuda=cuda)
+    assert program(order, cuda, streams, seed) == []
+
+
+def test_the_checker_fires_on_a_twin_without_waits():
+    found = 0
+    for seed in range(5):
+        cuda = _Cuda()
+        streams = [cuda.current] + [_Stream(cuda, f"caller{i}") for i in range(2)]
+        found += len(program(_NoWaits([DEV], cuda=cuda), cuda, streams, seed))
+    assert found > 0
+
+
+def test_a_step_from_the_previous_steps_stream_makes_no_waits():
+    # The common loop: every step from one stream runs on it, with no event or wait; only the
+    # first step (and one after work of our own, or from another stream) takes our stream.
+    cuda = _Cuda()
+    order = StepStreams([DEV], cuda=cuda)
+    ran_on = []
+    for _ in range(10):
+        order.run(lambda: ran_on.append(cuda.current_stream(DEV).name))
+    assert cuda.waits == 2 and cuda.made == 1
+    assert ran_on == ["own1"] + ["default"] * 9
+    order.side(DEV)
+    assert cuda.waits == 3
+    order.run(lambda: ran_on.append(cuda.current_stream(DEV).name))
+    order.run(lambda: ran_on.append(cuda.current_stream(DEV).name))
+    assert ran_on[-2:] == ["own1", "default"] and cuda.waits == 5
+    other = _Stream(cuda, "other")
+    cuda.current = other
+    order.run(lambda: ran_on.append(cuda.current_stream(DEV).name))
+    # (our stream waits for "other" and for "default", where the previous step ran)
+    assert ran_on[-1] == "own1" and cuda.waits == 8
+
+
+def test_a_failing_step_still_has_the_caller_wait():
+    cuda = _Cuda()
+    order = StepStreams([DEV], cuda=cuda)
+    caller = cuda.current
+
+    def fails():
+        cuda.current_stream(DEV).op()
+        raise RuntimeError("boom")
+    with pytest.raises(RuntimeError, match="boom"):
+        order.run(fails)
+    own = order.own[DEV]
+    assert before((own.name, dict(own.clock)), caller.op())
+    # The next step takes our stream again (the failed one set nothing up).
+    order.run(lambda: None)
+    assert cuda.waits == 4
+
+
+def test_no_cuda_devices_run_the_step_as_it_is():
+    order = StepStreams([torch.device("cpu")] * 2)
+    assert order.run(lambda: 7) == 7
+    assert order.side(torch.device("cpu")) is None
+
+
+def test_a_copy_starts_without_streams():
+    cuda = _Cuda()
+    order = StepStreams([DEV], cuda=cuda)
+    order.run(lambda: None)
+    for clone in (copy.deepcopy(order), pickle.loads(pickle.dumps(order))):
+        assert clone.own == {} and clone.last is None and clone.cuda is torch.cuda
+        assert clone.devices == [DEV]
