@@ -94,6 +94,11 @@ class _Plan:
         # copies from: a step allocates nothing for its hyperparameters.
         self.hyper_host = torch.zeros(G, _HYPER, dtype=torch.float64)
         self.hyper_rows = self.hyper_host.numpy()  # (its memory, as numpy)
+        # A graphed step's copy of the host's values, which its graph copies into hyper at each
+        # replay; the host writes it only when they change (a scheduler's step), so that a
+        # replay with the same values makes no host-to-device copy. written: its bytes.
+        self.hyper_base = torch.zeros_like(self.hyper)
+        self.written = None
         self.firsts = [min((i for i, x in enumerate(group_of) if x == g), default=-1)
                        for g in range(G)]
         self.first_index = torch.tensor([max(f, 0) for f in self.firsts], device=r0.device)
@@ -273,10 +278,11 @@ class FusedUpdate:
         finally:
             opt.__dict__.pop("_fused_step", None)
 
-    def write_hyper(self, opt):
+    def write_hyper(self, opt, graphed=False):
         """Each group's hyperparameters (as the optimizer holds them now: a scheduler's lr)
         into the plan's device array; Adam's step and SGD's first-step flag are completed
-        there by device_update."""
+        there by device_update. graphed: into the graph's copy (hyper_base), and only when
+        they changed since it was last written."""
         plan = self._plan
         adam = opt._op == "adam"
         self._first = []  # SGD: the groups whose momentum buffers this update makes
@@ -290,26 +296,37 @@ class FusedUpdate:
                 self._first.append(index)
             rows.append(opt._values(group, 0.0 if adam else False))
         plan.hyper_rows[:] = rows
+        if graphed:
+            # (compared by their bits: -0.0 is not 0.0 here, and a NaN equals itself)
+            written = plan.hyper_rows.tobytes()
+            if written == plan.written:
+                return
+            plan.written = None  # (until the copy below is queued)
+        target = plan.hyper_base if graphed else plan.hyper
         with torch.no_grad():
             if plan.device.type == "cpu":
-                plan.hyper.copy_(plan.hyper_host)
+                target.copy_(plan.hyper_host)
             else:
                 # From pageable memory: the runtime stages the values as the copy is issued
                 # (cudaMemcpyAsync from pageable memory), so the next step may refill the host
                 # array at once; the copy runs in stream order after the last update that read
                 # the device array.
-                plan.hyper.copy_(plan.hyper_host, non_blocking=True)
+                target.copy_(plan.hyper_host, non_blocking=True)
+        if graphed:
+            plan.written = written
 
     def device_update(self, opt, replicas, algorithm, records=(), scaled_by=0.0,
-                      loss_out=None):
+                      loss_out=None, graphed=False):
         """The update's device work, with no host read: the step slot (Adam) or the first-step
         flag (SGD) from the device's counts, the reduce-update, the counts advanced where the
         records let the update apply. Returns the norm tensor it writes (max_grad_norm; else
-        None)."""
+        None). graphed: the host's values taken from hyper_base (write_hyper(graphed=True))."""
         plan = self._plan
         R = len(replicas)
         adam = opt._op == "adam"
         with torch.no_grad():
+            if graphed:
+                plan.hyper.copy_(plan.hyper_base)
             if adam:
                 step = plan.hyper[:, _STEP]
                 step.copy_(plan.steps.index_select(0, plan.first_index)).add_(1)

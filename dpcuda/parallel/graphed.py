@@ -6,9 +6,9 @@ the replicas' weight copies, forward, loss, backward, the step records and the r
 the fused update (dpcuda.optim's, or the wrapper's SGD), into static buffers: the batch, the
 loss, and a device ring of the records (RING steps; the host copies it to pinned memory every
 RING steps and reads it later, as PendingSteps, or at synchronize()). Skipped steps and bad
-labels are decided on the device, as in blocking=False. Each replay writes the optimizer's
-hyperparameters (the learning rate a scheduler set) into the plan's device array first, and the
-host does what a step does on the host (the step count, the optimizer's step() wrapper: its
+labels are decided on the device, as in blocking=False. A replay whose optimizer holds new
+hyperparameters (the learning rate a scheduler set) writes them into the plan's device copy
+first, which the graph reads (none is written while they stay), and the host does what a step does on the host (the step count, the optimizer's step() wrapper: its
 post-hooks and the schedulers' bookkeeping).
 
 What the capture holds as constants makes a new graph when it changes: the shapes, dtypes and
@@ -323,7 +323,7 @@ class GraphedSteps:
             if not dp._fused_update.ready(optimizer, dp._replicas, set(), dp._set.generation):
                 dp._optimizer = None
                 return None
-            dp._fused_update.write_hyper(optimizer)
+            dp._fused_update.write_hyper(optimizer, graphed=True)
 
         grad_enabled = torch.is_grad_enabled()  # (a replay runs inside opt.step's no_grad)
         # What the body's sync would make (momentum buffers switched on since the warm-up, a
@@ -379,7 +379,7 @@ class GraphedSteps:
 
         def run():
             if optimizer is not None:
-                dp._fused_update.write_hyper(optimizer)
+                dp._fused_update.write_hyper(optimizer, graphed=True)
             graph.graph.replay()
             replayed.append(True)
             if optimizer is not None:

@@ -49,7 +49,8 @@ class PendingSteps:
             # loss and the device ring; the host's part of the step is done at each replay.
             if opt is not None:
                 ring.norm = self._fused_update.device_update(
-                    opt, self._replicas, self.algorithm, records, float(global_den), ring.loss)
+                    opt, self._replicas, self.algorithm, records, float(global_den), ring.loss,
+                    graphed=True)
             else:
                 self._reduce_p2p(records, float(global_den), ring.loss)
             if kept is not None:
