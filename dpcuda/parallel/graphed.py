@@ -8,8 +8,9 @@ loss, and a device ring of the records (RING steps; the host copies it to pinned
 RING steps and reads it later, as PendingSteps, or at synchronize()). Skipped steps and bad
 labels are decided on the device, as in blocking=False. A replay whose optimizer holds new
 hyperparameters (the learning rate a scheduler set) writes them into the plan's device copy
-first, which the graph reads (none is written while they stay), and the host does what a step does on the host (the step count, the optimizer's step() wrapper: its
-post-hooks and the schedulers' bookkeeping).
+first, which the graph reads (none is written while they stay), and the host does what a step
+does on the host (the step count, the optimizer's step() wrapper: its post-hooks and the
+schedulers' bookkeeping).
 
 What the capture holds as constants makes a new graph when it changes: the shapes, dtypes and
 devices of the batch, the loss and its settings, the optimizer (its plan, max_grad_norm) or the
