@@ -43,9 +43,13 @@ class _Cuda:
         self.waits = 0
         self.made = 0
         self.current = _Stream(self, "default")
+        self.device = 0
 
     def current_stream(self, device):
         return self.current
+
+    def current_device(self):
+        return self.device
 
     def Stream(self, device):
         self.made += 1
@@ -144,6 +148,12 @@ def test_a_step_from_the_previous_steps_stream_makes_no_waits():
     order.run(lambda: ran_on.append(cuda.current_stream(DEV).name))
     # (our stream waits for "other" and for "default", where the previous step ran)
     assert ran_on[-1] == "own1" and cuda.waits == 8
+    # Another current device: our streams (which make devices[0] current, as before).
+    order.run(lambda: None)
+    assert cuda.waits == 8
+    cuda.device = 1
+    order.run(lambda: None)
+    assert cuda.waits == 10
 
 
 def test_a_failing_step_still_has_the_caller_wait():

@@ -12,8 +12,8 @@ the previous step ran directly on other streams, for those; the caller's streams
 it. Work that DataParallel queues outside a step on its own stream (side()) makes the next step
 take its own stream again, so that it comes after that work too.
 
-`cuda` is torch.cuda, or a stand-in with the same current_stream, Stream and stream (a test's
-record of the waits on the CPU, where there are no streams).
+`cuda` is torch.cuda, or a stand-in with the same current_stream, current_device, Stream and
+stream (a test's record of the waits on the CPU, where there are no streams).
 """
 
 import contextlib
@@ -49,7 +49,8 @@ class StepStreams:
         if not self.devices:
             return fn()
         callers = {d: self.cuda.current_stream(d) for d in self.devices}
-        if callers == self.last:
+        # (with devices[0] current, as a step taken on our streams runs)
+        if callers == self.last and self.cuda.current_device() == self.devices[0].index:
             self.direct = True
             return fn()
         own = self._own()
