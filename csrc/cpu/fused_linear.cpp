@@ -118,9 +118,23 @@ DPCUDA_CPU_CLONES void column_major_bias(const T* __restrict__ grad_out, T* __re
 
 }  // namespace
 
+// Without a bias an element's value does not depend on its column, and the rows are
+// contiguous: rows [row_begin, row_end) are passed as one row of their elements, so that a
+// narrow layer's pass is one long vector loop rather than one short loop per row (the same
+// bits: each element's arithmetic is unchanged).
+template <typename T>
+void flatten_rows(T*& out, T*& pre, int64_t& row_begin, int64_t& row_end, int64_t& cols) {
+  out += row_begin * cols;
+  if (pre) pre += row_begin * cols;
+  cols *= row_end - row_begin;
+  row_begin = 0;
+  row_end = cols > 0 ? 1 : 0;
+}
+
 template <typename T>
 void bias_activation_forward(T* out, T* pre, const T* bias, int64_t row_begin, int64_t row_end,
                              int64_t cols, Activation act) {
+  if (!bias) flatten_rows(out, pre, row_begin, row_end, cols);
   with_activation(act, [&](auto a) {
     constexpr Activation A = decltype(a)::value;
     if (bias && pre) {
@@ -138,6 +152,7 @@ void bias_activation_forward(T* out, T* pre, const T* bias, int64_t row_begin, i
 template <typename T>
 void pre_activation_forward(T* out, T* pre, const T* bias, int64_t row_begin, int64_t row_end,
                             int64_t cols, Activation act) {
+  if (!bias) flatten_rows(out, pre, row_begin, row_end, cols);
   with_activation(act, [&](auto a) {
     constexpr Activation A = decltype(a)::value;
     if (bias) {
@@ -158,7 +173,19 @@ void activation_backward_rows(const T* grad_out, const T* saved, T* grad_pre, T*
   with_activation(act, [&](auto a) {
     constexpr Activation A = decltype(a)::value;
     const int64_t rs = go_row_stride, cs = go_col_stride;
-    if (cs == 1) {
+    const int64_t n = (row_end - row_begin) * cols, offset = row_begin * cols;
+    const bool flat = (cs == 1 && rs == cols) || (cs == 0 && rs == 0);
+    if (grad_pre && !bias_partial && n > 0 && flat) {
+      // No bias sum, and grad_out contiguous or one value for all (y.sum()'s): one row of all
+      // the elements, as in the forward's flatten_rows.
+      if (cs == 1) {
+        backward_rows<T, A, 1>(grad_out + offset, saved + offset, grad_pre + offset, nullptr,
+                               0, 1, n, n, 1);
+      } else {
+        backward_rows<T, A, 0>(grad_out, saved + offset, grad_pre + offset, nullptr, 0, 1, n, 0,
+                               0);
+      }
+    } else if (cs == 1) {
       backward_rows<T, A, 1>(grad_out, saved, grad_pre, bias_partial, row_begin, row_end, cols,
                              rs, cs);
     } else if (cs == 0) {

@@ -50,6 +50,49 @@ void test_forward(int64_t rows, int64_t cols, Activation act, std::mt19937& rng,
   }
 }
 
+// Without a bias, the passes take a range of rows as one row of its elements (flatten_rows):
+// the same bits as the rows taken one at a time (the old loops, and any split of the rows over
+// threads), for every element, its position in the vector loop whatever it is. Backward: a
+// dense upstream gradient and an expanded scalar one (y.sum()'s), with no bias sum.
+template <typename T>
+void test_flat_rows(int64_t rows, int64_t cols, Activation act, std::mt19937& rng) {
+  std::normal_distribution<double> dist(0.0, 3.0);
+  std::vector<T> gemm(rows * cols), go(rows * cols);
+  for (auto& v : gemm) v = T(dist(rng));
+  for (auto& v : go) v = T(dist(rng));
+  const auto same = [](const std::vector<T>& a, const std::vector<T>& b) {
+    return std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
+  };
+  std::vector<T> out = gemm, pre(rows * cols, T(NAN)), out1 = gemm, pre1(rows * cols, T(NAN));
+  dpcuda::cpu::bias_activation_forward<T>(out.data(), pre.data(), nullptr, 0, rows, cols, act);
+  std::vector<T> from_pre(rows * cols, T(NAN)), from_pre1(rows * cols, T(NAN));
+  dpcuda::cpu::pre_activation_forward<T>(from_pre.data(), gemm.data(), nullptr, 0, rows, cols,
+                                         act);
+  for (int64_t r = 0; r < rows; ++r) {
+    dpcuda::cpu::bias_activation_forward<T>(out1.data(), pre1.data(), nullptr, r, r + 1, cols,
+                                            act);
+    dpcuda::cpu::pre_activation_forward<T>(from_pre1.data(), gemm.data(), nullptr, r, r + 1,
+                                           cols, act);
+  }
+  CHECK(same(out, out1) && same(pre, pre1) && same(from_pre, from_pre1));
+  CHECK(same(out, from_pre));
+  for (const bool expanded : {false, true}) {
+    const int64_t rs = expanded ? 0 : cols, cs = expanded ? 0 : 1;
+    std::vector<T> g(rows * cols, T(NAN)), g1(rows * cols, T(NAN));
+    dpcuda::cpu::activation_backward_rows<T>(go.data(), pre.data(), g.data(), nullptr, 0, rows,
+                                             cols, act, rs, cs);
+    for (int64_t r = 0; r < rows; ++r) {
+      dpcuda::cpu::activation_backward_rows<T>(go.data(), pre.data(), g1.data(), nullptr, r,
+                                               r + 1, cols, act, rs, cs);
+    }
+    CHECK(same(g, g1));
+    for (int64_t i = 0; i < rows * cols; ++i) {  // (written, against the formula's value)
+      const T want = dpcuda::activation_backward_value<T>(act, go[expanded ? 0 : i], pre[i]);
+      CHECK(std::memcmp(&g[i], &want, sizeof(T)) == 0);
+    }
+  }
+}
+
 void test_activation_grad(Activation act) {
   const auto saved = dpcuda::saved_for_backward(act);
   for (double z = -6.0; z <= 6.0; z += 0.37) {
@@ -109,6 +152,8 @@ int main() {
         test_forward<double>(rows, cols, act, rng, 1e-12);
         test_forward<float>(rows, cols, act, rng, 1e-5);
         if (act != Activation::kNone) test_backward<double>(rows, cols, act, rng, 1e-6);
+        test_flat_rows<float>(rows, cols, act, rng);
+        test_flat_rows<double>(rows, cols, act, rng);
       }
     }
   }
