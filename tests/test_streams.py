@@ -99,6 +99,9 @@ def program(order, cuda, streams, seed, length=60):
             after = caller.op()  # the caller reads the loss
             if not before(done, after):
                 wrong.append(f"the caller's work after step {i} came before it")
+            if order.home is not None and not before(done, order.home[1][DEV].op()):
+                # (what a direct step allocated is reused by the home stream's work)
+                wrong.append(f"the home stream's work after step {i} came before it")
             steps.append(done)
         else:
             s = order.side(DEV)
@@ -146,14 +149,73 @@ def test_a_step_from_the_previous_steps_stream_makes_no_waits():
     other = _Stream(cuda, "other")
     cuda.current = other
     order.run(lambda: ran_on.append(cuda.current_stream(DEV).name))
-    # (our stream waits for "other" and for "default", where the previous step ran)
-    assert ran_on[-1] == "own1" and cuda.waits == 8
+    # (our stream waits for "other" and for "default", where the previous step ran; then
+    # "other" and the home stream, "default", wait for ours)
+    assert ran_on[-1] == "own1" and cuda.waits == 9
+    # Steps from a stream other than the home one always take our stream.
+    order.run(lambda: ran_on.append(cuda.current_stream(DEV).name))
+    assert ran_on[-1] == "own1" and cuda.waits == 12
     # Another current device: our streams (which make devices[0] current, as before).
+    cuda.current = order.home[1][DEV]
     order.run(lambda: None)
-    assert cuda.waits == 8
+    order.run(lambda: None)
+    assert cuda.waits == 14
     cuda.device = 1
     order.run(lambda: None)
-    assert cuda.waits == 10
+    assert cuda.waits == 16
+
+
+def test_another_thread_is_not_the_home():
+    # (a handle such as cudaStreamPerThread is another stream in another thread)
+    import threading
+    cuda = _Cuda()
+    order = StepStreams([DEV], cuda=cuda)
+    order.run(lambda: None)
+    order.run(lambda: None)
+    assert cuda.waits == 2
+    t = threading.Thread(target=order.run, args=(lambda: None,))
+    t.start()
+    t.join()
+    assert cuda.waits == 4
+
+
+def test_side_work_orders_every_device_after_a_direct_step():
+    # Two devices: a step directly on the home streams, side work on device 0, then a step
+    # from other streams: after the direct step on both devices.
+    d0, d1 = torch.device("cuda:0"), torch.device("cuda:1")
+
+    class Cuda2(_Cuda):
+        def __init__(self):
+            super().__init__()
+            self.cur = {0: _Stream(self, "default0"), 1: _Stream(self, "default1")}
+
+        def current_stream(self, device):
+            return self.cur[device.index]
+
+        def Stream(self, device):
+            self.made += 1
+            s = _Stream(self, f"own{device.index}_{self.made}")
+            s.index = device.index
+            return s
+
+        @contextlib.contextmanager
+        def stream(self, s):
+            before_, self.cur[s.index] = self.cur[s.index], s
+            try:
+                yield
+            finally:
+                self.cur[s.index] = before_
+
+    cuda = Cuda2()
+    order = StepStreams([d0, d1], cuda=cuda)
+    step = lambda: {d: cuda.current_stream(torch.device("cuda", d)).op() for d in (0, 1)}  # noqa
+    order.run(step)
+    direct = order.run(step)
+    assert order.direct
+    order.side(d0)
+    cuda.cur = {0: _Stream(cuda, "c0"), 1: _Stream(cuda, "c1")}
+    later = order.run(step)
+    assert before(direct[0], later[0]) and before(direct[1], later[1])
 
 
 def test_a_failing_step_still_has_the_caller_wait():
@@ -184,5 +246,6 @@ def test_a_copy_starts_without_streams():
     order = StepStreams([DEV], cuda=cuda)
     order.run(lambda: None)
     for clone in (copy.deepcopy(order), pickle.loads(pickle.dumps(order))):
-        assert clone.own == {} and clone.last is None and clone.cuda is torch.cuda
+        assert clone.own == {} and clone.last is None and clone.home is None
+        assert clone.cuda is torch.cuda
         assert clone.devices == [DEV]

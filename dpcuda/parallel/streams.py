@@ -2,21 +2,30 @@
 after the work its caller queued, and the caller's streams after the step, whichever stream or
 thread issued each step, with no stream or event work at all in the common case.
 
-A step issued from the streams the previous step was issued from runs on them directly: stream
-order alone puts it after the previous step and after the caller's work, and puts what the
-caller queues next after it. torch's Stream.wait_stream makes, records, waits on and frees an
-event (four driver calls), so the two waits of a step taken on a stream of our own cost eight
-driver calls, where a direct step costs none. A step from other streams (or the first) runs on
-DataParallel's own stream of each device: that stream waits for the caller's streams and, when
-the previous step ran directly on other streams, for those; the caller's streams then wait for
-it. Work that DataParallel queues outside a step on its own stream (side()) makes the next step
-take its own stream again, so that it comes after that work too.
+A step issued from its home streams (those of the first step, from the thread that issued it)
+when the previous step was issued from them too runs on them directly: stream order alone puts
+it after the previous step and after the caller's work, and puts what the caller queues next
+after it. torch's Stream.wait_stream makes, records, waits on and frees an event (four driver
+calls), so the two waits of a step taken on a stream of our own cost eight driver calls, where
+a direct step costs none. Any other step runs on DataParallel's own stream of each device: that
+stream waits for the caller's streams and, when the previous step ran directly, for the home
+streams; then the caller's streams and the home streams wait for it. Work that DataParallel
+queues outside a step on its own stream (side()) makes the next step take its own stream
+again, so that it comes after that work too.
+
+Why one home and not whichever stream the previous step came from: what a direct step
+allocates (the static batch of a graph, a rebuilt replica) comes from the home streams' pools
+of the caching allocator and may be freed at a later step; every step that does not run on the
+home streams is followed by a wait of the home streams, so work on them, a reuse of such memory
+among it, comes after every use. (The thread is part of the home: a stream handle such as
+cudaStreamPerThread names another stream in another thread.)
 
 `cuda` is torch.cuda, or a stand-in with the same current_stream, current_device, Stream and
 stream (a test's record of the waits on the CPU, where there are no streams).
 """
 
 import contextlib
+import threading
 
 import torch
 
@@ -28,11 +37,12 @@ class StepStreams:
         self.devices = [d for d in dict.fromkeys(devices) if d.type == "cuda"]
         self.cuda = cuda
         self.own = {}       # device -> DataParallel's stream there, made at first need
-        self.last = None    # the previous step's caller streams ({device: stream}), or None
-        self.direct = False  # whether the previous step ran on self.last itself
+        self.home = None    # (thread, {device: stream}) of the first step
+        self.last = None    # the previous step's (thread, {device: stream}), or None
+        self.direct = False  # whether the previous step ran on the home streams themselves
 
     def __getstate__(self):  # (copy.deepcopy, pickle: streams are not state; a copy starts afresh)
-        return {"devices": self.devices, "cuda": None, "own": {}, "last": None,
+        return {"devices": self.devices, "own": {}, "home": None, "last": None,
                 "direct": False}
 
     def __setstate__(self, state):
@@ -48,16 +58,20 @@ class StepStreams:
         """fn() as one step, ordered (the module docstring); returns its result."""
         if not self.devices:
             return fn()
-        callers = {d: self.cuda.current_stream(d) for d in self.devices}
+        callers = (threading.get_ident(),
+                   {d: self.cuda.current_stream(d) for d in self.devices})
+        if self.home is None:
+            self.home = callers
         # (with devices[0] current, as a step taken on our streams runs)
-        if callers == self.last and self.cuda.current_device() == self.devices[0].index:
+        if callers == self.last == self.home and \
+                self.cuda.current_device() == self.devices[0].index:
             self.direct = True
             return fn()
         own = self._own()
         for d, s in own.items():
-            s.wait_stream(callers[d])
-            if self.direct and self.last[d] != callers[d]:
-                s.wait_stream(self.last[d])  # (the previous step ran there)
+            s.wait_stream(callers[1][d])
+            if self.direct and self.home[1][d] != callers[1][d]:
+                s.wait_stream(self.home[1][d])  # (the previous step ran there)
         # Once our streams wait for the caller's, nothing that follows may skip them: a step
         # that fails below still has the caller's streams wait for what it queued.
         self.last, self.direct = None, False
@@ -68,12 +82,14 @@ class StepStreams:
                 result = fn()
         finally:
             for d, s in own.items():
-                callers[d].wait_stream(s)
+                callers[1][d].wait_stream(s)
+                if self.home[1][d] != callers[1][d]:
+                    self.home[1][d].wait_stream(s)
         self.last = callers
         if torch.is_tensor(result) and result.device.type == "cuda" and \
-                result.device in callers:
+                result.device in callers[1]:
             # (made on our stream, freed by the caller's: the allocator waits for the caller)
-            result.record_stream(callers[result.device])
+            result.record_stream(callers[1][result.device])
         return result
 
     def side(self, device):
@@ -82,9 +98,14 @@ class StepStreams:
         step takes our streams again, so that it comes after this work."""
         if device not in self.devices:
             return None
-        stream = self._own()[device]
-        stream.wait_stream(self.cuda.current_stream(device))
-        if self.direct and self.last[device] != self.cuda.current_stream(device):
-            stream.wait_stream(self.last[device])
+        own = self._own()
+        current = self.cuda.current_stream(device)
+        own[device].wait_stream(current)
+        if self.direct:
+            # (the previous step ran on the home streams: every device's own stream waits for
+            # them, as the next step, on our streams, must come after it on every device)
+            for d, s in own.items():
+                if d != device or self.home[1][d] != current:
+                    s.wait_stream(self.home[1][d])
         self.last, self.direct = None, False
-        return stream
+        return own[device]
