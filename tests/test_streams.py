@@ -51,6 +51,9 @@ class _Cuda:
     def current_device(self):
         return self.device
 
+    def is_current_stream_capturing(self):
+        return getattr(self.current, "capturing", False)
+
     def Stream(self, device):
         self.made += 1
         return _Stream(self, f"own{self.made}")
@@ -249,3 +252,33 @@ def test_a_copy_starts_without_streams():
         assert clone.own == {} and clone.last is None and clone.home is None
         assert clone.cuda is torch.cuda
         assert clone.devices == [DEV]
+
+
+def test_a_step_inside_the_callers_capture_leaves_the_home_streams_alone():
+    # Inside torch.cuda.graph (a capturing stream), a step forks our stream from the capture
+    # and joins it back, and neither waits for nor makes wait the home stream, which is not
+    # captured (CUDA refuses such a wait during a capture); the next step goes on as before.
+    cuda = _Cuda()
+    order = StepStreams([DEV], cuda=cuda)
+    home = cuda.current
+    order.run(lambda: None)
+    order.run(lambda: None)
+    assert order.direct and cuda.waits == 2
+    capture = _Stream(cuda, "capture")
+    capture.capturing = True
+    waited = []
+    original = _Stream.wait_stream
+
+    def wait_stream(self, other):
+        waited.append((self.name, other.name))
+        original(self, other)
+    _Stream.wait_stream = wait_stream
+    try:
+        cuda.current = capture
+        order.run(lambda: None)
+    finally:
+        _Stream.wait_stream = original
+    assert waited == [("own1", "capture"), ("capture", "own1")]
+    cuda.current = home
+    order.run(lambda: None)
+    assert cuda.waits == 4  # (direct again: the captured step ran nothing)

@@ -20,8 +20,9 @@ home streams is followed by a wait of the home streams, so work on them, a reuse
 among it, comes after every use. (The thread is part of the home: a stream handle such as
 cudaStreamPerThread names another stream in another thread.)
 
-`cuda` is torch.cuda, or a stand-in with the same current_stream, current_device, Stream and
-stream (a test's record of the waits on the CPU, where there are no streams).
+`cuda` is torch.cuda, or a stand-in with the same current_stream, current_device,
+is_current_stream_capturing, Stream and stream (a test's record of the waits on the CPU, where
+there are no streams).
 """
 
 import contextlib
@@ -60,21 +61,27 @@ class StepStreams:
             return fn()
         callers = (threading.get_ident(),
                    {d: self.cuda.current_stream(d) for d in self.devices})
-        if self.home is None:
-            self.home = callers
         # (with devices[0] current, as a step taken on our streams runs)
         if callers == self.last == self.home and \
                 self.cuda.current_device() == self.devices[0].index:
             self.direct = True
             return fn()
+        # A step inside the caller's own stream capture (torch.cuda.graph around dp.step) runs
+        # nothing now: it forks our streams from the capture and joins them back, and touches
+        # neither the home streams (a wait between captured and uncaptured work is an error of
+        # the capture) nor what the next step does.
+        capturing = self.cuda.is_current_stream_capturing()
+        if self.home is None and not capturing:
+            self.home = callers
         own = self._own()
         for d, s in own.items():
-            s.wait_stream(callers[1][d])
-            if self.direct and self.home[1][d] != callers[1][d]:
+            if self.direct and not capturing and self.home[1][d] != callers[1][d]:
                 s.wait_stream(self.home[1][d])  # (the previous step ran there)
+            s.wait_stream(callers[1][d])
         # Once our streams wait for the caller's, nothing that follows may skip them: a step
         # that fails below still has the caller's streams wait for what it queued.
-        self.last, self.direct = None, False
+        if not capturing:
+            self.last, self.direct = None, False
         try:
             with contextlib.ExitStack() as stack:
                 for d in reversed(self.devices):  # (devices[0]'s last: the current device)
@@ -83,9 +90,10 @@ class StepStreams:
         finally:
             for d, s in own.items():
                 callers[1][d].wait_stream(s)
-                if self.home[1][d] != callers[1][d]:
+                if not capturing and self.home[1][d] != callers[1][d]:
                     self.home[1][d].wait_stream(s)
-        self.last = callers
+        if not capturing:
+            self.last = callers
         if torch.is_tensor(result) and result.device.type == "cuda" and \
                 result.device in callers[1]:
             # (made on our stream, freed by the caller's: the allocator waits for the caller)
