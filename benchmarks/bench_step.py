@@ -2,6 +2,8 @@
 it: N steps issued back to back, then one synchronisation (ms per step = the N steps' time / N).
 A synchronisation after every step would hide what a step that does not wait for the device
 saves, so that per-step latency is reported beside it (the `latency_ms` column), not instead.
+The `host` column (`host_ms_per_step`) is the host's time to issue the N steps, before the
+synchronisation, per step: near ms/step, the step is the host's and the device waits for it.
 
 Contenders, measured round-robin in the same run (benchmarks/common.py):
   torch eager         nn.Sequential + torch.optim (foreach=True), one device, the global batch
@@ -21,6 +23,7 @@ Ratios are torch eager's time over each contender's (> 1: faster than torch eage
 import argparse
 import os
 import sys
+import time
 
 import torch
 import torch.nn.functional as F
@@ -220,7 +223,7 @@ def main(argv=None):
                                "results": rows, "failed": failed,
                                "not_run": [c for c in CONTENDERS if c not in wanted]})
     print(f"{'shape':>16}{'batch':>6}{'opt':>6}{'R':>3}{'method':>20}{'ms/step':>10}"
-          f"{'latency':>10}{'eager/this':>11}")
+          f"{'latency':>10}{'host':>10}{'eager/this':>11}")
     for dims, batch in parse_shapes(args.shapes):
         torch.manual_seed(0)
         x = torch.randn(batch, dims[0], device=device)
@@ -243,15 +246,22 @@ def main(argv=None):
                     if fn is not None:
                         fns[name] = fn
 
-                def burst(fn):
+                # The host's time to issue a burst, before its synchronisation, per step: near
+                # ms/step, the step is the host's (the GPU waits for it); well below, the
+                # device's.
+                issued = {n: [] for n in fns}
+
+                def burst(name, fn):
                     def run():
+                        start = time.perf_counter()
                         for _ in range(per):
                             fn()
+                        issued[name].append((time.perf_counter() - start) * 1e3 / per)
                         if getattr(fn, "finish", None) is not None:
                             fn.finish()  # (a non-blocking step's records read: its sync)
                     return run
                 try:
-                    bursts = compare_samples({n: burst(f) for n, f in fns.items()}, device,
+                    bursts = compare_samples({n: burst(n, f) for n, f in fns.items()}, device,
                                              warmup=1, repeats=repeats)
                     single_steps = compare_samples(fns, device, warmup=1, repeats=repeats)
                 except Exception as err:  # (a contender failing after its trial step)
@@ -266,12 +276,13 @@ def main(argv=None):
                     ms = med(bursts[name]) / per
                     latency = med(single_steps[name])
                     ratio = base / ms if base else None
+                    host = med(issued[name])
                     rows.append({"shape": "-".join(map(str, dims)), "batch": batch,
                                  "optimizer": opt_name, "replicas": R, "method": name,
                                  "ms_per_step": ms, "latency_ms": latency,
-                                 "eager_over_this": ratio})
+                                 "host_ms_per_step": host, "eager_over_this": ratio})
                     print(f"{'-'.join(map(str, dims)):>16}{batch:>6}{opt_name:>6}{R:>3}"
-                          f"{name:>20}{ms:>10.3f}{latency:>10.3f}"
+                          f"{name:>20}{ms:>10.3f}{latency:>10.3f}{host:>10.3f}"
                           f"{ratio if ratio else float('nan'):>11.2f}", flush=True)
                 # written after every row group, so a run stopped at its time limit keeps them
                 save(rows)
