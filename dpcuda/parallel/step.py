@@ -23,8 +23,8 @@ from ..nn import SoftmaxCrossEntropyLoss, _has_grad_hooks, _has_hooks
 from .labels import LabelChecks, LabelError, typed_label_error
 from .pending import PendingSteps
 from .primitives import _run_all, split_sizes
-from .update import UpdateMixin
 from .streams import StepStreams
+from .update import UpdateMixin
 
 
 def _plain(loss_fn, cls):
