@@ -166,7 +166,6 @@ class _FusedOptimizer(Optimizer):
         # previous one.
         return torch.tensor(values, dtype=torch.float64).to(device, non_blocking=True)
 
-    @torch.no_grad()
     def step(self, closure=None):
         """One update of every parameter that has a gradient; returns closure's loss (the
         closure, when given, runs with grad enabled first, as in torch.optim)."""
@@ -174,6 +173,16 @@ class _FusedOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        # The update without autograd, as under torch.no_grad(): its own switch, without the
+        # decorator's context object (on a GPU a small step's time is the host's).
+        previous = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)
+        try:
+            return self._step_without_grad(loss)
+        finally:
+            torch._C._set_grad_enabled(previous)
+
+    def _step_without_grad(self, loss):
         fused = self.__dict__.pop("_fused_step", None)
         if fused is not None:
             # DataParallel.step's update, fused into its reduction (dpcuda.parallel)

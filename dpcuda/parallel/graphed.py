@@ -168,6 +168,8 @@ class GraphedSteps:
     @staticmethod
     def _hooked(module):
         """A module with hooks of its own (the loss: the model's are read by its walk)."""
+        if not module._modules and not module._parameters:  # (a plain loss: no walk)
+            return _has_hooks(module)
         return any(map(_has_hooks, module.modules())) or \
             any(map(_has_grad_hooks, module.parameters()))
 
