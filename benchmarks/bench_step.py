@@ -3,7 +3,10 @@ it: N steps issued back to back, then one synchronisation (ms per step = the N s
 A synchronisation after every step would hide what a step that does not wait for the device
 saves, so that per-step latency is reported beside it (the `latency_ms` column), not instead.
 The `host` column (`host_ms_per_step`) is the host's time to issue the N steps, before the
-synchronisation, per step: near ms/step, the step is the host's and the device waits for it.
+synchronisation, per step. For a step that never waits for the device itself (torch eager and
+compiled, torch's graph, dpcuda graphed), near ms/step means the step is the host's and the
+device waits for it. dpcuda blocking reads its loss at every step and dpcuda nonblocking waits
+once it runs `lag` steps ahead, so their column is near ms/step whatever bounds them.
 
 Contenders, measured round-robin in the same run (benchmarks/common.py):
   torch eager         nn.Sequential + torch.optim (foreach=True), one device, the global batch
@@ -276,7 +279,7 @@ def main(argv=None):
                     ms = med(bursts[name]) / per
                     latency = med(single_steps[name])
                     ratio = base / ms if base else None
-                    host = med(issued[name])
+                    host = med(issued[name][1:])  # (the first: compare_samples' warm-up)
                     rows.append({"shape": "-".join(map(str, dims)), "batch": batch,
                                  "optimizer": opt_name, "replicas": R, "method": name,
                                  "ms_per_step": ms, "latency_ms": latency,

@@ -173,6 +173,9 @@ class _FusedOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if torch.compiler.is_compiling():  # (what dynamo traces without a graph break)
+            with torch.no_grad():
+                return self._step_without_grad(loss)
         # The update without autograd, as under torch.no_grad(): its own switch, without the
         # decorator's context object (on a GPU a small step's time is the host's).
         previous = torch.is_grad_enabled()

@@ -37,8 +37,8 @@ def test_bench_step_runs_every_cpu_contender(tmp_path):
         assert r2 == {"torch eager", "dpcuda blocking", "dpcuda nonblocking"}
     for r in rows:
         assert r["ms_per_step"] > 0 and r["latency_ms"] > 0 and r["eager_over_this"] > 0
-        # (the host's part of a burst, before its synchronisation, is within the burst)
-        assert 0 < r["host_ms_per_step"] <= r["ms_per_step"] * 1.5
+        # (the host's part of each timed burst, before its synchronisation, is within it)
+        assert 0 < r["host_ms_per_step"] <= r["ms_per_step"]
         if r["method"] == "torch eager":
             assert r["eager_over_this"] == 1.0
 

@@ -43,16 +43,26 @@ class _Cuda:
         self.waits = 0
         self.made = 0
         self.current = _Stream(self, "default")
-        self.device = 0
+        self.index = 0  # the current device
 
     def current_stream(self, device):
         return self.current
 
     def current_device(self):
-        return self.device
+        return self.index
 
     def is_current_stream_capturing(self):
-        return getattr(self.current, "capturing", False)
+        # (as torch: the current device's current stream; this model's streams are device 0's,
+        # and device 1's current stream never captures)
+        return self.index == 0 and getattr(self.current, "capturing", False)
+
+    @contextlib.contextmanager
+    def device(self, index):
+        before_, self.index = self.index, index
+        try:
+            yield
+        finally:
+            self.index = before_
 
     def Stream(self, device):
         self.made += 1
@@ -163,7 +173,7 @@ def test_a_step_from_the_previous_steps_stream_makes_no_waits():
     order.run(lambda: None)
     order.run(lambda: None)
     assert cuda.waits == 14
-    cuda.device = 1
+    cuda.index = 1
     order.run(lambda: None)
     assert cuda.waits == 16
 
@@ -282,3 +292,13 @@ def test_a_step_inside_the_callers_capture_leaves_the_home_streams_alone():
     cuda.current = home
     order.run(lambda: None)
     assert cuda.waits == 4  # (direct again: the captured step ran nothing)
+    # The same with another device current: the capture is asked on devices[0].
+    cuda.current, cuda.index = capture, 1
+    waited.clear()
+    _Stream.wait_stream = wait_stream
+    try:
+        order.run(lambda: None)
+    finally:
+        _Stream.wait_stream = original
+    assert waited == [("own1", "capture"), ("capture", "own1")]
+    assert order.last[1][DEV] is home

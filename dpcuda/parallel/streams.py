@@ -20,7 +20,7 @@ home streams is followed by a wait of the home streams, so work on them, a reuse
 among it, comes after every use. (The thread is part of the home: a stream handle such as
 cudaStreamPerThread names another stream in another thread.)
 
-`cuda` is torch.cuda, or a stand-in with the same current_stream, current_device,
+`cuda` is torch.cuda, or a stand-in with the same current_stream, current_device, device,
 is_current_stream_capturing, Stream and stream (a test's record of the waits on the CPU, where
 there are no streams).
 """
@@ -70,7 +70,7 @@ class StepStreams:
         # nothing now: it forks our streams from the capture and joins them back, and touches
         # neither the home streams (a wait between captured and uncaptured work is an error of
         # the capture) nor what the next step does.
-        capturing = self.cuda.is_current_stream_capturing()
+        capturing = self._capturing()
         if self.home is None and not capturing:
             self.home = callers
         own = self._own()
@@ -99,6 +99,12 @@ class StepStreams:
             # (made on our stream, freed by the caller's: the allocator waits for the caller)
             result.record_stream(callers[1][result.device])
         return result
+
+    def _capturing(self):
+        """Whether the caller's stream on devices[0] is capturing (torch asks the current
+        device's, and the caller's current device may be another)."""
+        with self.cuda.device(self.devices[0].index):
+            return self.cuda.is_current_stream_capturing()
 
     def side(self, device):
         """DataParallel's own stream on device for work outside a step (reading the ring),
