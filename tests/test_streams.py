@@ -17,15 +17,33 @@ from dpcuda.parallel.streams import StepStreams
 DEV = torch.device("cuda:0")
 
 
+class _CaptureError(Exception):
+    pass
+
+
 class _Stream:
     def __init__(self, model, name):
         self.model, self.name = model, name
         self.clock = {}
+        self.cap = None  # the capture this stream takes part in (CUDA's stream capture)
 
     def wait_stream(self, other):
+        # CUDA's capture rules: a capturing stream may wait only on work of its own capture,
+        # and a stream that waits on captured work joins that capture.
+        if self.cap is not None and other.cap is not self.cap:
+            raise _CaptureError(f"{self.name}, capturing, waits on {other.name}'s work")
+        if self.cap is None and other.cap is not None:
+            self.cap = other.cap
+            other.cap.joined.add(self)
+        if self.cap is not None and self is self.cap.origin:
+            self.cap.rejoined.add(other)
         self.model.waits += 1
         for k, v in other.clock.items():
             self.clock[k] = max(self.clock.get(k, 0), v)
+
+    @property
+    def capturing(self):
+        return self.cap is not None
 
     def op(self):
         """An operation queued on this stream: its timestamp."""
@@ -264,6 +282,85 @@ def test_a_copy_starts_without_streams():
         assert clone.devices == [DEV]
 
 
+class _Capture:
+    """A stream capture (torch.cuda.graph) on stream origin: at its end every stream that
+    joined it (by waiting on its work) must have been joined back into origin (origin waited
+    on it after its last work), as cudaStreamEndCapture requires."""
+
+    def __init__(self, origin):
+        self.origin, self.joined, self.rejoined = origin, set(), set()
+        origin.cap = self
+
+    def end(self):
+        for s in self.joined:
+            if s not in self.rejoined or \
+                    s.clock.get(s.name, 0) > self.origin.clock.get(s.name, 0):
+                raise _CaptureError(f"{s.name} is not joined back at the end of the capture")
+        for s in list(self.joined) + [self.origin]:
+            s.cap = None
+
+
+class _CaptureBlind(StepStreams):
+    """The broken twin: a step inside a capture is taken for an ordinary one."""
+
+    def _capturing(self):
+        return False
+
+
+def captures(order, cuda, streams, seed, length=80):
+    """Random steps and side work from the streams, with captures of one or two steps in
+    between (on a new stream or a caller's); returns what broke CUDA's capture rules or the
+    steps' order."""
+    rng = random.Random(seed)
+    steps, wrong = [], []
+    for i in range(length):
+        caller = rng.choice(streams)
+        cuda.current = caller
+        what = rng.random()
+        if what < 0.15:
+            origin = rng.choice([_Stream(cuda, f"capture{i}")] + streams[1:])
+            for s in streams + list(order.own.values()):
+                origin.wait_stream(s)  # (torch.cuda.graph synchronises the device first)
+            capture = _Capture(origin)
+            cuda.current = origin
+            try:
+                for _ in range(rng.choice([1, 2])):
+                    order.run(lambda: cuda.current_stream(DEV).op())
+                capture.end()
+            except _CaptureError as err:
+                return wrong + [f"capture at {i}: {err}"]
+            continue
+        mine = caller.op()
+        if what < 0.85:
+            done = order.run(lambda: cuda.current_stream(DEV).op())
+            wrong += [f"step {i} not after {e}" for e in steps if not before(e, done)]
+            if not before(mine, done) or not before(done, caller.op()):
+                wrong.append(f"step {i} and its caller's work out of order")
+            steps.append(done)
+        else:
+            s = order.side(DEV)
+            with cuda.stream(s):
+                done = s.op()
+            wrong += [f"side work {i} not after {e}" for e in steps if not before(e, done)]
+    return wrong
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_captures_in_between_keep_the_capture_rules_and_the_order(seed):
+    cuda = _Cuda()
+    streams = [cuda.current] + [_Stream(cuda, f"caller{i}") for i in range(2)]
+    assert captures(StepStreams([DEV], cuda=cuda), cuda, streams, seed) == []
+
+
+def test_the_capture_rules_fire_on_a_twin_blind_to_captures():
+    found = 0
+    for seed in range(10):
+        cuda = _Cuda()
+        streams = [cuda.current] + [_Stream(cuda, f"caller{i}") for i in range(2)]
+        found += len(captures(_CaptureBlind([DEV], cuda=cuda), cuda, streams, seed))
+    assert found > 0
+
+
 def test_a_step_inside_the_callers_capture_leaves_the_home_streams_alone():
     # Inside torch.cuda.graph (a capturing stream), a step forks our stream from the capture
     # and joins it back, and neither waits for nor makes wait the home stream, which is not
@@ -275,7 +372,7 @@ def test_a_step_inside_the_callers_capture_leaves_the_home_streams_alone():
     order.run(lambda: None)
     assert order.direct and cuda.waits == 2
     capture = _Stream(cuda, "capture")
-    capture.capturing = True
+    _Capture(capture)
     waited = []
     original = _Stream.wait_stream
 
