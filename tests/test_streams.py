@@ -74,25 +74,26 @@ class _Cuda:
         # and device 1's current stream never captures)
         return self.index == 0 and getattr(self.current, "capturing", False)
 
-    @contextlib.contextmanager
     def device(self, index):
-        before_, self.index = self.index, index
-        try:
-            yield
-        finally:
-            self.index = before_
+        return _setting(self, "index", index)
 
     def Stream(self, device):
         self.made += 1
         return _Stream(self, f"own{self.made}")
 
-    @contextlib.contextmanager
     def stream(self, s):
-        before, self.current = self.current, s
-        try:
-            yield
-        finally:
-            self.current = before
+        return _setting(self, "current", s)
+
+
+@contextlib.contextmanager
+def _setting(obj, name, value):
+    """obj.name = value for the block, as torch's device and stream contexts set theirs."""
+    previous = getattr(obj, name)
+    setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        setattr(obj, name, previous)
 
 
 def before(a, b):
@@ -111,16 +112,32 @@ class _NoWaits(StepStreams):
         return self._own()[device]
 
 
-def program(order, cuda, streams, seed, length=60):
-    """Random steps, side work and callers' work from the streams; returns what went wrong."""
+def program(order, cuda, streams, seed, length=60, captures=0.0):
+    """Random steps, side work and callers' work from the streams, and with captures > 0 that
+    share of captures of one or two steps in between (on a new stream or a caller's, after
+    the device's work, as torch.cuda.graph synchronises first); returns what went wrong: a
+    step or side work out of order, or CUDA's capture rules broken."""
     rng = random.Random(seed)
     steps, sides, wrong = [], [], []
     for i in range(length):
         caller = rng.choice(streams)
         cuda.current = caller
-        mine = caller.op()  # the caller's work before (its batch)
         what = rng.random()
-        if what < 0.75:
+        if what < captures:
+            origin = rng.choice([_Stream(cuda, f"capture{i}")] + streams[1:])
+            for s in streams + list(order.own.values()):
+                origin.wait_stream(s)
+            capture = _Capture(origin)
+            cuda.current = origin
+            try:
+                for _ in range(rng.choice([1, 2])):
+                    order.run(lambda: cuda.current_stream(DEV).op())
+                capture.end()
+            except _CaptureError as err:
+                return wrong + [f"capture at {i}: {err}"]
+            continue
+        mine = caller.op()  # the caller's work before (its batch)
+        if what < captures + 0.7:
             done = order.run(lambda: cuda.current_stream(DEV).op())
             for earlier in steps + sides:
                 if not before(earlier, done):
@@ -145,21 +162,24 @@ def program(order, cuda, streams, seed, length=60):
     return wrong
 
 
-@pytest.mark.parametrize("seed", range(20))
-def test_steps_are_ordered_on_the_model_of_streams(seed):
+def captures(order, cuda, streams, seed):
+    """program with captures in between."""
+    return program(order, cuda, streams, seed, length=80, captures=0.15)
+
+
+def callers():
+    """A model of torch.cuda and its callers' streams: the default one and two more."""
     cuda = _Cuda()
-    streams = [cuda.current] + [_Stream(cuda, f"caller{i}") for i in range(2)]
-    order = StepStreams([DEV, torch.device("cpu")], cuda=cuda)
-    assert program(order, cuda, streams, seed) == []
+    return cuda, [cuda.current] + [_Stream(cuda, f"caller{i}") for i in range(2)]
 
 
-def test_the_checker_fires_on_a_twin_without_waits():
-    found = 0
-    for seed in range(5):
-        cuda = _Cuda()
-        streams = [cuda.current] + [_Stream(cuda, f"caller{i}") for i in range(2)]
-        found += len(program(_NoWaits([DEV], cuda=cuda), cuda, streams, seed))
-    assert found > 0
+def faults(check, cls, seeds):
+    """What check (program or captures) finds wrong with StepStreams class cls, over seeds."""
+    found = []
+    for seed in seeds:
+        cuda, streams = callers()
+        found += check(cls([DEV, torch.device("cpu")], cuda=cuda), cuda, streams, seed)
+    return found
 
 
 def test_a_step_from_the_previous_steps_stream_makes_no_waits():
@@ -307,58 +327,17 @@ class _CaptureBlind(StepStreams):
         return False
 
 
-def captures(order, cuda, streams, seed, length=80):
-    """Random steps and side work from the streams, with captures of one or two steps in
-    between (on a new stream or a caller's); returns what broke CUDA's capture rules or the
-    steps' order."""
-    rng = random.Random(seed)
-    steps, wrong = [], []
-    for i in range(length):
-        caller = rng.choice(streams)
-        cuda.current = caller
-        what = rng.random()
-        if what < 0.15:
-            origin = rng.choice([_Stream(cuda, f"capture{i}")] + streams[1:])
-            for s in streams + list(order.own.values()):
-                origin.wait_stream(s)  # (torch.cuda.graph synchronises the device first)
-            capture = _Capture(origin)
-            cuda.current = origin
-            try:
-                for _ in range(rng.choice([1, 2])):
-                    order.run(lambda: cuda.current_stream(DEV).op())
-                capture.end()
-            except _CaptureError as err:
-                return wrong + [f"capture at {i}: {err}"]
-            continue
-        mine = caller.op()
-        if what < 0.85:
-            done = order.run(lambda: cuda.current_stream(DEV).op())
-            wrong += [f"step {i} not after {e}" for e in steps if not before(e, done)]
-            if not before(mine, done) or not before(done, caller.op()):
-                wrong.append(f"step {i} and its caller's work out of order")
-            steps.append(done)
-        else:
-            s = order.side(DEV)
-            with cuda.stream(s):
-                done = s.op()
-            wrong += [f"side work {i} not after {e}" for e in steps if not before(e, done)]
-    return wrong
+@pytest.mark.parametrize("check", [program, captures])
+@pytest.mark.parametrize("seed", range(15))
+def test_steps_keep_their_order_and_the_capture_rules(check, seed):
+    # (program: steps, side work and callers' work from three streams; captures: the same
+    # with captures of steps in between)
+    assert faults(check, StepStreams, [seed]) == []
 
 
-@pytest.mark.parametrize("seed", range(10))
-def test_captures_in_between_keep_the_capture_rules_and_the_order(seed):
-    cuda = _Cuda()
-    streams = [cuda.current] + [_Stream(cuda, f"caller{i}") for i in range(2)]
-    assert captures(StepStreams([DEV], cuda=cuda), cuda, streams, seed) == []
-
-
-def test_the_capture_rules_fire_on_a_twin_blind_to_captures():
-    found = 0
-    for seed in range(10):
-        cuda = _Cuda()
-        streams = [cuda.current] + [_Stream(cuda, f"caller{i}") for i in range(2)]
-        found += len(captures(_CaptureBlind([DEV], cuda=cuda), cuda, streams, seed))
-    assert found > 0
+@pytest.mark.parametrize("check, twin", [(program, _NoWaits), (captures, _CaptureBlind)])
+def test_the_checkers_fire_on_broken_twins(check, twin):
+    assert faults(check, twin, range(10))
 
 
 def test_a_step_inside_the_callers_capture_leaves_the_home_streams_alone():
