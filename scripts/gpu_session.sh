@@ -11,7 +11,7 @@
 #   graphs    the graphed step first (issue #25): its CUDA tests (graphed against eager, 1000
 #             replays with a changing lr; steps from two streams)
 #   launches  benchmarks/count_launches.py alone
-#   graphsan  memcheck, racecheck and synccheck over the graph replays
+#   graphsan  memcheck, racecheck and synccheck over the graph replays (SAN_TOOLS narrows it)
 #   stepbench bench_step with its graphed contenders (BENCH_STEP_ARGS narrows it)
 #   bench     the layer, step and all-reduce benchmarks on cuda
 #   train     the README's main job on the GPU: 1 replica, 2 on one GPU, NCCL under torchrun
@@ -67,8 +67,8 @@ graphs)  # DataParallel(graphs=True): what the CPU could not check: its CUDA tes
   log "graphed tests rc=$?"; grep -E "(FAILED|ERROR) " "$OUT/graphs.log" | head -20; tail -3 "$OUT/graphs.log" ;;
 launches)  # kernels, graph launches and syncs per step
   log "count_launches"; timeout ${LAUNCH_TIMEOUT:-120} $PY benchmarks/count_launches.py --json "$OUT/res/launches.json" 2>&1 | grep -v Warn | tail -14 ;;
-graphsan)  # memcheck, racecheck and synccheck over the graph replays
-  for tool in memcheck racecheck synccheck; do
+graphsan)  # memcheck, racecheck and synccheck over the graph replays (SAN_TOOLS narrows it)
+  for tool in ${SAN_TOOLS:-memcheck racecheck synccheck}; do
     log "$tool over graph replays"; timeout ${SAN_TIMEOUT:-300} compute-sanitizer --tool $tool --error-exitcode 9 $PY -m pytest -q -p no:cacheprovider -k "graphed and AdamW and 1" tests/test_cuda_step.py >"$OUT/res/$tool-graphs.txt" 2>&1; echo "$tool rc=$?"; tail -4 "$OUT/res/$tool-graphs.txt"
   done ;;
 stepbench)  # bench_step with every contender, the graphed ones among them (BENCH_STEP_ARGS narrows it)
