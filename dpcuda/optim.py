@@ -30,11 +30,13 @@ computes in float, as torch's fused=True path, whose bits it gives for Adam); se
 tests/test_optim.py for the tolerances.
 """
 
+import functools
 import math
 import numbers
 
 import torch
 from torch.optim import Optimizer
+from torch.optim import optimizer as _torch_optimizer
 
 __all__ = ["SGD", "Adam", "AdamW"]
 
@@ -48,6 +50,26 @@ _MAXIMIZE, _NESTEROV, _AMSGRAD, _FIRST, _DECOUPLED, _USE_MOMENTUM = 1, 2, 4, 8, 
 def _value(x):
     """A hyperparameter as a Python float (a one-element tensor is read once)."""
     return float(x.item()) if torch.is_tensor(x) else float(x)
+
+
+def _step_entry(func):
+    """The optimizers' step as torch wraps it (torch.optim.Optimizer.profile_hook_step: the
+    step hooks, global and the optimizer's own, and the profiler's "Optimizer.step#..." label),
+    without the label's record_function when no profiler runs and no hook is registered: on a
+    GPU a small step's time is the host's, and that context costs as much as the rest of a
+    replayed step's optimizer call. (Marked hooked: torch does not wrap it again.)"""
+    with_hooks = Optimizer.profile_hook_step(func)
+    hooks = _torch_optimizer
+
+    @functools.wraps(func)
+    def step(self, *args, **kwargs):
+        if self._optimizer_step_pre_hooks or self._optimizer_step_post_hooks or \
+                hooks._global_optimizer_pre_hooks or hooks._global_optimizer_post_hooks or \
+                torch._C._autograd._profiler_enabled() or torch.compiler.is_compiling():
+            return with_hooks(self, *args, **kwargs)
+        return func(self, *args, **kwargs)
+    step.hooked = True
+    return step
 
 
 class _FusedOptimizer(Optimizer):
@@ -166,6 +188,7 @@ class _FusedOptimizer(Optimizer):
         # previous one.
         return torch.tensor(values, dtype=torch.float64).to(device, non_blocking=True)
 
+    @_step_entry
     def step(self, closure=None):
         """One update of every parameter that has a gradient; returns closure's loss (the
         closure, when given, runs with grad enabled first, as in torch.optim)."""

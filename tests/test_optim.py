@@ -715,3 +715,64 @@ def test_gradscaler_over_dataparallel_skips_a_step_any_replica_overflowed(replic
     for r in dp.replicas[1:]:
         for a, b in zip(r.parameters(), model.parameters()):
             assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("name", ["SGD", "AdamW"])
+def test_step_runs_torchs_hooks_and_profiler_label_and_skips_the_label_otherwise(name,
+                                                                                monkeypatch):
+    """dpcuda's step is torch's wrapped step (the pre- and post-hooks, global and the
+    optimizer's, a pre-hook's new arguments, the profiler's label) against torch.optim's,
+    without the label's record_function when neither a hook nor a profiler is there."""
+    from torch.optim.optimizer import (register_optimizer_step_post_hook,
+                                       register_optimizer_step_pre_hook)
+    runs = {}
+    for lib in (torch.optim, dpcuda.optim):
+        torch.manual_seed(0)
+        m = nn.Linear(5, 3)
+        opt = getattr(lib, name)(m.parameters(), lr=0.1)
+        calls = []
+        m(torch.randn(4, 5)).pow(2).sum().backward()
+        handles = [opt.register_step_pre_hook(lambda o, a, k: calls.append(("pre", a, k))),
+                   opt.register_step_post_hook(lambda o, a, k: calls.append(("post", a, k))),
+                   register_optimizer_step_pre_hook(lambda o, a, k: calls.append("gpre")),
+                   register_optimizer_step_post_hook(lambda o, a, k: calls.append("gpost"))]
+        closure = lambda: torch.tensor(2.0)  # noqa: E731
+        # a pre-hook that hands the step new arguments: the closure the step runs
+        swap = opt.register_step_pre_hook(lambda o, a, k: ((a[0],), {"closure": closure}))
+        out = opt.step()
+        swap.remove()
+        for h in handles:
+            h.remove()
+        with torch.profiler.profile() as prof:
+            opt.step()
+        labels = [e.name for e in prof.events() if e.name.startswith("Optimizer.step#")]
+        runs[lib] = (calls, float(out), labels, [p.detach().clone() for p in m.parameters()])
+    (tc, tout, tlab, tw), (dc, dout, dlab, dw) = runs[torch.optim], runs[dpcuda.optim]
+    assert [c if isinstance(c, str) else c[0] for c in dc] == \
+        [c if isinstance(c, str) else c[0] for c in tc] == ["gpre", "pre", "post", "gpost"]
+    assert dout == tout == 2.0
+    assert dlab == [f"Optimizer.step#{name}.step"] and tlab == dlab
+    for a, b in zip(dw, tw):
+        torch.testing.assert_close(a, b)
+
+    # no hook and no profiler: no record_function (torch's wrapper enters one at every step)
+    entered = []
+
+    class Counting(torch.autograd.profiler.record_function):
+        def __enter__(self):
+            entered.append(self.name)
+            return super().__enter__()
+    monkeypatch.setattr(torch.autograd.profiler, "record_function", Counting)
+    m = nn.Linear(5, 3)
+    opt = getattr(dpcuda.optim, name)(m.parameters(), lr=0.1)
+    m(torch.randn(4, 5)).sum().backward()
+    opt.step()
+    assert entered == []
+    h = opt.register_step_post_hook(lambda *a: None)
+    opt.step()
+    assert entered == [f"Optimizer.step#{name}.step"]
+    h.remove()
+    # the check sees torch's own wrapper: a torch optimizer enters it
+    topt = getattr(torch.optim, name)(m.parameters(), lr=0.1)
+    topt.step()
+    assert len(entered) == 2
