@@ -214,6 +214,18 @@ def test_a_step_from_the_previous_steps_stream_makes_no_waits():
     cuda.index = 1
     order.run(lambda: None)
     assert cuda.waits == 16
+    # The first step itself from another current device: the home is devices[0]'s, so later
+    # steps with that device current still take our streams.
+    cuda = _Cuda()
+    cuda.index = 1
+    order = StepStreams([DEV], cuda=cuda)
+    for _ in range(3):
+        order.run(lambda: None)
+    assert cuda.waits == 6
+    cuda.index = 0  # (then direct)
+    order.run(lambda: None)
+    order.run(lambda: None)
+    assert cuda.waits == 6
 
 
 def test_another_thread_is_not_the_home():
@@ -378,3 +390,22 @@ def test_a_step_inside_the_callers_capture_leaves_the_home_streams_alone():
         _Stream.wait_stream = original
     assert waited == [("own1", "capture"), ("capture", "own1")]
     assert order.last[1][DEV] is home
+
+
+def test_the_key_with_torch_cuda_reads_each_devices_current_stream_and_the_device(
+        monkeypatch):
+    # (on the CPU machine torch's C++ side is stood in: what the key is made of)
+    current = {0: (7, 0, 1), 1: (9, 1, 1)}
+    device = [0]
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentStream", lambda i: current[i],
+                        raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: device[0], raising=False)
+    order = StepStreams([torch.device("cuda:0"), torch.device("cuda:1")])
+    assert order.cuda is torch.cuda
+    key = order._key()
+    assert key == order._key()
+    current[1] = (11, 1, 1)
+    assert order._key() != key
+    current[1] = (9, 1, 1)
+    device[0] = 1
+    assert order._key() != key

@@ -22,7 +22,10 @@ cudaStreamPerThread names another stream in another thread.)
 
 `cuda` is torch.cuda, or a stand-in with the same current_stream, current_device, device,
 is_current_stream_capturing, Stream and stream (a test's record of the waits on the CPU, where
-there are no streams).
+there are no streams). With torch.cuda, whether a step is direct is asked of torch's C++ side
+(the current streams' ids and the current device) without making Stream objects: on a GPU a
+small step's time is the host's, and torch.cuda.current_stream costs about as much as the rest
+of the check.
 """
 
 import contextlib
@@ -41,10 +44,11 @@ class StepStreams:
         self.home = None    # (thread, {device: stream}) of the first step
         self.last = None    # the previous step's (thread, {device: stream}), or None
         self.direct = False  # whether the previous step ran on the home streams themselves
+        self.home_key = None  # (thread, the home streams' identities, devices[0]'s index)
 
     def __getstate__(self):  # (copy.deepcopy, pickle: streams are not state; a copy starts afresh)
         return {"devices": self.devices, "own": {}, "home": None, "last": None,
-                "direct": False}
+                "direct": False, "home_key": None}
 
     def __setstate__(self, state):
         self.__dict__.update(state)
@@ -55,17 +59,26 @@ class StepStreams:
             self.own = {d: self.cuda.Stream(d) for d in self.devices}
         return self.own
 
+    def _key(self):
+        """(thread, the current streams' identities, the current device): equal to home_key
+        when a step may run directly (its streams the home's, with devices[0] current, as a
+        step taken on our streams runs)."""
+        if self.cuda is torch.cuda:
+            get = torch._C._cuda_getCurrentStream  # ((stream id, device index, device type))
+            return (threading.get_ident(), tuple(get(d.index) for d in self.devices),
+                    torch._C._cuda_getDevice())
+        return (threading.get_ident(), tuple(self.cuda.current_stream(d) for d in
+                                             self.devices), self.cuda.current_device())
+
     def run(self, fn):
         """fn() as one step, ordered (the module docstring); returns its result."""
         if not self.devices:
             return fn()
-        callers = (threading.get_ident(),
-                   {d: self.cuda.current_stream(d) for d in self.devices})
-        # (with devices[0] current, as a step taken on our streams runs)
-        if callers == self.last == self.home and \
-                self.cuda.current_device() == self.devices[0].index:
+        key = self._key()
+        if self.last is not None and self.last is self.home and key == self.home_key:
             self.direct = True
             return fn()
+        callers = (key[0], {d: self.cuda.current_stream(d) for d in self.devices})
         # A step inside the caller's own stream capture (torch.cuda.graph around dp.step) runs
         # nothing now: it forks our streams from the capture and joins them back, and touches
         # neither the home streams (a wait between captured and uncaptured work is an error of
@@ -73,6 +86,7 @@ class StepStreams:
         capturing = self._capturing()
         if self.home is None and not capturing:
             self.home = callers
+            self.home_key = key[:2] + (self.devices[0].index,)
         own = self._own()
         for d, s in own.items():
             if self.direct and not capturing and self.home[1][d] != callers[1][d]:
@@ -93,7 +107,7 @@ class StepStreams:
                 if not capturing and self.home[1][d] != callers[1][d]:
                     self.home[1][d].wait_stream(s)
         if not capturing:
-            self.last = callers
+            self.last = self.home if callers == self.home else callers
         if torch.is_tensor(result) and result.device.type == "cuda" and \
                 result.device in callers[1]:
             # (made on our stream, freed by the caller's: the allocator waits for the caller)
