@@ -11,6 +11,7 @@
 
 #include "dispatch.h"
 #include "label_errors.h"
+#include "model_walk.h"
 #ifdef DPCUDA_WITH_CUDA
 #include "cublaslt.h"
 #include "kernel_image.h"
@@ -99,6 +100,7 @@ TORCH_LIBRARY(dpcuda, m) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "dpcuda's compiled kernels; the ops are registered under torch.ops.dpcuda";
+  dpcuda::register_model_walk(m);
   m.def("built_with_cuda", []() {
 #ifdef DPCUDA_WITH_CUDA
     return true;

@@ -285,6 +285,12 @@ def _attribute_key(v, objects):
     return id(v)
 
 
+# ReplicaSet.walk in C (csrc/torch/model_walk.cpp); False: the Python walk alone (the tests
+# compare the two).
+_C._walk_setup(nn.Parameter, torch.Tensor, (nn.Embedding, nn.EmbeddingBag), _VALUES)
+_C_WALK = True
+
+
 class ReplicaSet:
     """The replicas of model on devices (devices[0] is the model's)."""
 
@@ -317,6 +323,15 @@ class ReplicaSet:
             self._parked[k] = v
 
     def walk(self, graphed=True):
+        """_walk_python's result, made in C (dpcuda._C._walk: the same objects, a few times
+        faster) where the model has nothing the Python walk must refuse or see to itself."""
+        if _C_WALK:
+            found = _C._walk(self.model, graphed, len(self.devices))
+            if found is not None:
+                return found
+        return self._walk_python(graphed)
+
+    def _walk_python(self, graphed=True):
         """The model's parameters and buffers (in model.parameters() and model.buffers()
         order) and the key of its structure, in one walk over its modules (preorder, as
         named_modules walks them), which also refuses what cannot be made exact; with what a
