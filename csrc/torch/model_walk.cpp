@@ -14,6 +14,7 @@
 #include <Python.h>
 #include <torch/extension.h>
 
+#include <unordered_map>
 #include <unordered_set>
 #include <vector>
 
@@ -41,7 +42,23 @@ Ref steal(PyObject* o) {
   return py::reinterpret_steal<py::object>(o);
 }
 
-Ref attr(PyObject* o, const char* name) { return steal(PyObject_GetAttrString(o, name)); }
+// An attribute name as an interned string, made once per name: PyObject_GetAttrString would
+// make and hash a new string at every call, which was the walk's largest cost.
+PyObject* interned(const char* name) {
+  static std::unordered_map<const char*, PyObject*> names;
+  auto found = names.find(name);
+  if (found != names.end()) {
+    return found->second;
+  }
+  PyObject* s = PyUnicode_InternFromString(name);
+  if (s == nullptr) {
+    throw py::error_already_set();
+  }
+  names.emplace(name, s);  // (kept for the life of the process)
+  return s;
+}
+
+Ref attr(PyObject* o, const char* name) { return steal(PyObject_GetAttr(o, interned(name))); }
 
 bool truth(PyObject* o) {
   const int t = PyObject_IsTrue(o);
@@ -101,7 +118,7 @@ Ref attribute_key(PyObject* v, PyObject* objects) {
   if (is_instance(v, classes.tensor)) {
     // (v.data_ptr(), v.dtype, tuple(v.shape)); a tensor without storage (RuntimeError) is
     // held as an object
-    PyObject* ptr = PyObject_CallMethod(v, "data_ptr", nullptr);
+    PyObject* ptr = PyObject_CallMethodNoArgs(v, interned("data_ptr"));
     if (ptr != nullptr) {
       Ref p = steal(ptr);
       Ref dtype = attr(v, "dtype");
@@ -227,7 +244,7 @@ py::object walk(py::handle model, bool graphed, int replicas) {
       append(key.ptr(), id_of(b));
       append(key.ptr(), attr(b, "shape"));
       if (graphed) {
-        append(state.ptr(), steal(PyObject_CallMethod(b, "data_ptr", nullptr)));
+        append(state.ptr(), steal(PyObject_CallMethodNoArgs(b, interned("data_ptr"))));
       }
     }
     Ref children = module_dict(m, "_modules");
