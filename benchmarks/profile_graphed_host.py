@@ -21,6 +21,10 @@ def main():
     ap.add_argument("--optimizer", default="sgd")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
+    if not torch.cuda.is_available():
+        ap.error("needs a CUDA device (graphs=True replays CUDA graphs)")
+    if a.optimizer not in ("sgd", "adamw") or a.steps < 1:
+        ap.error("--optimizer is sgd or adamw, and --steps at least 1")
     torch.manual_seed(0)
     dev = torch.device("cuda")
     x = torch.randn(256, 784, device=dev)

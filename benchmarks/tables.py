@@ -199,6 +199,13 @@ STEP_SYNC_GPU = ([(1, "dpcuda blocking"), (1, "dpcuda nonblocking"), (2, "dpcuda
                   (2, "dpcuda nonblocking")],
                  ["R=1 blocking", "R=1 non-blocking", "R=2 blocking", "R=2 non-blocking"])
 
+STEP_SYNC_GPU_ALL = ([(1, "torch.compile"), (1, "torch.compile r-o"), (1, "torch cuda graph"),
+                      (1, "dpcuda blocking"), (1, "dpcuda nonblocking"), (1, "dpcuda graphed"),
+                      (2, "dpcuda graphed"), (4, "dpcuda graphed")],
+                     ["torch.compile", "reduce-overhead", "torch's whole-step graph",
+                      "R=1 blocking", "R=1 non-blocking", "R=1 graphed", "R=2 graphed",
+                      "R=4 graphed"])
+
 
 def step_sync(name="step-sync-cpu-2026-11-25.json", spec=STEP_SYNC_CPU):
     results = load(name)["results"]
@@ -217,9 +224,9 @@ def step_sync(name="step-sync-cpu-2026-11-25.json", spec=STEP_SYNC_CPU):
     return table(["shape", "batch", "opt"] + headers, rows)
 
 
-def host():
-    after = load("host-cpu-2026-11-27.json")["results"]
-    before = load("host-cpu-2026-11-27-before.json")["results"]
+def host(after="host-cpu-2026-11-27.json", before="host-cpu-2026-11-27-before.json"):
+    after = load(after)["results"]
+    before = load(before)["results"]
     rows = []
     for r in after:
         b = pick(before, optimizer=r["optimizer"], method=r["method"])
@@ -230,8 +237,8 @@ def host():
                   "before: torch eager / this", "now: torch eager / this"], rows)
 
 
-def launches_graphed():
-    run = load("launches-h100-2026-11-27.json")
+def launches_graphed(name="launches-h100-2026-11-27.json"):
+    run = load(name)
     rows = []
     for key in run:
         if "graphs=True" not in key and key not in ("torch eager (foreach SGD)",
@@ -390,8 +397,13 @@ TABLES = {
     "step-sync-cpu-2026-11-25.json": step_sync,
     "step-sync-h100-2026-11-27.json": lambda: step_sync("step-sync-h100-2026-11-27.json",
                                                         STEP_SYNC_GPU),
+    "step-sync-h100-2026-11-27b.json": lambda: step_sync("step-sync-h100-2026-11-27b.json",
+                                                         STEP_SYNC_GPU_ALL),
     "host-cpu-2026-11-27.json + host-cpu-2026-11-27-before.json": host,
+    "host-cpu-2026-11-27d.json + host-cpu-2026-11-27c.json": lambda: host(
+        "host-cpu-2026-11-27d.json", "host-cpu-2026-11-27c.json"),
     "launches-h100-2026-11-27.json": launches_graphed,
+    "launches-h100-2026-11-27b.json": lambda: launches_graphed("launches-h100-2026-11-27b.json"),
     "step-cpu-2026-11-22.json": step_cpu,
     "optim-cpu-2026-11-24.json#update": optim_update,
     "optim-cpu-2026-11-24.json#reduce-update": optim_reduce_update,

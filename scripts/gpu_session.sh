@@ -12,6 +12,7 @@
 #             replays with a changing lr; steps from two streams)
 #   launches  benchmarks/count_launches.py alone
 #   graphsan  memcheck, racecheck and synccheck over the graph replays (SAN_TOOLS narrows it)
+#   hostprof  where a replayed graphed step's host time goes (cProfile, SGD and AdamW)
 #   stepbench bench_step with its graphed contenders (BENCH_STEP_ARGS narrows it)
 #   bench     the layer, step and all-reduce benchmarks on cuda
 #   train     the README's main job on the GPU: 1 replica, 2 on one GPU, NCCL under torchrun
@@ -71,6 +72,8 @@ graphsan)  # memcheck, racecheck and synccheck over the graph replays (SAN_TOOLS
   for tool in ${SAN_TOOLS:-memcheck racecheck synccheck}; do
     log "$tool over graph replays"; timeout ${SAN_TIMEOUT:-300} compute-sanitizer --tool $tool --error-exitcode 9 $PY -m pytest -q -p no:cacheprovider -k "graphed and AdamW and 1" tests/test_cuda_step.py >"$OUT/res/$tool-graphs.txt" 2>&1; echo "$tool rc=$?"; tail -4 "$OUT/res/$tool-graphs.txt"
   done ;;
+hostprof)  # where a replayed graphed step's host time goes
+  for o in sgd adamw; do log "profile_graphed_host $o"; timeout 90 $PY benchmarks/profile_graphed_host.py --optimizer $o --out "$OUT/res/profile-graphed-$o.txt" 2>&1 | head -3; done ;;
 stepbench)  # bench_step with every contender, the graphed ones among them (BENCH_STEP_ARGS narrows it)
   log "bench_step"; timeout ${BENCH_TIMEOUT:-500} $PY benchmarks/bench_step.py --device cuda --json "$OUT/res/step-sync-cuda.json" ${BENCH_STEP_ARGS:-} >"$OUT/res/step-sync-cuda.txt" 2>&1; echo "rc=$?"; tail -40 "$OUT/res/step-sync-cuda.txt" ;;
 train)  # the README's main job on the GPU: 1 replica, 2 replicas on it, and NCCL under torchrun
