@@ -11,7 +11,8 @@
 #   graphs    the graphed step first (issue #25): its CUDA tests (graphed against eager, 1000
 #             replays with a changing lr; steps from two streams)
 #   launches  benchmarks/count_launches.py alone
-#   graphsan  memcheck, racecheck and synccheck over the graph replays (SAN_TOOLS narrows it)
+#   graphsan  memcheck, racecheck and synccheck over the graph replays (SAN_TOOLS narrows it;
+#             the bit-for-bit test over GRAPHED_STEPS=14 steps: racecheck did not finish 1000)
 #   hostprof  where a replayed graphed step's host time goes (cProfile, SGD and AdamW)
 #   stepbench bench_step with its graphed contenders (BENCH_STEP_ARGS narrows it)
 #   bench     the layer, step and all-reduce benchmarks on cuda
@@ -70,7 +71,7 @@ launches)  # kernels, graph launches and syncs per step
   log "count_launches"; timeout ${LAUNCH_TIMEOUT:-120} $PY benchmarks/count_launches.py --json "$OUT/res/launches.json" 2>&1 | grep -v Warn | tail -14 ;;
 graphsan)  # memcheck, racecheck and synccheck over the graph replays (SAN_TOOLS narrows it)
   for tool in ${SAN_TOOLS:-memcheck racecheck synccheck}; do
-    log "$tool over graph replays"; timeout ${SAN_TIMEOUT:-300} compute-sanitizer --tool $tool --error-exitcode 9 $PY -m pytest -q -p no:cacheprovider -k "graphed and AdamW and 1" tests/test_cuda_step.py >"$OUT/res/$tool-graphs.txt" 2>&1; echo "$tool rc=$?"; tail -4 "$OUT/res/$tool-graphs.txt"
+    log "$tool over graph replays"; DPCUDA_GRAPHED_STEPS=${GRAPHED_STEPS:-14} timeout ${SAN_TIMEOUT:-300} compute-sanitizer --tool $tool --error-exitcode 9 $PY -m pytest -q -p no:cacheprovider -k "graphed and AdamW and 1" tests/test_cuda_step.py >"$OUT/res/$tool-graphs.txt" 2>&1; echo "$tool rc=$?"; tail -4 "$OUT/res/$tool-graphs.txt"
   done ;;
 hostprof)  # where a replayed graphed step's host time goes
   for o in sgd adamw; do log "profile_graphed_host $o"; timeout 90 $PY benchmarks/profile_graphed_host.py --optimizer $o --out "$OUT/res/profile-graphed-$o.txt" 2>&1 | head -3; done ;;

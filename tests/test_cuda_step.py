@@ -5,6 +5,8 @@ replicas. Runs where dpcuda's CUDA kernels can run; skipped elsewhere."""
 
 import copy
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -174,10 +176,11 @@ def test_cuda_nonblocking_training_is_the_blocking_training(replicas, fused, lab
 def test_cuda_graphed_training_is_the_eager_training_bit_for_bit(replicas, name):
     # The captured step replayed 1000 times with an lr that changes every step (a scheduler),
     # NaN steps skipped on the device, labels on the GPU: the weights, the losses and the
-    # skipped steps of the eager non-blocking step, bit for bit; one capture.
+    # skipped steps of the eager non-blocking step, bit for bit; one capture. (Under
+    # compute-sanitizer, scripts/gpu_session.sh graphsan runs 14 steps: DPCUDA_GRAPHED_STEPS.)
     gen = torch.Generator().manual_seed(3)
     data = []
-    for s in range(1000):
+    for s in range(int(os.environ.get("DPCUDA_GRAPHED_STEPS", "1000"))):
         x = torch.randn(24, 20, generator=gen)
         if s in (10, 500):
             x[2, 2] = float("nan")
