@@ -38,6 +38,8 @@ import torch
 from torch.optim import Optimizer
 from torch.optim import optimizer as _torch_optimizer
 
+from . import _C
+
 __all__ = ["SGD", "Adam", "AdamW"]
 
 # The hyperparameter array's slots and flag bits (csrc/kernels/optim/update.h).
@@ -54,18 +56,24 @@ def _value(x):
 
 def _step_entry(func):
     """The optimizers' step as torch wraps it (torch.optim.Optimizer.profile_hook_step: the
-    step hooks, global and the optimizer's own, and the profiler's "Optimizer.step#..." label),
-    without the label's record_function when no profiler runs and no hook is registered: on a
-    GPU a small step's time is the host's, and that context costs as much as the rest of a
-    replayed step's optimizer call. (Marked hooked: torch does not wrap it again.)"""
+    step hooks, global and the optimizer's own, and the "Optimizer.step#..." label of a
+    record_function), without that wrapper where it would do nothing: no step hook registered
+    and no RecordFunction callback (a profiler, an execution-trace observer) to see the label.
+    On a GPU a small step's time is the host's, and the wrapper costs as much as the rest of a
+    replayed step's optimizer call. (Marked hooked, as torch marks its own: torch does not
+    wrap it again. A subclass's own step is wrapped by torch; reached from it through
+    super().step(), this one adds nothing, so that hooks run once.)"""
     with_hooks = Optimizer.profile_hook_step(func)
     hooks = _torch_optimizer
 
     @functools.wraps(func)
     def step(self, *args, **kwargs):
-        if self._optimizer_step_pre_hooks or self._optimizer_step_post_hooks or \
+        if type(self).step is not step:  # (from a subclass's own step, which torch wraps)
+            return func(self, *args, **kwargs)
+        if torch.compiler.is_compiling() or \
+                self._optimizer_step_pre_hooks or self._optimizer_step_post_hooks or \
                 hooks._global_optimizer_pre_hooks or hooks._global_optimizer_post_hooks or \
-                torch._C._autograd._profiler_enabled() or torch.compiler.is_compiling():
+                _C._record_function_observed():
             return with_hooks(self, *args, **kwargs)
         return func(self, *args, **kwargs)
     step.hooked = True

@@ -776,3 +776,41 @@ def test_step_runs_torchs_hooks_and_profiler_label_and_skips_the_label_otherwise
     topt = getattr(torch.optim, name)(m.parameters(), lr=0.1)
     topt.step()
     assert len(entered) == 2
+
+
+def test_a_subclass_overriding_step_runs_the_hooks_once():
+    # torch wraps the subclass's own step; the base step reached through super() adds nothing
+    # (from the review: with both wrapped, every hook ran twice)
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    class MySGD(dpcuda.optim.SGD):
+        def step(self, closure=None):
+            return super().step(closure)
+    m = nn.Linear(3, 2)
+    opt = MySGD(m.parameters(), lr=0.1)
+    m(torch.randn(4, 3)).sum().backward()
+    calls = []
+    opt.register_step_pre_hook(lambda *a: calls.append("pre"))
+    opt.register_step_post_hook(lambda *a: calls.append("post"))
+    g = register_optimizer_step_pre_hook(lambda *a: calls.append("gpre"))
+    try:
+        opt.step()
+    finally:
+        g.remove()
+    assert calls == ["gpre", "pre", "post"]
+
+
+def test_an_execution_trace_observer_sees_the_step_label(tmp_path):
+    # (a RecordFunction observer without the profiler: the label is recorded, as torch's)
+    m = nn.Linear(3, 2)
+    opt = dpcuda.optim.AdamW(m.parameters(), lr=0.1)
+    m(torch.randn(4, 3)).sum().backward()
+    path = str(tmp_path / "trace.json")
+    et = torch.profiler.ExecutionTraceObserver()
+    et.register_callback(path)
+    et.start()
+    opt.step()
+    et.stop()
+    et.unregister_callback()
+    with open(path) as f:
+        assert "Optimizer.step#AdamW.step" in f.read()

@@ -170,3 +170,55 @@ def test_an_attribute_whose_data_ptr_raises_otherwise_propagates():
         _C._walk(m, True, 1)
     with pytest.raises(KeyError, match="boom"):
         _walks(m, True, 1)[1]._walk_python(True)
+
+
+def test_containers_that_are_not_plain_dicts_are_the_python_walks():
+    # (from the review: a TorchScript child keeps its parameters in a wrapper of its own; an
+    # OrderedDict reordered with move_to_end has an order that is not its dict's)
+    m = nn.Sequential(torch.jit.script(nn.Linear(2, 2)), nn.Linear(2, 3))
+    c, s = _walks(m, True, 1)
+    assert c is None
+    assert [p.shape for p in s.walk()[0]] == [p.shape for p in m.parameters()]
+    import collections
+    m = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 3))
+    m._modules = collections.OrderedDict(m._modules)
+    m._modules.move_to_end("0")
+    c, s = _walks(m, False, 1)
+    assert c is None
+    assert [p.shape for p in s.walk(False)[0]] == [p.shape for p in m.parameters()]
+
+
+def test_a_tensor_attribute_whose_shape_raises_is_held_as_an_object():
+    # (a nested tensor: data_ptr works, .shape raises a RuntimeError)
+    m = nn.Linear(2, 2)
+    m.lengths = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])
+    c, s = _walks(m, True, 1)
+    _same(c, s._walk_python(True))
+    assert any(o is m.lengths for o in c[3][2])
+
+
+def test_a_module_dropped_while_the_walk_runs_python_code_is_still_walked_as_in_python():
+    # (from the review: a tensor subclass's data_ptr deletes a sibling not visited yet; the
+    # walk holds it, as the Python walk's stack does, and reads no freed memory)
+    import gc
+    root = nn.Sequential(nn.Linear(2, 2), nn.Linear(3, 3))
+
+    class Dropper(torch.Tensor):
+        def data_ptr(self):
+            root._modules.pop("1", None)
+            return super().data_ptr()
+    results = []
+    for walk in ("c", "python"):
+        root.add_module("1", nn.Linear(3, 3))
+        root[0].odd = torch.zeros(1).as_subclass(Dropper)
+        gc.disable()
+        try:
+            s = ReplicaSet.__new__(ReplicaSet)
+            s.model, s.devices = root, ["cpu"]
+            out = _C._walk(root, True, 1) if walk == "c" else s._walk_python(True)
+        finally:
+            gc.enable()
+        results.append(([tuple(p.shape) for p in out[0]],
+                         [k for k in out[2] if isinstance(k, type)]))
+    assert results[0] == results[1] == ([(2, 2), (2,), (3, 3), (3,)],
+                                        [nn.Sequential, nn.Linear, nn.Linear])

@@ -93,6 +93,30 @@ bool is_nan_float(PyObject* v) {
 
 Ref id_of(PyObject* o) { return steal(PyLong_FromVoidPtr(o)); }
 
+// (v.data_ptr(), v.dtype, tuple(v.shape)), or an empty object where one of them raised a
+// RuntimeError (cleared); any other error is raised.
+Ref tensor_key(PyObject* v) {
+  PyObject* ptr = PyObject_CallMethodNoArgs(v, interned("data_ptr"));
+  PyObject* dtype = ptr ? PyObject_GetAttr(v, interned("dtype")) : nullptr;
+  PyObject* shape = dtype ? PyObject_GetAttr(v, interned("shape")) : nullptr;
+  PyObject* dims = shape ? PySequence_Tuple(shape) : nullptr;
+  Py_XDECREF(shape);
+  if (dims == nullptr) {
+    Py_XDECREF(ptr);
+    Py_XDECREF(dtype);
+    if (!PyErr_ExceptionMatches(PyExc_RuntimeError)) {
+      throw py::error_already_set();
+    }
+    PyErr_Clear();
+    return Ref();
+  }
+  PyObject* key = PyTuple_Pack(3, ptr, dtype, dims);
+  Py_DECREF(ptr);
+  Py_DECREF(dtype);
+  Py_DECREF(dims);
+  return steal(key);
+}
+
 // replicas._attribute_key(v, objects)
 Ref attribute_key(PyObject* v, PyObject* objects) {
   if (exact_value_type(v)) {
@@ -116,19 +140,12 @@ Ref attribute_key(PyObject* v, PyObject* objects) {
     }
   }
   if (is_instance(v, classes.tensor)) {
-    // (v.data_ptr(), v.dtype, tuple(v.shape)); a tensor without storage (RuntimeError) is
-    // held as an object
-    PyObject* ptr = PyObject_CallMethodNoArgs(v, interned("data_ptr"));
-    if (ptr != nullptr) {
-      Ref p = steal(ptr);
-      Ref dtype = attr(v, "dtype");
-      Ref shape = steal(PySequence_Tuple(attr(v, "shape").ptr()));
-      return steal(PyTuple_Pack(3, p.ptr(), dtype.ptr(), shape.ptr()));
+    // (v.data_ptr(), v.dtype, tuple(v.shape)); a RuntimeError from any of them (a tensor
+    // without storage, a nested tensor's shape) holds the tensor as an object, as in Python
+    Ref key = tensor_key(v);
+    if (key) {
+      return key;
     }
-    if (!PyErr_ExceptionMatches(PyExc_RuntimeError)) {
-      throw py::error_already_set();
-    }
-    PyErr_Clear();
   }
   if (PyList_Append(objects, v) < 0) {
     throw py::error_already_set();
@@ -144,14 +161,17 @@ void append(PyObject* list, PyObject* item) {
 
 void append(PyObject* list, const Ref& item) { append(list, item.ptr()); }
 
-// A module's own dict entry (m._parameters, ...) as a dict: these live in the instance's
-// __dict__; anything else (a property, a subclass's slot) is read with getattr.
-Ref module_dict(PyObject* m, const char* name) {
+// A module's own dict (m.__dict__, m._parameters, m._buffers, m._modules) as a list of its
+// values or items, taken before anything else runs (the walk runs Python code: a tensor
+// subclass's data_ptr, a hook dict's __bool__, which could change them); an empty object where
+// it is not exactly a dict (a TorchScript module's wrapper, an OrderedDict whose order is its
+// own), which the Python walk then handles.
+Ref module_entries(PyObject* m, const char* name, bool items) {
   Ref d = attr(m, name);
-  if (!PyDict_Check(d.ptr())) {
-    throw py::type_error(std::string("dpcuda: a module's ") + name + " is not a dict");
+  if (!PyDict_CheckExact(d.ptr())) {
+    return Ref();
   }
-  return d;
+  return steal(items ? PyDict_Items(d.ptr()) : PyDict_Values(d.ptr()));
 }
 
 bool has_hooks(PyObject* m) {
@@ -180,25 +200,29 @@ py::object walk(py::handle model, bool graphed, int replicas) {
   Ref objects = steal(PyList_New(0));
   bool hooked = false;
   std::unordered_set<PyObject*> seen;
-  std::vector<PyObject*> stack{model.ptr()};  // (borrowed: the model holds every module)
+  // (strong references: Python code the walk runs could drop a module not yet visited)
+  std::vector<Ref> stack{py::reinterpret_borrow<py::object>(model)};
   while (!stack.empty()) {
-    PyObject* m = stack.back();
+    const Ref module = std::move(stack.back());
     stack.pop_back();
+    PyObject* m = module.ptr();
     if (!seen.insert(m).second) {
       continue;
     }
     append(key.ptr(), id_of(m));
     append(key.ptr(), reinterpret_cast<PyObject*>(Py_TYPE(m)));
     if (graphed) {
-      // every public attribute of the instance's __dict__, in its order (its items taken
-      // first: a tensor subclass's data_ptr is Python code, and could change the dict)
-      Ref items = steal(PyDict_Items(module_dict(m, "__dict__").ptr()));
+      // every public attribute of the instance's __dict__, in its order
+      const Ref items = module_entries(m, "__dict__", true);
+      if (!items) {
+        return py::none();
+      }
       const Py_ssize_t n = PyList_GET_SIZE(items.ptr());
       for (Py_ssize_t i = 0; i < n; ++i) {
         PyObject* item = PyList_GET_ITEM(items.ptr(), i);
         PyObject* k = PyTuple_GET_ITEM(item, 0);
-        if (!PyUnicode_Check(k)) {
-          return py::none();  // (the Python walk's k[:1] on a key that is not a str)
+        if (!PyUnicode_CheckExact(k)) {
+          return py::none();  // (the Python walk's k[:1] on a key that is not a plain str)
         }
         if (PyUnicode_GET_LENGTH(k) > 0 && PyUnicode_READ_CHAR(k, 0) == '_') {
           continue;
@@ -210,10 +234,12 @@ py::object walk(py::handle model, bool graphed, int replicas) {
     if (is_instance(m, classes.refused)) {
       return py::none();
     }
-    Ref parameters = module_dict(m, "_parameters");
-    Py_ssize_t pos = 0;
-    PyObject *k, *p;
-    while (PyDict_Next(parameters.ptr(), &pos, &k, &p)) {
+    const Ref parameters = module_entries(m, "_parameters", false);
+    if (!parameters) {
+      return py::none();
+    }
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(parameters.ptr()); ++i) {
+      PyObject* p = PyList_GET_ITEM(parameters.ptr(), i);
       if (p == Py_None || seen.count(p) != 0) {
         continue;
       }
@@ -232,10 +258,12 @@ py::object walk(py::handle model, bool graphed, int replicas) {
         return py::none();
       }
     }
-    Ref module_buffers = module_dict(m, "_buffers");
-    pos = 0;
-    PyObject* b;
-    while (PyDict_Next(module_buffers.ptr(), &pos, &k, &b)) {
+    const Ref module_buffers = module_entries(m, "_buffers", false);
+    if (!module_buffers) {
+      return py::none();
+    }
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(module_buffers.ptr()); ++i) {
+      PyObject* b = PyList_GET_ITEM(module_buffers.ptr(), i);
       if (b == Py_None || seen.count(b) != 0) {
         continue;
       }
@@ -247,16 +275,16 @@ py::object walk(py::handle model, bool graphed, int replicas) {
         append(state.ptr(), steal(PyObject_CallMethodNoArgs(b, interned("data_ptr"))));
       }
     }
-    Ref children = module_dict(m, "_modules");
-    std::vector<PyObject*> found;
-    pos = 0;
-    PyObject* c;
-    while (PyDict_Next(children.ptr(), &pos, &k, &c)) {
+    const Ref children = module_entries(m, "_modules", false);
+    if (!children) {
+      return py::none();
+    }
+    for (Py_ssize_t i = PyList_GET_SIZE(children.ptr()) - 1; i >= 0; --i) {
+      PyObject* c = PyList_GET_ITEM(children.ptr(), i);
       if (c != Py_None) {
-        found.push_back(c);
+        stack.push_back(py::reinterpret_borrow<py::object>(c));
       }
     }
-    stack.insert(stack.end(), found.rbegin(), found.rend());
   }
   Ref key_tuple = steal(PyList_AsTuple(key.ptr()));
   Ref state_tuple = steal(PyList_AsTuple(state.ptr()));
@@ -283,6 +311,9 @@ void register_model_walk(py::module& m) {
         classes.refused = refused.inc_ref().ptr();
         classes.values = values.inc_ref().ptr();
         classes.nan = PyUnicode_FromString("nan");
+        if (classes.nan == nullptr) {
+          throw py::error_already_set();
+        }
       },
       "The classes _walk tells apart: nn.Parameter, torch.Tensor, the module types the Python "
       "walk may refuse, the attribute types held by value");

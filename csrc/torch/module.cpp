@@ -4,6 +4,7 @@
 // of Python that a torch.ops call costs (measured on the CPU machines), and dpcuda/ops.py uses
 // it only outside torch.compile tracing.
 #include <ATen/Parallel.h>
+#include <ATen/record_function.h>
 #include <torch/extension.h>
 #include <torch/library.h>
 
@@ -101,6 +102,9 @@ TORCH_LIBRARY(dpcuda, m) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "dpcuda's compiled kernels; the ops are registered under torch.ops.dpcuda";
   dpcuda::register_model_walk(m);
+  m.def("_record_function_observed", []() { return at::hasCallbacks(); },
+        "Whether any RecordFunction callback is registered, global or on this thread (a "
+        "profiler, an execution-trace observer): else a record_function records nothing");
   m.def("built_with_cuda", []() {
 #ifdef DPCUDA_WITH_CUDA
     return true;
