@@ -1,6 +1,8 @@
 #include "fused_linear.h"
 
+#include <algorithm>
 #include <cstring>
+#include <vector>
 
 #include "target.h"
 
@@ -193,6 +195,23 @@ void activation_backward_rows(const T* grad_out, const T* saved, T* grad_pre, T*
                              rs, cs);
     } else if (!grad_pre && bias_partial && rs == 1) {
       column_major_bias<T>(grad_out, bias_partial, row_begin, row_end, cols, cs);
+    } else if (grad_pre && rs == 1) {
+      // A column-major gradient (a transposed one): read row by row, each element would be a
+      // cache line of its own. Each block of kBlock rows is first transposed into a small
+      // row-major buffer (one cache line of each column per block), and the block then takes
+      // the contiguous pass. The same bits: each element's arithmetic is unchanged, and each
+      // column's bias sum still adds the rows in order.
+      constexpr int64_t kBlock = 16;
+      std::vector<T> block(static_cast<size_t>(kBlock * cols));
+      for (int64_t r0 = row_begin; r0 < row_end; r0 += kBlock) {
+        const int64_t r1 = std::min(r0 + kBlock, row_end), n_rows = r1 - r0;
+        for (int64_t c = 0; c < cols; ++c) {
+          const T* __restrict__ column = grad_out + c * cs + r0;
+          for (int64_t r = 0; r < n_rows; ++r) block[r * cols + c] = column[r];
+        }
+        backward_rows<T, A, 1>(block.data(), saved + r0 * cols, grad_pre + r0 * cols,
+                               bias_partial, 0, n_rows, cols, cols, 1);
+      }
     } else {
       backward_rows<T, A, -1>(grad_out, saved, grad_pre, bias_partial, row_begin, row_end, cols,
                               rs, cs);

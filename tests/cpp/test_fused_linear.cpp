@@ -3,6 +3,7 @@
 #include <cmath>
 #include <cstring>
 #include <random>
+#include <utility>
 #include <vector>
 
 #include "activation_reference.h"
@@ -93,6 +94,39 @@ void test_flat_rows(int64_t rows, int64_t cols, Activation act, std::mt19937& rn
   }
 }
 
+// A column-major upstream gradient (a transposed one, rs = 1, cs = rows) with and without the
+// bias sum, over the whole range and a sub-range: the bits of the same gradient made contiguous.
+template <typename T>
+void test_column_major(int64_t rows, int64_t cols, Activation act, std::mt19937& rng) {
+  std::normal_distribution<double> dist(0.0, 3.0);
+  std::vector<T> pre(rows * cols), go(rows * cols), go_t(rows * cols);
+  for (auto& v : pre) v = T(dist(rng));
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < cols; ++c) {
+      go[r * cols + c] = T(dist(rng));
+      go_t[c * rows + r] = go[r * cols + c];
+    }
+  }
+  const auto same = [](const std::vector<T>& a, const std::vector<T>& b) {
+    return std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
+  };
+  const int64_t begin = rows > 2 ? 1 : 0, end = rows > 2 ? rows - 1 : rows;
+  for (const bool with_bias : {false, true}) {
+    for (const auto& [b, e] : {std::pair<int64_t, int64_t>{0, rows}, {begin, end}}) {
+      std::vector<T> g(rows * cols, T(NAN)), g_t(rows * cols, T(NAN));
+      std::vector<T> sum(cols, T(NAN)), sum_t(cols, T(NAN));
+      dpcuda::cpu::activation_backward_rows<T>(go.data(), pre.data(), g.data(),
+                                               with_bias ? sum.data() : nullptr, b, e, cols,
+                                               act, cols, 1);
+      dpcuda::cpu::activation_backward_rows<T>(go_t.data(), pre.data(), g_t.data(),
+                                               with_bias ? sum_t.data() : nullptr, b, e, cols,
+                                               act, 1, rows);
+      CHECK(same(g, g_t));
+      if (with_bias) CHECK(same(sum, sum_t));
+    }
+  }
+}
+
 void test_activation_grad(Activation act) {
   const auto saved = dpcuda::saved_for_backward(act);
   for (double z = -6.0; z <= 6.0; z += 0.37) {
@@ -144,7 +178,7 @@ void test_backward(int64_t rows, int64_t cols, Activation act, std::mt19937& rng
 
 int main() {
   std::mt19937 rng(1234);
-  const int64_t sizes[] = {1, 3, 17, 100};
+  const int64_t sizes[] = {1, 3, 17, 100};  // (17 and 100: blocks of 16 rows and a rest)
   for (Activation act : dpcuda_test::kAllActivations) {
     test_activation_grad(act);
     for (int64_t rows : sizes) {
@@ -154,6 +188,8 @@ int main() {
         if (act != Activation::kNone) test_backward<double>(rows, cols, act, rng, 1e-6);
         test_flat_rows<float>(rows, cols, act, rng);
         test_flat_rows<double>(rows, cols, act, rng);
+        test_column_major<float>(rows, cols, act, rng);
+        test_column_major<double>(rows, cols, act, rng);
       }
     }
   }
