@@ -80,6 +80,13 @@ def _step_entry(func):
     return step
 
 
+@torch._dynamo.disable
+def _step_untraced(opt, loss):
+    """The update of a step inside torch.compile, run eagerly (_FusedOptimizer.step)."""
+    with torch.no_grad():
+        return opt._step_without_grad(loss)
+
+
 class _FusedOptimizer(Optimizer):
     """The step shared by dpcuda's optimizers: each parameter group's parameters that have a
     gradient, bucketed by device, dtype and what the hyperparameters of their update are
@@ -204,9 +211,11 @@ class _FusedOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if torch.compiler.is_compiling():  # (what dynamo traces without a graph break)
-            with torch.no_grad():
-                return self._step_without_grad(loss)
+        if torch.compiler.is_compiling():
+            # Not traced: dynamo's handling of a torch.optim.Optimizer's state gave the fused
+            # update another parameter's state (AdamW: state1[1] of params[0]'s shape). The
+            # update runs eagerly, one graph break, as it would in any case (one fused op).
+            return _step_untraced(self, loss)
         # The update without autograd, as under torch.no_grad(): its own switch, without the
         # decorator's context object (on a GPU a small step's time is the host's).
         previous = torch.is_grad_enabled()

@@ -814,3 +814,35 @@ def test_an_execution_trace_observer_sees_the_step_label(tmp_path):
     et.unregister_callback()
     with open(path) as f:
         assert "Optimizer.step#AdamW.step" in f.read()
+
+
+@pytest.mark.parametrize("name", ["SGD", "Adam", "AdamW"])
+def test_a_compiled_training_loop_steps_as_torch_eager(name):
+    """torch.compile over a whole loop (forward, backward, opt.step(), zero_grad) with a
+    scheduler: dpcuda's update runs eagerly inside it (one graph break) and gives torch eager's
+    weights. (Traced, AdamW's update had been handed another parameter's state: a ValueError.)"""
+    def run(lib, compiled):
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(4, 5), nn.ReLU(), nn.Linear(5, 3))
+        opt = getattr(lib, name)(m.parameters(), lr=0.1,
+                                 **({"momentum": 0.9} if name == "SGD" else {}))
+        sched = torch.optim.lr_scheduler.StepLR(opt, 2, 0.5)
+
+        def train(x):
+            loss = m(x).pow(2).sum()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss
+        fn = torch.compile(train, backend="eager") if compiled else train
+        torch.manual_seed(1)
+        losses = []
+        for _ in range(5):
+            losses.append(float(fn(torch.randn(2, 4))))
+            sched.step()
+        torch._dynamo.reset()
+        return losses, [p.detach().clone() for p in m.parameters()]
+    (tl, tw), (dl, dw) = run(torch.optim, False), run(dpcuda.optim, True)
+    assert dl == pytest.approx(tl, rel=1e-6, abs=1e-6)
+    for a, b in zip(dw, tw):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
