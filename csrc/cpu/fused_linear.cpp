@@ -2,7 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
-#include <vector>
+#include <memory>
 
 #include "target.h"
 
@@ -165,6 +165,14 @@ void pre_activation_forward(T* out, T* pre, const T* bias, int64_t row_begin, in
   });
 }
 
+// When a column-major gradient is read in transposed blocks: rows of at least
+// kBlockedCols columns (a row's cache lines overflow L1 before the next row comes back to
+// them) at a column stride of at least kBlockedStride elements (lines that far apart share few
+// cache sets and evict each other). Measured on the 2-core AVX-512 machine: 1024 columns at
+// batch 4096 and 8192 gain 5-15%; at batch 32 and 256, or 256 columns, blocks cost 3-8%.
+constexpr int64_t kBlockedCols = 1024;
+constexpr int64_t kBlockedStride = 1024;
+
 template <typename T>
 void activation_backward_rows(const T* grad_out, const T* saved, T* grad_pre, T* bias_partial,
                               int64_t row_begin, int64_t row_end, int64_t cols, Activation act,
@@ -195,21 +203,22 @@ void activation_backward_rows(const T* grad_out, const T* saved, T* grad_pre, T*
                              rs, cs);
     } else if (!grad_pre && bias_partial && rs == 1) {
       column_major_bias<T>(grad_out, bias_partial, row_begin, row_end, cols, cs);
-    } else if (grad_pre && rs == 1) {
-      // A column-major gradient (a transposed one): read row by row, each element would be a
-      // cache line of its own. Each block of kBlock rows is first transposed into a small
-      // row-major buffer (one cache line of each column per block), and the block then takes
-      // the contiguous pass. The same bits: each element's arithmetic is unchanged, and each
-      // column's bias sum still adds the rows in order.
+    } else if (grad_pre && rs == 1 && cols >= kBlockedCols && cs >= kBlockedStride) {
+      // A column-major gradient (a transposed one) of wide rows and long columns: read row by
+      // row, each element is a cache line of its own, and a row's lines no longer stay in
+      // cache for the next row (kBlockedCols). Each block of kBlock rows is first transposed into a small row-major buffer
+      // (one cache line of each column per block), and the block then takes the contiguous
+      // pass. The same bits: each element's arithmetic is unchanged, and each column's bias
+      // sum still adds the rows in order.
       constexpr int64_t kBlock = 16;
-      std::vector<T> block(static_cast<size_t>(kBlock * cols));
+      const std::unique_ptr<T[]> block(new T[kBlock * cols]);  // (not zeroed: all written)
       for (int64_t r0 = row_begin; r0 < row_end; r0 += kBlock) {
         const int64_t r1 = std::min(r0 + kBlock, row_end), n_rows = r1 - r0;
         for (int64_t c = 0; c < cols; ++c) {
           const T* __restrict__ column = grad_out + c * cs + r0;
           for (int64_t r = 0; r < n_rows; ++r) block[r * cols + c] = column[r];
         }
-        backward_rows<T, A, 1>(block.data(), saved + r0 * cols, grad_pre + r0 * cols,
+        backward_rows<T, A, 1>(block.get(), saved + r0 * cols, grad_pre + r0 * cols,
                                bias_partial, 0, n_rows, cols, cols, 1);
       }
     } else {

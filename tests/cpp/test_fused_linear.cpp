@@ -193,6 +193,16 @@ int main() {
       }
     }
   }
+  // (wide rows and long columns: the blocked pass, kBlockedCols and kBlockedStride and
+  // above, over whole blocks and a rest)
+  for (Activation act : dpcuda_test::kAllActivations) {
+    for (int64_t rows : {1040}) {
+      for (int64_t cols : {1024, 1030}) {
+        test_column_major<float>(rows, cols, act, rng);
+        test_column_major<double>(rows, cols, act, rng);
+      }
+    }
+  }
   std::printf("test_fused_linear: %d failures\n", dpcuda_test::failures());
   return dpcuda_test::failures() == 0 ? 0 : 1;
 }
