@@ -669,3 +669,43 @@ def test_a_tensor_attribute_without_storage_does_not_stop_a_graphed_step(closure
         dp.step(x, y, torch.nn.CrossEntropyLoss())
     dp.synchronize()
     assert len(dp._graphed.graphs) == 1
+
+
+def test_a_bad_label_in_a_replayed_window_is_named_and_its_update_skipped(closure):
+    # The ring's window read as a whole where its steps are clean, else step by step: a bad
+    # label in the middle of a window raises at the read, naming its step, after the NaN step
+    # before it is counted; the eager non-blocking step's error, warnings and weights are the
+    # oracle.
+    data = list(batches(24, nan_steps=(11,)))
+    x, y = data[17]
+    y = y.clone()
+    y[3] = 99
+    data[17] = (x, y)
+    results = {}
+    for mode in ("graphed", "nonblocking"):
+        model = make()
+        kw = {"graphs": True} if mode == "graphed" else {"blocking": False}
+        dp = DataParallel(model, ["cpu"] * 2, **kw)
+        opt = dpcuda.optim.AdamW(model.parameters(), lr=0.01)
+        errors = []
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            for batch in data + [None]:  # (None: the synchronize() at the end)
+                try:
+                    if batch is None:
+                        dp.synchronize()
+                    else:
+                        dp.step(*batch, SoftmaxCrossEntropyLoss(), optimizer=opt)
+                except ValueError as err:  # (raised where the record is read; training goes on)
+                    errors.append(str(err))
+        if mode == "graphed":
+            assert dp._graphed.graphs  # (replayed)
+        skipped = [str(m.message) for m in w if "NaN or Inf" in str(m.message)]
+        results[mode] = (errors, skipped, dp.skipped_steps,
+                         [p.detach().clone() for p in model.parameters()])
+    a, b = results["graphed"], results["nonblocking"]
+    assert len(a[0]) == 1 and "got 99 at position 3" in a[0][0], a[0]
+    assert a[1] == ["dpcuda DataParallel: step 11 has NaN or Inf gradients; skipped "
+                    "(weights unchanged)"]
+    assert a[:3] == b[:3]
+    assert all(torch.equal(p, q) for p, q in zip(a[3], b[3]))

@@ -5,7 +5,7 @@ A step of a new shape runs WARMUP eager non-blocking steps (dp.step's own), then
 the replicas' weight copies, forward, loss, backward, the step records and the reduction with
 the fused update (dpcuda.optim's, or the wrapper's SGD), into static buffers: the batch, the
 loss, and a device ring of the records (RING steps; the host copies it to pinned memory every
-RING steps and reads it later, as PendingSteps, or at synchronize()). Skipped steps and bad
+RING steps and reads it later, as a PendingWindow, or at synchronize()). Skipped steps and bad
 labels are decided on the device, as in blocking=False. A replay whose optimizer holds new
 hyperparameters (the learning rate a scheduler set) writes them into the plan's device copy
 first, which the graph reads (none is written while they stay), and the host does what a step
@@ -37,7 +37,7 @@ import torch
 from torch.nn.modules import module as _module
 
 from ..nn import _has_grad_hooks, _has_hooks
-from .pending import PendingStep
+from .pending import PendingWindow
 from .step import summed_loss
 
 WARMUP = 3        # eager steps of a shape before it is captured
@@ -119,7 +119,7 @@ class _Ring:
         self.counter.add_(1).remainder_(RING)
 
     def flush(self, pending):
-        """The window's records to pinned host memory behind an event, one PendingStep each."""
+        """The window's records to pinned host memory behind an event, one PendingWindow."""
         if not self.window:
             return
         cuda = self.device.type == "cuda"
@@ -131,10 +131,8 @@ class _Ring:
             event.record(torch.cuda.current_stream(self.device))
             events.append(event)
         first = (self.slot - len(self.window)) % RING
-        for i, (step, targets, summed, classes) in enumerate(self.window):
-            row = host[(first + i) % RING]
-            pending.append(PendingStep(step, list(row.unbind()), events, targets, summed,
-                                       classes))
+        pending.append(PendingWindow(host, [(first + i) % RING for i in range(len(self.window))],
+                                     self.window, events))
         self.window = []
 
 

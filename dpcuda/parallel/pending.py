@@ -22,6 +22,32 @@ class PendingStep:
     classes: object
 
 
+@dataclasses.dataclass
+class PendingWindow:
+    """The graphed steps of one copy of the device ring (graphed.py), not read yet: the ring's
+    host copy, the rows of its steps in order, their (step, targets, summed, classes), and the
+    events after which the copy holds the device's values. Read as a whole where no step of it
+    skipped or saw a bad label (one check for the window, the common case); else as one
+    PendingStep per step."""
+    host: torch.Tensor
+    rows: list
+    window: list
+    events: list
+
+    @property
+    def step(self):  # (its first step's)
+        return self.window[0][0]
+
+    def clean(self):
+        """Whether no step of the window was skipped or saw a bad label (records' flags 0)."""
+        return not self.host.numpy()[self.rows][:, :, 1:3].any()
+
+    def steps(self):
+        return [PendingStep(step, list(self.host[row].unbind()), self.events, targets, summed,
+                            classes)
+                for row, (step, targets, summed, classes) in zip(self.rows, self.window)]
+
+
 class PendingSteps:
     """The non-blocking part of DataParallel's step (a mixin: it reads the wrapper's replicas
     and its pending deque)."""
@@ -118,6 +144,10 @@ class PendingSteps:
                 for e in pending.events:
                     e.synchronize()
             self._pending.popleft()
+            if isinstance(pending, PendingWindow):
+                if not pending.clean():  # (its steps read one by one, next)
+                    self._pending.extendleft(reversed(pending.steps()))
+                continue
             rows = [h.numpy() for h in pending.records]  # host memory, read with no op
             if any(r[2] != 0 for r in rows):
                 if error is None:
