@@ -671,11 +671,32 @@ def test_a_tensor_attribute_without_storage_does_not_stop_a_graphed_step(closure
     assert len(dp._graphed.graphs) == 1
 
 
+def test_a_window_is_clean_only_without_a_skip_or_bad_label_flag():
+    # (on the CPU a bad label raises at once, so the window's label flag is set only on a GPU:
+    # checked here on the records themselves; a record is (loss, skipped, bad label, rows))
+    from dpcuda.parallel.pending import PendingWindow
+    for flag in (None, 1, 2):
+        for row in (0, 5, 15):
+            host = torch.zeros(graphed_module.RING, 2, 4, dtype=torch.float64)
+            host[:, :, 0] = 1.5
+            host[:, :, 3] = 8
+            if flag is not None:
+                host[row, 1, flag] = float("nan") if row == 5 else 1.0
+            rows = [(13 + i) % graphed_module.RING for i in range(graphed_module.RING)]
+            window = [(i, None, None, None) for i in range(graphed_module.RING)]
+            w = PendingWindow(host, rows, window, [])
+            assert w.clean() == (flag is None), (flag, row)
+            steps = w.steps()
+            assert [s.step for s in steps] == list(range(graphed_module.RING))
+            for s, r in zip(steps, rows):
+                torch.testing.assert_close(torch.stack(s.records), host[r], rtol=0, atol=0,
+                                           equal_nan=True)
+
+
 def test_a_bad_label_in_a_replayed_window_is_named_and_its_update_skipped(closure):
-    # The ring's window read as a whole where its steps are clean, else step by step: a bad
-    # label in the middle of a window raises at the read, naming its step, after the NaN step
-    # before it is counted; the eager non-blocking step's error, warnings and weights are the
-    # oracle.
+    # A bad label and a NaN step among replayed steps (the NaN step's record read from the
+    # window, step by step once its flag is seen): the eager non-blocking step's error,
+    # warnings and weights are the oracle.
     data = list(batches(24, nan_steps=(11,)))
     x, y = data[17]
     y = y.clone()
