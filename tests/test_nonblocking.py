@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import dpcuda.optim
 from dpcuda.nn import SoftmaxCrossEntropyLoss
 from dpcuda.parallel import DataParallel
 from dpcuda.parallel import step as step_module
@@ -537,3 +538,36 @@ def test_float16_autocast_counts_its_labels_on_the_host(monkeypatch):
     for p, q in zip(a.module.parameters(), b.module.parameters()):
         assert torch.equal(p, q)
 
+
+
+@pytest.mark.parametrize("mode", ["blocking", "nonblocking"])
+def test_a_skipped_steps_warning_made_an_error_leaves_the_step_counted(mode):
+    # (from the review: with warnings as errors the RuntimeWarning raised before the step was
+    # counted, so skipped_steps stayed 0 and a blocking step was missing from dp.steps)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+    dp = DataParallel(model, ["cpu"] * 2, blocking=mode == "blocking")
+    opt = dpcuda.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(8, 6), torch.randint(0, 3, (8,))
+    bad = x.clone()
+    bad[1, 2] = float("nan")
+    before = [p.detach().clone() for p in model.parameters()]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        raised = 0
+        for batch in (bad, None):
+            try:
+                if batch is None:
+                    dp.synchronize()
+                else:
+                    dp.step(batch, y, torch.nn.CrossEntropyLoss(), optimizer=opt)
+            except RuntimeWarning as w:
+                assert "step 0 has NaN or Inf gradients" in str(w)
+                raised += 1
+    assert raised == 1
+    assert dp.skipped_steps == 1 and dp.steps == 1
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    dp.step(x, y, torch.nn.CrossEntropyLoss(), optimizer=opt)  # (and training goes on)
+    dp.synchronize()
+    assert dp.steps == 2 and dp.skipped_steps == 1
+    assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters()))

@@ -4,7 +4,6 @@ count, the bad-label flag) behind them, after which every process decides alike.
 """
 
 import math
-import warnings
 
 import torch
 
@@ -58,9 +57,7 @@ class DistStepMixin:
             comm.mul_(fix)
             loss *= fix
         if not (bool(torch.isfinite(comm.sum())) or bool(torch.isfinite(comm).all())):
-            warnings.warn(f"dpcuda DataParallel: step {self.steps} has NaN or Inf gradients; "
-                          f"skipped (weights unchanged)", RuntimeWarning, stacklevel=3)
-            self._skipped(reduced=False)
+            self._skipped(reduced=False, stacklevel=3)
             return loss
         if self._optimizer is not None:
             # As DDP: every parameter has a gradient (0 where no process used it).
@@ -113,9 +110,7 @@ class DistStepMixin:
         for r in rs:
             r.drop_grads()
         if skip:
-            warnings.warn(f"dpcuda DataParallel: step {self.steps} has NaN or Inf gradients; "
-                          f"skipped (weights unchanged)", RuntimeWarning, stacklevel=4)
-            self._skipped(reduced=False)
+            self._skipped(reduced=False, stacklevel=4)
             return loss
         if norm is not None:
             opt.grad_norm = norm

@@ -159,9 +159,9 @@ class PendingSteps:
                 else:
                     more.append(step)
             elif any(r[1] != 0 for r in rows):
+                self.skipped_steps += 1  # (before the warning, which a filter may raise)
                 warnings.warn(f"dpcuda DataParallel: step {step} has NaN or Inf gradients; "
                               f"skipped (weights unchanged)", RuntimeWarning, stacklevel=3)
-                self.skipped_steps += 1
         if error is not None:
             if more:
                 also = ", ".join(map(str, more))

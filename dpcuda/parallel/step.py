@@ -442,9 +442,7 @@ class StepMixin(LabelChecks, PendingSteps, UpdateMixin):
         loss = float(sum(float(x[0]) for x in reads)) if global_den > 0 else math.nan
 
         if any(float(x[1]) for x in reads):
-            warnings.warn(f"dpcuda DataParallel: step {self.steps} has NaN or Inf gradients; "
-                          f"skipped (weights unchanged)", RuntimeWarning, stacklevel=2)
-            self._skipped(reduced=False)
+            self._skipped(reduced=False, stacklevel=2)
             return loss
         # torch.optim.SGD leaves a parameter that got no gradient alone (no decay, no momentum):
         # so does the step for one that no replica's forward used.
@@ -465,11 +463,19 @@ class StepMixin(LabelChecks, PendingSteps, UpdateMixin):
         self.steps += 1
         return loss
 
-    def _skipped(self, reduced):
+    def _skipped(self, reduced, stacklevel):
         """A step skipped for NaN or Inf gradients: counted; .grad kept where it is the global
         gradient (reduced), else None (never a replica's unreduced share); a clipping
         optimizer's grad_norm NaN (the norm of a non-finite gradient is not a number to act
-        on), where it would otherwise still show the last step's."""
+        on), where it would otherwise still show the last step's. Then its warning (last: a
+        warnings filter that makes it an error leaves the step counted and the state whole);
+        stacklevel: the caller's."""
+        step = self.steps
+        self._skipped_state(reduced)
+        warnings.warn(f"dpcuda DataParallel: step {step} has NaN or Inf gradients; skipped "
+                      f"(weights unchanged)", RuntimeWarning, stacklevel=stacklevel + 1)
+
+    def _skipped_state(self, reduced):
         self.skipped_steps += 1
         self.steps += 1
         if not reduced:
@@ -513,9 +519,7 @@ class StepMixin(LabelChecks, PendingSteps, UpdateMixin):
         else:
             result = torch.tensor(value, dtype=torch.float64, device=self.devices[0])
         if not bool(torch.isfinite(r0.flat_grad).all()):
-            warnings.warn(f"dpcuda DataParallel: step {self.steps} has NaN or Inf gradients; "
-                          f"skipped (weights unchanged)", RuntimeWarning, stacklevel=3)
-            self._skipped(reduced=True)
+            self._skipped(reduced=True, stacklevel=3)
             return result
         if self._optimizer is not None:
             self._update_by_optimizer(unused)
