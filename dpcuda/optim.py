@@ -64,7 +64,6 @@ def _step_entry(func):
     wrap it again. A subclass's own step is wrapped by torch; reached from it through
     super().step(), this one adds nothing, so that hooks run once.)"""
     with_hooks = Optimizer.profile_hook_step(func)
-    hooks = _torch_optimizer
 
     @functools.wraps(func)
     def step(self, *args, **kwargs):
@@ -72,7 +71,8 @@ def _step_entry(func):
             return func(self, *args, **kwargs)
         if torch.compiler.is_compiling() or \
                 self._optimizer_step_pre_hooks or self._optimizer_step_post_hooks or \
-                hooks._global_optimizer_pre_hooks or hooks._global_optimizer_post_hooks or \
+                _torch_optimizer._global_optimizer_pre_hooks or \
+                _torch_optimizer._global_optimizer_post_hooks or \
                 _C._record_function_observed():
             return with_hooks(self, *args, **kwargs)
         return func(self, *args, **kwargs)

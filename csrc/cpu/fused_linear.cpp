@@ -206,10 +206,10 @@ void activation_backward_rows(const T* grad_out, const T* saved, T* grad_pre, T*
     } else if (grad_pre && rs == 1 && cols >= kBlockedCols && cs >= kBlockedStride) {
       // A column-major gradient (a transposed one) of wide rows and long columns: read row by
       // row, each element is a cache line of its own, and a row's lines no longer stay in
-      // cache for the next row (kBlockedCols). Each block of kBlock rows is first transposed into a small row-major buffer
-      // (one cache line of each column per block), and the block then takes the contiguous
-      // pass. The same bits: each element's arithmetic is unchanged, and each column's bias
-      // sum still adds the rows in order.
+      // cache for the next row. Each block of kBlock rows is first transposed into a small
+      // row-major buffer (one cache line of each column per block), and the block then takes
+      // the contiguous pass. The same bits: each element's arithmetic is unchanged, and each
+      // column's bias sum still adds the rows in order.
       constexpr int64_t kBlock = 16;
       const std::unique_ptr<T[]> block(new T[kBlock * cols]);  // (not zeroed: all written)
       for (int64_t r0 = row_begin; r0 < row_end; r0 += kBlock) {

@@ -8,8 +8,10 @@
 //
 // It returns None wherever the Python walk has something to say: a module of a type that walk
 // may refuse (nn.Embedding, nn.EmbeddingBag), a parameter that is not an nn.Parameter, a
-// parameter with a gradient hook on several replicas. The Python walk then runs and raises
-// its error (or returns its result): there is one set of messages, in Python.
+// parameter with a gradient hook on several replicas, a module whose __dict__, _parameters,
+// _buffers or _modules is not exactly a dict (a TorchScript module's wrapper, an OrderedDict
+// with an order of its own). The Python walk then runs and raises its error (or returns its
+// result): there is one set of messages, in Python.
 // tests/test_walk.py compares the two walks on random models.
 #include <Python.h>
 #include <torch/extension.h>
@@ -32,9 +34,10 @@ struct Classes {
 };
 Classes classes;
 
-// A new reference, or nullptr with the Python error set.
+// An owned reference (empty: none).
 using Ref = py::object;
 
+// A new reference returned by the C API, owned; nullptr (the Python error set) raised.
 Ref steal(PyObject* o) {
   if (o == nullptr) {
     throw py::error_already_set();

@@ -471,11 +471,6 @@ class StepMixin(LabelChecks, PendingSteps, UpdateMixin):
         warnings filter that makes it an error leaves the step counted and the state whole);
         stacklevel: the caller's."""
         step = self.steps
-        self._skipped_state(reduced)
-        warnings.warn(f"dpcuda DataParallel: step {step} has NaN or Inf gradients; skipped "
-                      f"(weights unchanged)", RuntimeWarning, stacklevel=stacklevel + 1)
-
-    def _skipped_state(self, reduced):
         self.skipped_steps += 1
         self.steps += 1
         if not reduced:
@@ -484,6 +479,8 @@ class StepMixin(LabelChecks, PendingSteps, UpdateMixin):
         if getattr(self._optimizer, "max_grad_norm", None) is not None:
             self._optimizer.grad_norm = torch.tensor(
                 math.nan, dtype=self._replicas[0].flat_param.dtype, device=self.devices[0])
+        warnings.warn(f"dpcuda DataParallel: step {step} has NaN or Inf gradients; skipped "
+                      f"(weights unchanged)", RuntimeWarning, stacklevel=stacklevel + 1)
 
     def _consumed(self):
         """After a fused update: .grad is None (the update consumed the gradient, which the
