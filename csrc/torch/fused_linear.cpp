@@ -140,7 +140,13 @@ std::tuple<Tensor, Tensor> full_forward_cpu(const Tensor& input, const Tensor& w
   Tensor pre = keep_pre ? gemm : empty_like_options(gemm);
   if (pass) {
     const Tensor b = has_bias ? bias->contiguous() : Tensor();
-    const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, s.out_features));
+    // Elements per task: ATen's 32K for relu, a memory-bound pass; 8K for the activations
+    // computed from exp or tanh (about 0.5 ns an element on one core). Measured on the 2-core
+    // machine: run on one thread after MKL's two-thread GEMM, such a pass ran at about half its
+    // speed in a one-thread process; at 64x256 and 128x256 (16K and 32K elements) the tanh pass
+    // took 18 and 30 us on one thread, 6 and 9 us split in two (issue #27).
+    const int64_t per_task = act == Activation::kRelu ? 32768 : 8192;
+    const int64_t grain = std::max<int64_t>(1, per_task / std::max<int64_t>(1, s.out_features));
     AT_DISPATCH_FLOATING_TYPES(out.scalar_type(), "full_forward_cpu", [&] {
       scalar_t* out_ptr = out.data_ptr<scalar_t>();
       scalar_t* pre_ptr = keep_pre ? pre.data_ptr<scalar_t>() : nullptr;
