@@ -69,7 +69,7 @@ DPCUDA_HD acc_t activate(Activation act, acc_t z) {
     case Activation::kNone: return z;
     // torch's relu: NaN passes (a NaN input must not become a confident 0), -0 stays -0.
     case Activation::kRelu: return z < acc_t(0) ? acc_t(0) : z;
-    case Activation::kGelu: return z * math_normal_cdf_from_exp(z, math_exp(acc_t(-0.5) * z * z));
+    case Activation::kGelu: return z * math_normal_cdf_from_exp(z, math_gaussian(z));
     case Activation::kGeluTanh:
       return acc_t(0.5) * z * (acc_t(1) + math_tanh(kSqrt2OverPi * (z + kCoeff * z * z * z)));
     case Activation::kSilu: return z * sigmoid_of(z);
@@ -93,7 +93,7 @@ DPCUDA_HD acc_t activation_grad(Activation act, acc_t s) {
     case Activation::kTanh: return acc_t(1) - s * s;
     case Activation::kGelu: {
       // exp(-s^2 / 2) serves the density and the CDF.
-      const acc_t e = math_exp(acc_t(-0.5) * s * s);
+      const acc_t e = math_gaussian(s);
       return math_normal_cdf_from_exp(s, e) + s * (kInvSqrt2Pi * e);
     }
     case Activation::kGeluTanh: {

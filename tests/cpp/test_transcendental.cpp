@@ -7,6 +7,7 @@
 #include <limits>
 
 #include "check.h"
+#include "kernels/activation.h"
 #include "kernels/transcendental.h"
 
 namespace {
@@ -100,6 +101,23 @@ int main() {
   CHECK(poly::normal_cdf_from_exp(-20.0f, 0.0f) == 0.0f);
   CHECK(poly::normal_cdf_from_exp(20.0f, 0.0f) == 1.0f);
   CHECK(std::isnan(poly::normal_cdf_from_exp(nan, nan)));
+
+  // The Gaussian of exact gelu: 0 past |z| = 11.77 rather than a value whose products are
+  // subnormal (x86's slow path); gelu's value and derivative are then never subnormal (but
+  // for z itself near subnormal, where gelu(z) = z / 2 is).
+  CHECK(poly::gaussian(11.7f) > 0x1p-100f && poly::gaussian(-11.7f) > 0x1p-100f);
+  CHECK(poly::gaussian(11.8f) == 0.0f && poly::gaussian(-inf) == 0.0f);
+  CHECK(poly::gaussian(0.0f) == 1.0f);
+  CHECK(std::isnan(poly::gaussian(nan)));
+  int subnormal = 0;
+  for_floats(-20.0f, 20.0f, [&](float z) {
+    if (std::fabs(z) < 0x1p-60f) return;
+    const float y = dpcuda::activate<float>(dpcuda::Activation::kGelu, z);
+    const float d = dpcuda::activation_grad<float>(dpcuda::Activation::kGelu, z);
+    subnormal += std::fpclassify(y) == FP_SUBNORMAL || std::fpclassify(d) == FP_SUBNORMAL;
+  });
+  std::printf("gelu: %d subnormal values or derivatives for 2^-60 <= |z| <= 20\n", subnormal);
+  CHECK(subnormal == 0);
 
   if (dpcuda_test::failures()) std::printf("%d failures\n", dpcuda_test::failures());
   return dpcuda_test::failures() ? 1 : 0;
