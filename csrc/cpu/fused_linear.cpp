@@ -165,13 +165,16 @@ void pre_activation_forward(T* out, T* pre, const T* bias, int64_t row_begin, in
   });
 }
 
-// When a column-major gradient is read in transposed blocks: rows of at least
-// kBlockedCols columns (a row's cache lines overflow L1 before the next row comes back to
-// them) at a column stride of at least kBlockedStride elements (lines that far apart share few
-// cache sets and evict each other). Measured on the 2-core AVX-512 machine: 1024 columns at
-// batch 4096 and 8192 gain 5-15%; at batch 32 and 256, or 256 columns, blocks cost 3-8%.
-constexpr int64_t kBlockedCols = 1024;
-constexpr int64_t kBlockedStride = 1024;
+// When a column-major gradient is read in transposed blocks: rows of at least kBlockedCols
+// columns at a column stride of at least a block's rows. Read row by row, each element is a
+// cache line of its own and a wide row's lines are gone before the next row comes back to them.
+// Measured on the 2-core AVX-512 machine (the pass alone, sigmoid with its bias sum, transposed
+// against the row-by-row read): 64x4096 100 us (141), 256x4096 547 (700), 512x4096 1253
+// (2957), 1024x1024 793 (2231), 4096x256 875 (3276); at 16 and 32 columns either way within
+// noise. (Before the buffer's rows were padded, blocks cost 3-8% at batch 32 and 256 and were
+// used only at 1024 columns and a stride of 1024.)
+constexpr int64_t kBlockedCols = 64;
+constexpr int64_t kBlockedStride = 16;
 
 template <typename T>
 void activation_backward_rows(const T* grad_out, const T* saved, T* grad_pre, T* bias_partial,
@@ -210,16 +213,20 @@ void activation_backward_rows(const T* grad_out, const T* saved, T* grad_pre, T*
       // row-major buffer (one cache line of each column per block), and the block then takes
       // the contiguous pass. The same bits: each element's arithmetic is unchanged, and each
       // column's bias sum still adds the rows in order.
-      constexpr int64_t kBlock = 16;
-      const std::unique_ptr<T[]> block(new T[kBlock * cols]);  // (not zeroed: all written)
+      // The buffer's rows are kPad elements longer than a row: at a row length that is a
+      // multiple of 1024 floats (4 KB) the rows would map to one set of the L1 cache, which
+      // holds 12 of the 16 lines each column's copy writes.
+      constexpr int64_t kBlock = 16, kPad = 16;
+      const int64_t ld = cols + kPad;
+      const std::unique_ptr<T[]> block(new T[kBlock * ld]);  // (not zeroed: rows all written)
       for (int64_t r0 = row_begin; r0 < row_end; r0 += kBlock) {
         const int64_t r1 = std::min(r0 + kBlock, row_end), n_rows = r1 - r0;
         for (int64_t c = 0; c < cols; ++c) {
           const T* __restrict__ column = grad_out + c * cs + r0;
-          for (int64_t r = 0; r < n_rows; ++r) block[r * cols + c] = column[r];
+          for (int64_t r = 0; r < n_rows; ++r) block[r * ld + c] = column[r];
         }
         backward_rows<T, A, 1>(block.get(), saved + r0 * cols, grad_pre + r0 * cols,
-                               bias_partial, 0, n_rows, cols, cols, 1);
+                               bias_partial, 0, n_rows, cols, ld, 1);
       }
     } else {
       backward_rows<T, A, -1>(grad_out, saved, grad_pre, bias_partial, row_begin, row_end, cols,

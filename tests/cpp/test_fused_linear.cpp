@@ -178,7 +178,9 @@ void test_backward(int64_t rows, int64_t cols, Activation act, std::mt19937& rng
 
 int main() {
   std::mt19937 rng(1234);
-  const int64_t sizes[] = {1, 3, 17, 100};  // (17 and 100: blocks of 16 rows and a rest)
+  // (17 and 100: blocks of 16 rows and a rest; 100 columns: the transposed gradient read in
+  // blocks, fewer columns or rows: row by row)
+  const int64_t sizes[] = {1, 3, 17, 100};
   for (Activation act : dpcuda_test::kAllActivations) {
     test_activation_grad(act);
     for (int64_t rows : sizes) {
@@ -193,8 +195,8 @@ int main() {
       }
     }
   }
-  // (wide rows and long columns: the blocked pass, kBlockedCols and kBlockedStride and
-  // above, over whole blocks and a rest)
+  // (wide rows and long columns: the blocked pass over whole blocks and a rest, at row lengths
+  // a multiple of 1024 floats, where the buffer's padding matters, and not)
   for (Activation act : dpcuda_test::kAllActivations) {
     for (int64_t rows : {1040}) {
       for (int64_t cols : {1024, 1030}) {
