@@ -168,12 +168,16 @@ void pre_activation_forward(T* out, T* pre, const T* bias, int64_t row_begin, in
 // When a column-major gradient is read in transposed blocks: rows of at least kBlockedCols
 // columns at a column stride of at least a block's rows. Read row by row, each element is a
 // cache line of its own and a wide row's lines are gone before the next row comes back to them.
-// Measured on the 2-core AVX-512 machine (the pass alone, sigmoid with its bias sum, transposed
-// against the row-by-row read): 64x4096 100 us (141), 256x4096 547 (700), 512x4096 1253
-// (2957), 1024x1024 793 (2231), 4096x256 875 (3276); at 16 and 32 columns either way within
-// noise. (Before the buffer's rows were padded, blocks cost 3-8% at batch 32 and 256 and were
-// used only at 1024 columns and a stride of 1024.)
-constexpr int64_t kBlockedCols = 64;
+// Measured on the 2-core AVX-512 machine (the pass alone with its bias sum, transposed, against
+// the row-by-row read; us): sigmoid 64x4096 100 (141), 256x4096 547 (700), 512x4096 1253
+// (2957), 1024x1024 793 (2231), 4096x256 875 (3276); silu, tanh and relu alike. gelu and
+// gelu_tanh, whose derivative is twice the arithmetic, hide the row-by-row read behind it below
+// 1024 columns, where the block's copy made them 10-25% slower (gelu 256x4096 757 against 680,
+// gelu_tanh 865 against 678): they are read in blocks from 1024 columns (1024x4096: 4065 against
+// 10260). At 16 and 32 columns either way is within noise. (Before the buffer's rows were
+// padded, blocks cost 3-8% at batch 32 and 256 and were used only at 1024 columns and a stride
+// of 1024.)
+constexpr int64_t kBlockedCols = 64, kBlockedColsHeavy = 1024;
 constexpr int64_t kBlockedStride = 16;
 
 template <typename T>
@@ -206,7 +210,9 @@ void activation_backward_rows(const T* grad_out, const T* saved, T* grad_pre, T*
                              rs, cs);
     } else if (!grad_pre && bias_partial && rs == 1) {
       column_major_bias<T>(grad_out, bias_partial, row_begin, row_end, cols, cs);
-    } else if (grad_pre && rs == 1 && cols >= kBlockedCols && cs >= kBlockedStride) {
+    } else if (grad_pre && rs == 1 && cs >= kBlockedStride &&
+               cols >= (A == Activation::kGelu || A == Activation::kGeluTanh ? kBlockedColsHeavy
+                                                                            : kBlockedCols)) {
       // A column-major gradient (a transposed one) of wide rows and long columns: read row by
       // row, each element is a cache line of its own, and a row's lines no longer stay in
       // cache for the next row. Each block of kBlock rows is first transposed into a small
