@@ -18,11 +18,12 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_sweep import upstream  # noqa: E402
+from bench_sweep import LAYOUTS, upstream  # noqa: E402
 from common import environment, write_json  # noqa: E402
 
 import torch.nn.functional as F  # noqa: E402
 from dpcuda import ops  # noqa: E402
+from dpcuda.reference import ACTIVATIONS  # noqa: E402
 from dpcuda.reference import activation as torch_activation  # noqa: E402
 
 GEMMS = ("aten::mm", "aten::addmm")
@@ -46,6 +47,12 @@ def parse_cell(text):
             f"a cell is WIDTHxBATCH:activation:on|off:layout, got {text!r}") from None
     if bias not in ("on", "off"):
         raise argparse.ArgumentTypeError(f"bias must be on or off, got {bias!r}")
+    if act not in ACTIVATIONS:
+        raise argparse.ArgumentTypeError(f"activation must be one of {', '.join(ACTIVATIONS)}, "
+                                         f"got {act!r}")
+    if layout not in LAYOUTS:
+        raise argparse.ArgumentTypeError(f"layout must be one of {', '.join(LAYOUTS)}, "
+                                         f"got {layout!r}")
     return width, batch, act, bias == "on", layout
 
 

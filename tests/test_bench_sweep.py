@@ -41,3 +41,38 @@ def test_bench_sweep_refuses_unknown_names(tmp_path):
     assert proc.returncode == 2 and "unknown activations" in proc.stderr
     proc = run(tmp_path, "--dtypes", "float16")
     assert proc.returncode == 2 and "--dtypes" in proc.stderr
+
+
+def run_profile(tmp_path, *args):
+    return subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "profile_cells.py"),
+                           *args], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+
+
+def test_profile_cells_names_each_sides_operators(tmp_path):
+    # Two small cells: the fused side runs dpcuda's ops and torch's GEMMs inside them, the eager
+    # side torch's activation; the GEMMs' share is a share.
+    proc = run_profile(tmp_path, "32x64:gelu:on:transposed", "16x8:none:off:expanded",
+                       "--steps", "2", "--json", "p.json")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = json.loads((tmp_path / "p.json").read_text())["results"]
+    assert [(r["width"], r["activation"], r["bias"], r["layout"]) for r in rows] == [
+        (32, "gelu", True, "transposed"), (16, "none", False, "expanded")]
+    for r in rows:
+        fused = {o["op"] for o in r["fused"]["ops"]}
+        eager = {o["op"] for o in r["eager"]["ops"]}
+        assert {"dpcuda::full_forward", "dpcuda::full_backward"} <= fused
+        assert not any(op.startswith("dpcuda::") for op in eager)
+        for side in (r["fused"], r["eager"]):
+            assert 0 < side["gemm_share"] < 1 and side["total_us_per_step"] > 0
+    assert "aten::gelu_backward" in {o["op"] for o in rows[0]["eager"]["ops"]}
+
+
+def test_profile_cells_refuses_a_malformed_cell(tmp_path):
+    proc = run_profile(tmp_path, "32x64:gelu:maybe:dense")
+    assert proc.returncode == 2 and "bias must be on or off" in proc.stderr
+    proc = run_profile(tmp_path, "32:gelu:on:dense")
+    assert proc.returncode == 2 and "WIDTHxBATCH" in proc.stderr
+    proc = run_profile(tmp_path, "32x64:swish:on:dense")
+    assert proc.returncode == 2 and "activation must be one of" in proc.stderr
+    proc = run_profile(tmp_path, "32x64:gelu:on:sliced")
+    assert proc.returncode == 2 and "layout must be one of" in proc.stderr
