@@ -3,6 +3,12 @@
 #include <algorithm>
 #include <cstring>
 #include <memory>
+#include <type_traits>
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define DPCUDA_AVX512_TRANSPOSE 1
+#endif
 
 #include "target.h"
 
@@ -118,6 +124,71 @@ DPCUDA_CPU_CLONES void column_major_bias(const T* __restrict__ grad_out, T* __re
   column_major_sums(grad_out, partial, row_begin, row_end, cols, cs, [](T v) { return v; });
 }
 
+#if defined(DPCUDA_AVX512_TRANSPOSE)
+// (GCC 12's AVX-512 headers fill the unused operand of an unmasked shuffle with a
+// self-initialised _mm512_undefined_ps(), which -Wuninitialized reports at each use.)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+// 16 columns of 16 floats (column i at src + i * cs) into 16 rows (row i at dst + i * ld), in
+// registers: 16 loads, 64 shuffles, 16 stores, where the element-by-element copy makes 256
+// stores to 16 lines. A move of bits: NaN payloads and signs as they were.
+__attribute__((target("avx512f"))) void transpose16_avx512(const float* src, int64_t cs,
+                                                          float* dst, int64_t ld) {
+  __m512 a[16], b[16];
+  for (int i = 0; i < 16; ++i) a[i] = _mm512_loadu_ps(src + i * cs);
+  for (int i = 0; i < 16; i += 2) {  // pairs of columns interleaved, 32-bit elements
+    b[i] = _mm512_unpacklo_ps(a[i], a[i + 1]);
+    b[i + 1] = _mm512_unpackhi_ps(a[i], a[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {  // 64-bit pairs of them
+    const __m512d b0 = _mm512_castps_pd(b[i]), b1 = _mm512_castps_pd(b[i + 1]);
+    const __m512d b2 = _mm512_castps_pd(b[i + 2]), b3 = _mm512_castps_pd(b[i + 3]);
+    a[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(b0, b2));
+    a[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(b0, b2));
+    a[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b1, b3));
+    a[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b1, b3));
+  }
+  for (int i = 0; i < 4; ++i) {  // 128-bit lanes, twice
+    b[i] = _mm512_shuffle_f32x4(a[i], a[i + 4], 0x88);
+    b[i + 4] = _mm512_shuffle_f32x4(a[i], a[i + 4], 0xdd);
+    b[i + 8] = _mm512_shuffle_f32x4(a[i + 8], a[i + 12], 0x88);
+    b[i + 12] = _mm512_shuffle_f32x4(a[i + 8], a[i + 12], 0xdd);
+  }
+  for (int i = 0; i < 8; ++i) {
+    a[i] = _mm512_shuffle_f32x4(b[i], b[i + 8], 0x88);
+    a[i + 8] = _mm512_shuffle_f32x4(b[i], b[i + 8], 0xdd);
+  }
+  for (int i = 0; i < 16; ++i) _mm512_storeu_ps(dst + i * ld, a[i]);
+}
+#pragma GCC diagnostic pop
+
+bool has_avx512f() {
+  static const bool yes = __builtin_cpu_supports("avx512f");
+  return yes;
+}
+#endif
+
+// Rows [0, n_rows) of a column-major matrix (column c at src + c * cs) into a row-major block
+// (row r at dst + r * ld): float blocks of 16 rows 16 columns at a time in registers where the
+// CPU has AVX-512, the rest element by element.
+template <typename T>
+void transpose_block(const T* src, int64_t cs, int64_t n_rows, int64_t cols, T* dst,
+                     int64_t ld) {
+  int64_t c = 0;
+#if defined(DPCUDA_AVX512_TRANSPOSE)
+  if constexpr (std::is_same<T, float>::value) {
+    if (n_rows == 16 && has_avx512f()) {
+      for (; c + 16 <= cols; c += 16) transpose16_avx512(src + c * cs, cs, dst + c, ld);
+    }
+  }
+#endif
+  for (; c < cols; ++c) {
+    const T* __restrict__ column = src + c * cs;
+    for (int64_t r = 0; r < n_rows; ++r) dst[r * ld + c] = column[r];
+  }
+}
+
 }  // namespace
 
 // Without a bias an element's value does not depend on its column, and the rows are
@@ -168,16 +239,16 @@ void pre_activation_forward(T* out, T* pre, const T* bias, int64_t row_begin, in
 // When a column-major gradient is read in transposed blocks: rows of at least kBlockedCols
 // columns at a column stride of at least a block's rows. Read row by row, each element is a
 // cache line of its own and a wide row's lines are gone before the next row comes back to them.
-// Measured on the 2-core AVX-512 machine (the pass alone with its bias sum, transposed, against
-// the row-by-row read; us): sigmoid 64x4096 100 (141), 256x4096 547 (700), 512x4096 1253
-// (2957), 1024x1024 793 (2231), 4096x256 875 (3276); silu, tanh and relu alike. gelu and
-// gelu_tanh, whose derivative is twice the arithmetic, hide the row-by-row read behind it below
-// 1024 columns, where the block's copy made them 10-25% slower (gelu 256x4096 757 against 680,
-// gelu_tanh 865 against 678): they are read in blocks from 1024 columns (1024x4096: 4065 against
-// 10260). At 16 and 32 columns either way is within noise. (Before the buffer's rows were
-// padded, blocks cost 3-8% at batch 32 and 256 and were used only at 1024 columns and a stride
-// of 1024.)
-constexpr int64_t kBlockedCols = 64, kBlockedColsHeavy = 1024;
+// Measured on the 2-core AVX-512 machine (the pass alone with its bias sum, transposed, us; the
+// row-by-row read, then blocks with the element-by-element copy into a padded buffer, then with
+// the AVX-512 copy): sigmoid 1024x1024 2231, 1031-1103, 511-736; 4096x256 3276, 1042-1064,
+// 581-648; 512x4096 2957, 1959-2018, 1015-1496; 256x4096 700, 659-691, 521-524; silu, tanh and
+// relu alike. gelu and gelu_tanh, whose derivative has twice the arithmetic, hide the row-by-row
+// read behind it at narrow widths: against their row-by-row pass, blocks with the AVX-512 copy
+// take 0.5x the time at 512x2048, 0.8-1.0x at 256x4096, 1.0x at 128x4096 and 1.05-1.1x at
+// 64x8192, so they take blocks from 256 columns. At 16 and 32 columns either way is within
+// noise.
+constexpr int64_t kBlockedCols = 64, kBlockedColsHeavy = 256;
 constexpr int64_t kBlockedStride = 16;
 
 template <typename T>
@@ -216,8 +287,8 @@ void activation_backward_rows(const T* grad_out, const T* saved, T* grad_pre, T*
       // A column-major gradient (a transposed one) of wide rows and long columns: read row by
       // row, each element is a cache line of its own, and a row's lines no longer stay in
       // cache for the next row. Each block of kBlock rows is first transposed into a small
-      // row-major buffer (one cache line of each column per block), and the block then takes
-      // the contiguous pass. The same bits: each element's arithmetic is unchanged, and each
+      // row-major buffer (a 64-byte line of each column per block, two for double), and the
+      // block then takes the contiguous pass. The same bits: each element's arithmetic is unchanged, and each
       // column's bias sum still adds the rows in order.
       // The buffer's rows are kPad elements longer than a row: at a row length that is a
       // multiple of 1024 floats (4 KB) the rows would map to one set of the L1 cache, which
@@ -227,10 +298,7 @@ void activation_backward_rows(const T* grad_out, const T* saved, T* grad_pre, T*
       const std::unique_ptr<T[]> block(new T[kBlock * ld]);  // (not zeroed: rows all written)
       for (int64_t r0 = row_begin; r0 < row_end; r0 += kBlock) {
         const int64_t r1 = std::min(r0 + kBlock, row_end), n_rows = r1 - r0;
-        for (int64_t c = 0; c < cols; ++c) {
-          const T* __restrict__ column = grad_out + c * cs + r0;
-          for (int64_t r = 0; r < n_rows; ++r) block[r * ld + c] = column[r];
-        }
+        transpose_block<T>(grad_out + r0, cs, n_rows, cols, block.get(), ld);
         backward_rows<T, A, 1>(block.get(), saved + r0 * cols, grad_pre + r0 * cols,
                                bias_partial, 0, n_rows, cols, ld, 1);
       }

@@ -125,14 +125,16 @@ DPCUDA_HD float normal_cdf_from_exp(float z, float e) {
 }
 
 // exp(-z^2 / 2), the Gaussian that exact gelu's CDF and density are formed from, as 0 below
-// 2^-100 (|z| > 11.77, where Phi(z) < 1e-32): the products formed from a smaller value would be
-// subnormal floats, which x86 cores compute through a microcode assist, about a hundred times an
-// ordinary multiply. (A 128x4096 gelu layer whose pre-activations spread to +-30, one in fifty
-// of them in that band, ran its forward and backward at 1.7x torch's time; with this, level.)
-// NaN stays NaN (the comparison is false).
+// 2^-120 (|z| > 12.90, where Phi(z) < 3e-38): the CDF's products formed from a smaller value
+// (as small as 0.035 times it) would be subnormal floats, which x86 cores compute through a
+// microcode assist, about a hundred times an ordinary multiply. 2^-120 is the smallest such
+// bound but one: at 2^-122 intermediates are subnormal again (test_transcendental checks the
+// results). Before it, the exp's own bound (-87) left |z| in (12.9, 13.2) to the slow path: a
+// 128x4096 gelu layer whose pre-activations spread to +-30 ran its forward and backward at 1.7x
+// torch's time. NaN stays NaN (the comparison is false).
 DPCUDA_HD float gaussian(float z) {
   const float e = exp(-0.5f * z * z);
-  return e < 0x1p-100f ? 0.0f : e;
+  return e < 0x1p-120f ? 0.0f : e;
 }
 
 }  // namespace poly

@@ -179,7 +179,7 @@ void test_backward(int64_t rows, int64_t cols, Activation act, std::mt19937& rng
 int main() {
   std::mt19937 rng(1234);
   // (17 and 100: blocks of 16 rows and a rest; 100 columns: the transposed gradient read in
-  // blocks, fewer columns or rows: row by row)
+  // blocks but for gelu and gelu_tanh (from 256), fewer columns or rows: row by row)
   const int64_t sizes[] = {1, 3, 17, 100};
   for (Activation act : dpcuda_test::kAllActivations) {
     test_activation_grad(act);
@@ -199,7 +199,7 @@ int main() {
   // a multiple of 1024 floats, where the buffer's padding matters, and not)
   for (Activation act : dpcuda_test::kAllActivations) {
     for (int64_t rows : {1040}) {
-      for (int64_t cols : {1024, 1030}) {
+      for (int64_t cols : {255, 256, 1024, 1030}) {
         test_column_major<float>(rows, cols, act, rng);
         test_column_major<double>(rows, cols, act, rng);
       }

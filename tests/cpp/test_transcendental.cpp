@@ -102,21 +102,30 @@ int main() {
   CHECK(poly::normal_cdf_from_exp(20.0f, 0.0f) == 1.0f);
   CHECK(std::isnan(poly::normal_cdf_from_exp(nan, nan)));
 
-  // The Gaussian of exact gelu: 0 past |z| = 11.77 rather than a value whose products are
+  // The Gaussian of exact gelu: 0 past |z| = 12.90 rather than a value whose products are
   // subnormal (x86's slow path); gelu's value and derivative are then never subnormal (but
   // for z itself near subnormal, where gelu(z) = z / 2 is).
-  CHECK(poly::gaussian(11.7f) > 0x1p-100f && poly::gaussian(-11.7f) > 0x1p-100f);
-  CHECK(poly::gaussian(11.8f) == 0.0f && poly::gaussian(-inf) == 0.0f);
+  CHECK(poly::gaussian(12.85f) >= 0x1p-120f && poly::gaussian(-12.85f) >= 0x1p-120f);
+  CHECK(poly::gaussian(12.95f) == 0.0f && poly::gaussian(-inf) == 0.0f);
   CHECK(poly::gaussian(0.0f) == 1.0f);
   CHECK(std::isnan(poly::gaussian(nan)));
   int subnormal = 0;
-  for_floats(-20.0f, 20.0f, [&](float z) {
+  const auto no_subnormal = [&](float z) {
     if (std::fabs(z) < 0x1p-60f) return;
+    const float e = poly::gaussian(z);
     const float y = dpcuda::activate<float>(dpcuda::Activation::kGelu, z);
     const float d = dpcuda::activation_grad<float>(dpcuda::Activation::kGelu, z);
-    subnormal += std::fpclassify(y) == FP_SUBNORMAL || std::fpclassify(d) == FP_SUBNORMAL;
-  });
-  std::printf("gelu: %d subnormal values or derivatives for 2^-60 <= |z| <= 20\n", subnormal);
+    // (and the CDF and the density, the smallest products the two are made of)
+    const float cdf = poly::normal_cdf_from_exp(z, e), density = 0.39894228f * e;
+    for (const float v : {y, d, cdf, density}) subnormal += std::fpclassify(v) == FP_SUBNORMAL;
+  };
+  for_floats(-20.0f, 20.0f, no_subnormal);
+  // every float where the tail ends: 12 <= |z| <= 14
+  for (const float sign : {1.0f, -1.0f}) {
+    for (float a = 12.0f; a <= 14.0f; a = std::nextafter(a, 15.0f)) no_subnormal(sign * a);
+  }
+  std::printf("gelu: %d subnormal values, derivatives or their parts for 2^-60 <= |z| <= 20\n",
+              subnormal);
   CHECK(subnormal == 0);
 
   if (dpcuda_test::failures()) std::printf("%d failures\n", dpcuda_test::failures());
