@@ -11,10 +11,11 @@ between layers, 1-4 replicas with even and weighted splits, momentum and weight 
 Fixed seed (derandomize) in CI; DPCUDA_DIFF_EXAMPLES sets the examples per test (default 200;
 a nightly-sized run: 2000).
 
-One documented difference: gelu at +-Inf. torch's own CPU kernels disagree there (its scalar
+One documented difference: gelu at +Inf. torch's own CPU kernels disagree there (its scalar
 path gives gelu(inf) = inf, its vectorised path NaN; likewise the gradient at a large negative
-input with an Inf upstream gradient); dpcuda gives the limit (the scalar path's value). Where
-torch has NaN and dpcuda +-Inf in a gelu model fed non-finite values, the suite accepts it.
+input with an Inf upstream gradient, where dpcuda gives -Inf down to z = -12.9 and NaN beyond,
+as gelu' underflows to 0); dpcuda gives the limit (the scalar path's value). Where torch has NaN
+and dpcuda +-Inf in a gelu model fed non-finite values, the suite accepts it.
 And with create_graph and a non-finite value planted, the parameters' gradients must be
 non-finite exactly where torch's are, but +-Inf and NaN may trade places (second derivatives
 through an infinite input multiply 0 by Inf in one graph and not in the other).
