@@ -129,7 +129,6 @@ DPCUDA_CPU_CLONES void column_major_bias(const T* __restrict__ grad_out, T* __re
 // self-initialised _mm512_undefined_ps(), which -Wuninitialized reports at each use.)
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wuninitialized"
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 // 16 columns of 16 floats (column i at src + i * cs) into 16 rows (row i at dst + i * ld), in
 // registers: 16 loads, 64 shuffles, 16 stores, where the element-by-element copy makes 256
 // stores to 16 lines. A move of bits: NaN payloads and signs as they were.
@@ -288,8 +287,8 @@ void activation_backward_rows(const T* grad_out, const T* saved, T* grad_pre, T*
       // row, each element is a cache line of its own, and a row's lines no longer stay in
       // cache for the next row. Each block of kBlock rows is first transposed into a small
       // row-major buffer (a 64-byte line of each column per block, two for double), and the
-      // block then takes the contiguous pass. The same bits: each element's arithmetic is unchanged, and each
-      // column's bias sum still adds the rows in order.
+      // block then takes the contiguous pass. The same bits: each element's arithmetic is
+      // unchanged, and each column's bias sum still adds the rows in order.
       // The buffer's rows are kPad elements longer than a row: at a row length that is a
       // multiple of 1024 floats (4 KB) the rows would map to one set of the L1 cache, which
       // holds 12 of the 16 lines each column's copy writes.
