@@ -24,6 +24,17 @@ HALF = [torch.bfloat16, torch.float16]
 ULP = {torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10}
 
 
+def assert_bfloat16_neighbours(ours, torchs, same_at_least):
+    # Every element within one bfloat16 ulp of torch's (or 1e-6 apart, in the tails where the
+    # float formulas both cancel: gelu_tanh at -5.125 is -1.5e-7 in float, -0 in torch's
+    # bfloat16 kernel, -9.7e-8 in float64), NaN where torch's is NaN, and at least the given
+    # share bit for bit.
+    torch.testing.assert_close(ours.float(), torchs.float(), rtol=2.0 ** -7, atol=1e-6,
+                               equal_nan=True)
+    same = ours.view(torch.int16) == torchs.view(torch.int16)
+    assert same.float().mean().item() >= same_at_least
+
+
 @pytest.mark.parametrize("dtype", HALF)
 @pytest.mark.parametrize("activation", ACTS)
 def test_half_storage_forward_backward(dtype, activation):
@@ -180,11 +191,14 @@ def test_float16_overflows_where_torch_overflows():
 @pytest.mark.parametrize("dtype", HALF)
 @pytest.mark.parametrize("activation", ACTS)
 def test_half_types_on_the_cpu_are_torchs_own_kernels(dtype, activation):
-    # The CPU's half-type layer is torch's half GEMM and activation (their data stays in the
-    # half type): its output and its input's gradient are torch eager's, bit for bit; the
-    # weight's and the bias's gradients agree within the half type's rounding (the weight
-    # gradient's GEMM is laid out transposed to torch's, the bias sum is dpcuda's fixed-order
-    # one in float).
+    # The CPU's half-type layer is torch's half GEMM, its data stays in the half type, and the
+    # activation is computed in float and rounded once where torch rounds it: by torch's kernel
+    # for float16, so its output and its input's gradient are torch eager's bit for bit; for
+    # bfloat16 by dpcuda's pass where that is the faster (its float functions are a few float
+    # ulps from ATen's), so an element may round to the neighbouring bfloat16 value, and most
+    # are torch's bits. The weight's and the bias's gradients agree within the half type's
+    # rounding (the weight gradient's GEMM is laid out transposed to torch's, the bias sum is
+    # dpcuda's fixed-order one in float).
     torch.manual_seed(3)
     x = torch.randn(300, 24).to(dtype).requires_grad_()
     w = (torch.randn(40, 24) / 4).to(dtype).requires_grad_()
@@ -195,8 +209,64 @@ def test_half_types_on_the_cpu_are_torchs_own_kernels(dtype, activation):
     xs, ws, bs = (t.detach().clone().requires_grad_() for t in (x, w, b))
     want = ref.full_forward(xs, ws, bs, activation)
     want.backward(go)
-    assert torch.equal(out, want)
-    assert torch.equal(x.grad, xs.grad)
+    if dtype == torch.float16:
+        assert torch.equal(out, want)
+        assert torch.equal(x.grad, xs.grad)
+    else:
+        assert_bfloat16_neighbours(out, want, same_at_least=0.97)
+        # (the input's gradient is a GEMM over g: a g one ulp apart moves it within rounding)
+        torch.testing.assert_close(x.grad.float(), xs.grad.float(), rtol=2 * ULP[dtype],
+                                   atol=2 * ULP[dtype] * (1 + xs.grad.float().abs().max().item()))
     for ours, theirs in ((w.grad, ws.grad), (b.grad, bs.grad)):
         torch.testing.assert_close(ours.float(), theirs.float(), rtol=2 * ULP[dtype],
                                    atol=2 * ULP[dtype] * (1 + theirs.float().abs().max().item()))
+
+
+@pytest.mark.parametrize("activation", ACTS)
+def test_bfloat16_passes_read_strided_gradients_and_keep_nan_and_inf_as_torch(activation):
+    # dpcuda's bfloat16 passes (csrc/cpu/fused_linear.cpp): an expanded, a transposed and a
+    # sliced upstream gradient give the bits of its contiguous copy wherever dpcuda's pass runs
+    # for both (for gelu and silu ATen's runs over a dense or expanded one, dpcuda's over the
+    # others: their g then differs by at most one rounding); and NaN, +-Inf and +-0 in the
+    # pre-activation and the upstream gradient come out where torch's come out.
+    torch.manual_seed(5)
+    rows, inf_, outf = 70, 5, 300
+    x = torch.randn(rows, inf_).bfloat16()
+    w = (torch.randn(outf, inf_) / 2).bfloat16()
+    b = (torch.randn(outf) * 4).bfloat16()
+    special = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 3e38, -3e38,
+                            89.0, -89.0, 13.0, -13.0])
+    b[:len(special)] = special.bfloat16()
+    out, saved = torch.ops.dpcuda.full_forward(x, w, b, activation)
+    want = ref.full_forward(x, w, b, activation)
+    assert torch.equal(out.isnan(), want.isnan())
+    assert_bfloat16_neighbours(out, want, same_at_least=0.97)
+    if saved.numel() == 0:
+        saved = out
+    # (finite upstream gradients here: torch's bfloat16 GEMM can spread a NaN of one row of
+    # a dense operand to its neighbour, 7.53 NaN where float64 gives 7.5277, in one layout
+    # and not the other)
+    go = torch.randn(rows, outf).bfloat16()
+    grads = {"expanded": torch.tensor(0.37).bfloat16().expand(rows, outf),
+             "transposed": go.t().contiguous().t(),
+             "sliced": torch.cat([go, go], 1)[:, ::2]}
+    mask = [True, True, True]
+    mixed = activation in ("gelu", "silu")
+    for name, g in grads.items():
+        got = torch.ops.dpcuda.full_backward(g, x, w, saved, activation, mask)
+        dense = torch.ops.dpcuda.full_backward(g.contiguous(), x, w, saved, activation, mask)
+        for a, c in zip(got, dense):
+            if mixed and name != "expanded":
+                torch.testing.assert_close(a.float(), c.float(), rtol=2.0 ** -6, atol=1e-3,
+                                           equal_nan=True)
+            else:  # (values; a NaN's payload from the GEMMs may follow the layout)
+                torch.testing.assert_close(a, c, rtol=0, atol=0, equal_nan=True, msg=name)
+    # against torch: the input's gradient (a GEMM over g) and the bias's (a sum over g)
+    go[3, :len(special)] = special.bfloat16()
+    xs, ws, bs = (t.clone().requires_grad_() for t in (x, w, b))
+    ref.full_forward(xs, ws, bs, activation).backward(go)
+    got = torch.ops.dpcuda.full_backward(go, x, w, saved, activation, mask)
+    for ours, theirs in zip(got, (xs.grad, ws.grad, bs.grad)):
+        assert torch.equal(ours.isnan(), theirs.isnan())
+        assert torch.equal(ours.isinf() & (ours > 0), theirs.isinf() & (theirs > 0))
+        assert torch.equal(ours.isinf() & (ours < 0), theirs.isinf() & (theirs < 0))

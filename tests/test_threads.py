@@ -41,7 +41,7 @@ def test_parallel_for_uses_threads(restore_threads):
 
 
 @pytest.mark.parametrize("activation", ACTIVATIONS)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 def test_activation_passes_same_bits_for_any_thread_count(restore_threads, activation, dtype):
     grad_out = torch.randn(1000, 257, dtype=dtype)
     saved = torch.randn(1000, 257, dtype=dtype)

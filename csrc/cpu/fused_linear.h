@@ -43,14 +43,25 @@ void activation_backward_rows(const T* grad_out, const T* saved, T* grad_pre, T*
                               act, cols, 1);
 }
 
-// Rows [row_begin, row_end) of a bfloat16 (rows, cols) matrix g, given as its bit patterns, its
-// element (r, c) at g[r * row_stride + c * col_stride] (read where it lies, as
-// activation_backward_rows reads grad_out): the column sums written to partial[0, cols), each
-// value widened to float exactly (bfloat16 is the upper half of a float) and added in row order:
-// the bits of activation_backward_rows's sums for "none" over g converted to float, without the
-// converted copy.
-void bfloat16_column_sums(const uint16_t* g, float* partial, int64_t row_begin, int64_t row_end,
-                          int64_t cols, int64_t row_stride, int64_t col_stride);
+// bfloat16, given as its bit patterns, computed in float with the float pass's functions and
+// rounded once to nearest even where torch rounds, so that its results are torch's within that
+// rounding (each value differs from torch's only where the float results, a few float ulps
+// apart, round to neighbouring bfloat16 values).
+//
+// The forward pass over elements [begin, end) of z: out = act(z), z being the GEMM's result
+// with the bias in it (out may be z).
+void bfloat16_activation_forward(const uint16_t* z, uint16_t* out, int64_t begin, int64_t end,
+                                 Activation act);
+
+// activation_backward_rows for bfloat16: g = grad_out * act'(saved) rounded once (written to
+// grad_pre unless it is null), and the column sums, in float and in row order, of g as stored
+// (each rounded value widened back exactly; of grad_out itself where grad_pre is null, for
+// "none"). grad_out is read where it lies, as in activation_backward_rows.
+void bfloat16_activation_backward_rows(const uint16_t* grad_out, const uint16_t* saved,
+                                       uint16_t* grad_pre, float* bias_partial,
+                                       int64_t row_begin, int64_t row_end, int64_t cols,
+                                       Activation act, int64_t go_row_stride,
+                                       int64_t go_col_stride);
 
 // The bias gradient from per-chunk partial sums: out[c] = sum over chunks k, in order, of
 // partials[k * cols + c], for columns [col_begin, col_end). The fixed order keeps it deterministic.

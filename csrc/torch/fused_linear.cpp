@@ -40,7 +40,7 @@ struct BackwardPlan {
   LinearShape shape;
   Tensor grad_out;   // (rows, out): contiguous, or (strided_ok) with the strides it came with
   Tensor saved;      // (rows, out), contiguous; undefined for "none"
-  Tensor g;          // grad_out * act'(saved)
+  Tensor g;          // grad_out * act'(saved) (undefined, to be made, where g_buffer is false)
   Tensor grad_bias;  // (out,) or empty
   bool fused_pass;   // whether the activation pass has to run
 };
@@ -49,7 +49,8 @@ BackwardPlan plan_backward(const Tensor& grad_output, const Tensor& input, const
                            const Tensor& saved, c10::string_view activation,
                            std::array<bool, 3> output_mask, void (*check_dtype)(const Tensor&,
                                                                               const char*),
-                           const Tensor& grad_bias_into = Tensor(), bool strided_ok = false) {
+                           const Tensor& grad_bias_into = Tensor(), bool strided_ok = false,
+                           bool g_buffer = true) {
   BackwardPlan p;
   p.act = check_activation(activation);
   p.shape = check_linear(input, weight, c10::nullopt);
@@ -66,7 +67,9 @@ BackwardPlan plan_backward(const Tensor& grad_output, const Tensor& input, const
   p.grad_out = grad_output.reshape({rows, out_f});
   if (!strided_ok) p.grad_out = p.grad_out.contiguous();
   p.saved = p.fused_pass ? saved.reshape({rows, out_f}).contiguous() : Tensor();
-  p.g = p.fused_pass ? at::empty({rows, out_f}, p.grad_out.options()) : p.grad_out;
+  p.g = !p.fused_pass ? p.grad_out
+        : g_buffer    ? at::empty({rows, out_f}, p.grad_out.options())
+                      : Tensor();
   p.grad_bias = !output_mask[2]           ? empty_like_options(p.grad_out)
                 : grad_bias_into.defined() ? grad_bias_into
                                            : at::empty({out_f}, p.grad_out.options());
@@ -105,6 +108,27 @@ void check_into(const Tensor& into, const char* name, bool wanted, const Tensor&
   TORCH_CHECK_VALUE(into.is_contiguous(), name, " must be contiguous");
 }
 
+// Where dpcuda's bfloat16 passes run instead of ATen's bfloat16 kernels: where they are the
+// faster. Both compute in float and round once; they differ in the float functions. Measured
+// on the 2-core AVX-512 machine, 4096x1024 (us, dpcuda's pass against ATen's kernel, with the
+// bias sum in both for the backward):
+// - forward (the layer with its small GEMM): relu 1225/1384, gelu_tanh 2406/5132, tanh
+//   2137/4250 (ATen's bfloat16 tanh runs at half its float speed); ATen's is the faster for
+//   gelu 2350/1672, silu 2318/1882 and sigmoid 2090/1850 (its exp and erf cost less per
+//   element than the float pass's; the same holds in float, where the fusion pays for them);
+// - backward over a dense gradient: relu 611/854, sigmoid 669/878, tanh 635/834, gelu_tanh
+//   2243/6476; gelu 2096/1928 and silu 1865/1469 go to ATen's. Over a transposed one dpcuda's
+//   reads in blocks, ATen's element by element: 2351-4199 against 10465-73227 for every
+//   activation.
+bool bfloat16_forward_pass_wins(Activation act) {
+  return act == Activation::kRelu || act == Activation::kGeluTanh || act == Activation::kTanh;
+}
+
+bool bfloat16_backward_pass_wins(Activation act, const Tensor& grad_out) {
+  const bool read_in_place = grad_out.stride(1) == 1 || grad_out.stride(1) == 0;
+  return (act != Activation::kGelu && act != Activation::kSilu) || !read_in_place;
+}
+
 std::tuple<Tensor, Tensor> full_forward_cpu(const Tensor& input, const Tensor& weight,
                                             const c10::optional<Tensor>& bias,
                                             c10::string_view activation) {
@@ -112,18 +136,29 @@ std::tuple<Tensor, Tensor> full_forward_cpu(const Tensor& input, const Tensor& w
   const LinearShape s = check_linear(input, weight, bias);
   check_cpu_layer_dtype(input, "input");
   if (is_half_type(input)) {
-    // The half types run torch's own kernels, rounded where torch rounds: the GEMM in the half
-    // type (float accumulation, one rounding; where it overflows to +-Inf, as torch's does), then
-    // torch's activation (computed in float, rounded once). Their data stays in the half type:
-    // on CPUs with AMX or AVX512-BF16 the half GEMMs run several times a float GEMM's speed,
-    // and a float pass's conversions would cost more than the fusion saves (computed in float,
-    // bfloat16 layers ran at a quarter of torch's speed: docs/results.md, the sweep).
+    // The half types keep their data in the half type and round where torch rounds: the GEMM is
+    // torch's, in the half type (float accumulation, one rounding, the bias in it; where it
+    // overflows to +-Inf, as torch's does): on CPUs with AMX or AVX512-BF16 it runs several
+    // times a float GEMM's speed (computed in float, bfloat16 layers ran at a quarter of
+    // torch's speed: docs/results.md, the sweep). The activation is computed in float and
+    // rounded once: for bfloat16 by dpcuda's pass where it is the faster (in place where the
+    // pre-activation is not kept), else, and for float16, by torch's.
     const bool has_b = bias.has_value() && bias->defined();
     const Tensor x = as_matrix(input, s);
-    const Tensor z = (has_b ? at::addmm(*bias, x, weight.t()) : at::mm(x, weight.t()))
-                         .view(s.out_sizes);
+    const Tensor z = has_b ? at::addmm(*bias, x, weight.t()) : at::mm(x, weight.t());
     const bool keep_pre = saved_for_backward(act) == Saved::kPreActivation;
-    return {aten_activation(z, act), keep_pre ? z : empty_like_options(z)};
+    if (input.scalar_type() != at::kBFloat16 || !bfloat16_forward_pass_wins(act)) {
+      return {aten_activation(z, act).view(s.out_sizes),
+              keep_pre ? z.view(s.out_sizes) : empty_like_options(z)};
+    }
+    Tensor out = keep_pre ? at::empty_like(z) : z;
+    const auto* z_bits = reinterpret_cast<const uint16_t*>(z.const_data_ptr<at::BFloat16>());
+    auto* out_bits = reinterpret_cast<uint16_t*>(out.mutable_data_ptr<at::BFloat16>());
+    const int64_t grain = act == Activation::kRelu ? 32768 : 8192;  // (as the float pass's)
+    at::parallel_for(0, z.numel(), grain, [&](int64_t begin, int64_t end) {
+      cpu::bfloat16_activation_forward(z_bits, out_bits, begin, end, act);
+    });
+    return {out.view(s.out_sizes), keep_pre ? z.view(s.out_sizes) : empty_like_options(z)};
   }
   // With an activation, the GEMM writes x @ W^T alone and our pass adds the bias as it applies
   // the activation (keeping the pre-activation when the backward needs it): that saves addmm's
@@ -210,34 +245,54 @@ std::tuple<Tensor, Tensor, Tensor> full_backward_cpu_into(
     return {gi, grad_weight_into.defined() ? grad_weight_into : gw,
             grad_bias_into.defined() ? grad_bias_into : gb};
   }
+  // (the half types make g themselves: ATen's activation backward may make it)
   const BackwardPlan p = plan_backward(grad_output, input, weight, saved, activation,
                                       output_mask, &check_cpu_layer_dtype, grad_bias_into,
-                                      true);
+                                      true, !is_half_type(input));
   if (is_half_type(input)) {
-    // As torch: grad_output * act'(saved) by torch's activation backward (computed in float,
-    // rounded to the half type, where it may overflow as torch's does), then the GEMMs in the
-    // half type (torch's own: float accumulation, one rounding) and the bias sum in float from
-    // it, rounded once.
+    // As torch: g = grad_output * act'(saved) computed in float and rounded to the half type
+    // (where it may overflow as torch's does), then the GEMMs in the half type (torch's own:
+    // float accumulation, one rounding) and the bias sum in float over the rounded g, rounded
+    // once. For bfloat16 g and the bias sum are dpcuda's one pass, which reads the upstream
+    // gradient where it lies (a transposed one through the blocks: ATen's tanh_backward took
+    // 5.8 ms over a transposed 8192x256 one); for float16 g is torch's.
     const auto dtype = input.scalar_type();
-    const Tensor g = p.fused_pass ? aten_activation_backward(p.grad_out, p.saved, p.act)
-                                  : p.grad_out;
+    const int64_t rows = p.shape.rows, out_f = p.shape.out_features;
+    const bool bf16 = dtype == at::kBFloat16;
+    const bool own_pass = bf16 && p.fused_pass && bfloat16_backward_pass_wins(p.act, p.grad_out);
+    Tensor g = !p.fused_pass ? p.grad_out
+               : own_pass    ? at::empty({rows, out_f}, p.grad_out.options())
+                             : aten_activation_backward(p.grad_out, p.saved, p.act);
+    Tensor sum = output_mask[2] ? at::empty({out_f}, p.grad_out.options().dtype(at::kFloat))
+                                : Tensor();
+    if (bf16 && (own_pass || output_mask[2])) {
+      // dpcuda's pass: g and its sums, or the sums alone over g (ATen's, or the upstream
+      // gradient for "none"), read where it lies.
+      const auto bits = [](const Tensor& t) {
+        return reinterpret_cast<const uint16_t*>(t.const_data_ptr<at::BFloat16>());
+      };
+      const Tensor& read = own_pass ? p.grad_out : g;
+      const uint16_t* go_bits = bits(read);
+      const uint16_t* saved_bits = own_pass ? bits(p.saved) : nullptr;
+      auto* g_bits =
+          own_pass ? reinterpret_cast<uint16_t*>(g.mutable_data_ptr<at::BFloat16>()) : nullptr;
+      const int64_t rs = read.stride(0), cs = read.stride(1);
+      const Activation pass_act = own_pass ? p.act : Activation::kNone;
+      chunked_rows<float>(rows, out_f, output_mask[2] ? sum.data_ptr<float>() : nullptr,
+                          p.grad_out.options().dtype(at::kFloat),
+                          [&](int64_t r0, int64_t r1, float* partial) {
+                            cpu::bfloat16_activation_backward_rows(go_bits, saved_bits, g_bits,
+                                                                   partial, r0, r1, out_f,
+                                                                   pass_act, rs, cs);
+                          });
+    }
     const Tensor none = empty_like_options(g);
     Tensor gi = output_mask[0] ? at::mm(g, weight).view(input.sizes()) : none;
     Tensor gw = output_mask[1] ? at::mm(g.t(), as_matrix(input, p.shape)) : none;
     Tensor gb = none;
     if (output_mask[2]) {
-      // The float path's fixed-order sum over g widened to float (exactly), rounded once.
-      const int64_t rows = p.shape.rows, out_f = p.shape.out_features;
-      Tensor sum = at::empty({out_f}, g.options().dtype(at::kFloat));
-      if (dtype == at::kBFloat16) {
-        // (read where it lies: a transposed or expanded upstream gradient is not copied)
-        const auto* bits = reinterpret_cast<const uint16_t*>(g.const_data_ptr<at::BFloat16>());
-        const int64_t rs = g.stride(0), cs = g.stride(1);
-        chunked_rows<float>(rows, out_f, sum.data_ptr<float>(), sum.options(),
-                            [&](int64_t r0, int64_t r1, float* partial) {
-                              cpu::bfloat16_column_sums(bits, partial, r0, r1, out_f, rs, cs);
-                            });
-      } else {
+      if (!bf16) {
+        // The float path's fixed-order sum over g widened to float (exactly), rounded once.
         const Tensor gf = g.to(at::kFloat).contiguous();
         const float* g_ptr = gf.data_ptr<float>();
         chunked_rows<float>(rows, out_f, sum.data_ptr<float>(), sum.options(),

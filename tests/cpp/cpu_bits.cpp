@@ -35,7 +35,26 @@ struct Hash {
       for (unsigned char c : p) h = (h ^ c) * 1099511628211ull;
     }
   }
+  // bfloat16 bit patterns, a NaN's sign and payload left out likewise.
+  void add_bfloat16(const std::vector<uint16_t>& v) {
+    for (uint16_t b : v) {
+      if ((b & 0x7fffu) > 0x7f80u) b = 0x7fc0u;
+      h = (h ^ (b & 0xffu)) * 1099511628211ull;
+      h = (h ^ (b >> 8)) * 1099511628211ull;
+    }
+  }
 };
+
+// The upper halves of floats: bfloat16 bit patterns (truncated; the kernels' inputs).
+std::vector<uint16_t> to_bfloat16_bits(const std::vector<float>& v) {
+  std::vector<uint16_t> bits(v.size());
+  for (size_t i = 0; i < v.size(); ++i) {
+    uint32_t u;
+    std::memcpy(&u, &v[i], sizeof u);
+    bits[i] = static_cast<uint16_t>(u >> 16);
+  }
+  return bits;
+}
 
 template <typename T>
 std::vector<T> inputs(size_t n, uint32_t seed, double spread) {
@@ -94,24 +113,43 @@ void layer(Hash& hash) {
       }
     }
   }
-  if (sizeof(T) == sizeof(float)) {  // the bfloat16 gradient's column sums
-    const auto g = inputs<float>(rows * cols, 250, 3.0);
-    std::vector<uint16_t> bits(g.size());
-    for (size_t i = 0; i < g.size(); ++i) {
-      uint32_t u;
-      std::memcpy(&u, &g[i], sizeof u);
-      bits[i] = static_cast<uint16_t>(u >> 16);
-    }
-    std::vector<float> sums(cols), strided(cols);
-    cpu::bfloat16_column_sums(bits.data(), sums.data(), 0, rows, cols, cols, 1);
-    cpu::bfloat16_column_sums(bits.data(), strided.data(), 0, rows, cols, 1, rows);
-    hash.add(sums);
-    hash.add(strided);
-  }
   const auto partials = inputs<T>(9 * 41, 300, 2.0);
   std::vector<T> reduced(41);
   cpu::reduce_column_partials<T>(partials.data(), 9, 41, reduced.data(), 0, 41);
   hash.add(reduced);
+}
+
+// The bfloat16 passes: the forward (in place and not), the backward over the three layouts with
+// the bias sums, and the bias-only pass.
+void bfloat16_layer(Hash& hash) {
+  const int64_t rows = 67, cols = 37;
+  for (int a = 0; a <= 6; ++a) {
+    const auto act = static_cast<Activation>(a);
+    for (double spread : {1.0, 6.0}) {
+      const auto z = to_bfloat16_bits(inputs<float>(rows * cols, 1 + a, spread));
+      std::vector<uint16_t> out(z.size()), in_place = z;
+      cpu::bfloat16_activation_forward(z.data(), out.data(), 0, rows * cols, act);
+      cpu::bfloat16_activation_forward(in_place.data(), in_place.data(), 0, rows * cols, act);
+      hash.add_bfloat16(out);
+      hash.add_bfloat16(in_place);
+      const auto saved = saved_for_backward(act) == Saved::kOutput ? out : z;
+      const auto go = to_bfloat16_bits(inputs<float>(rows * cols, 200 + a, 1.0));
+      const int64_t strides[3][2] = {{cols, 1}, {1, 0}, {1, rows}};
+      for (const auto& s : strides) {
+        std::vector<uint16_t> g(rows * cols);
+        std::vector<float> part(cols);
+        cpu::bfloat16_activation_backward_rows(go.data(), saved.data(), g.data(), part.data(), 0,
+                                               rows, cols, act, s[0], s[1]);
+        hash.add_bfloat16(g);
+        hash.add(part);
+        if (act == Activation::kNone) {
+          cpu::bfloat16_activation_backward_rows(go.data(), nullptr, nullptr, part.data(), 0,
+                                                 rows, cols, act, s[0], s[1]);
+          hash.add(part);
+        }
+      }
+    }
+  }
 }
 
 template <typename T>
@@ -180,6 +218,7 @@ int main() {
   Hash hash;
   layer<float>(hash);
   layer<double>(hash);
+  bfloat16_layer(hash);
   loss<float>(hash);
   loss<double>(hash);
   updates<float>(hash);

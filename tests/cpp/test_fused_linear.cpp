@@ -176,8 +176,120 @@ void test_backward(int64_t rows, int64_t cols, Activation act, std::mt19937& rng
 
 }  // namespace
 
+// bfloat16: the upper half of a float's bits. The reference rounding is written apart from the
+// kernels': the float value's bits, rounded to nearest even by whether the dropped half is
+// above, below or at a tie, and a NaN kept a NaN of its sign.
+float bf16_value(uint16_t b) {
+  const uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+uint16_t bf16_round(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  if (std::isnan(f)) return static_cast<uint16_t>((u >> 16) | 0x40u);
+  const uint32_t kept = u >> 16, dropped = u & 0xffffu;
+  const bool up = dropped > 0x8000u || (dropped == 0x8000u && (kept & 1u));
+  return static_cast<uint16_t>(kept + (up ? 1u : 0u));
+}
+
+bool same_bf16(uint16_t a, uint16_t b) {
+  const bool nan_a = (a & 0x7fffu) > 0x7f80u, nan_b = (b & 0x7fffu) > 0x7f80u;
+  return nan_a || nan_b ? nan_a && nan_b : a == b;
+}
+
+// The bfloat16 passes against the float kernels on the widened values: each result is the
+// float result rounded once (bit for bit), and the bias sums are the float sums of the rounded
+// g; for dense, expanded (one value, one a row) and transposed upstream gradients. The inputs
+// include +-0, +-Inf, NaN and the largest finite bfloat16 (whose activation may round up to
+// Inf).
+void test_bfloat16(int64_t rows, int64_t cols, Activation act, std::mt19937& rng) {
+  std::normal_distribution<float> dist(0.0f, 3.0f);
+  const int64_t n = rows * cols;
+  std::vector<uint16_t> z(n), go(n);
+  for (auto& v : z) v = bf16_round(dist(rng));
+  for (auto& v : go) v = bf16_round(dist(rng));
+  const uint16_t special[] = {0x0000, 0x8000, 0x7f80, 0xff80, 0x7fc0, 0x7f7f, 0xff7f,
+                              0x3f80, 0xbf80, 0x0001, 0x4120, 0xc150};
+  for (size_t i = 0; i < sizeof special / sizeof *special && int64_t(5 * i) < n; ++i) {
+    z[5 * i] = special[i];
+    go[(7 * i + 3) % n] = special[(i + 4) % 12];
+  }
+  std::vector<float> zf(n), gof(n);
+  for (int64_t i = 0; i < n; ++i) zf[i] = bf16_value(z[i]), gof[i] = bf16_value(go[i]);
+  // forward: out of place and in place
+  std::vector<uint16_t> out(n), in_place = z;
+  dpcuda::cpu::bfloat16_activation_forward(z.data(), out.data(), 0, n, act);
+  dpcuda::cpu::bfloat16_activation_forward(in_place.data(), in_place.data(), 0, n, act);
+  std::vector<float> outf(n);
+  outf = zf;
+  dpcuda::cpu::bias_activation_forward<float>(outf.data(), nullptr, nullptr, 0, rows, cols, act);
+  int bad = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    bad += !same_bf16(out[i], bf16_round(outf[i])) || !same_bf16(in_place[i], out[i]);
+  }
+  CHECK(bad == 0);
+  // backward, from the saved tensor the layer keeps (bfloat16)
+  const bool from_output = dpcuda::saved_for_backward(act) == dpcuda::Saved::kOutput;
+  const std::vector<uint16_t>& saved = from_output ? out : z;
+  std::vector<float> savedf(n);
+  for (int64_t i = 0; i < n; ++i) savedf[i] = bf16_value(saved[i]);
+  const int64_t layouts[4][2] = {{cols, 1}, {0, 0}, {1, 0}, {1, rows}};
+  for (const auto& l : layouts) {
+    // the gradient's element (r, c) at go[r * l[0] + c * l[1]]; its dense copy for the float
+    // kernel
+    std::vector<float> dense(n);
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t c = 0; c < cols; ++c) dense[r * cols + c] = gof[r * l[0] + c * l[1]];
+    }
+    std::vector<float> gf(n), unused(cols);
+    dpcuda::cpu::activation_backward_rows<float>(dense.data(), savedf.data(), gf.data(),
+                                                 unused.data(), 0, rows, cols, act);
+    const bool none = act == Activation::kNone;
+    std::vector<uint16_t> g(n);
+    std::vector<float> sums(cols, -1.0f);
+    dpcuda::cpu::bfloat16_activation_backward_rows(go.data(), none ? nullptr : saved.data(),
+                                                   none ? nullptr : g.data(), sums.data(), 0,
+                                                   rows, cols, act, l[0], l[1]);
+    std::vector<float> want_sums(cols, 0.0f);
+    bad = 0;
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t c = 0; c < cols; ++c) {
+        const uint16_t want = bf16_round(gf[r * cols + c]);
+        if (!none) bad += !same_bf16(g[r * cols + c], want);
+        want_sums[c] += bf16_value(want);
+      }
+    }
+    CHECK(bad == 0);
+    bad = 0;
+    for (int64_t c = 0; c < cols; ++c) {
+      const bool nan = std::isnan(want_sums[c]);
+      bad += nan ? !std::isnan(sums[c]) : std::memcmp(&sums[c], &want_sums[c], 4) != 0;
+    }
+    CHECK(bad == 0);
+  }
+}
+
+// Ties round to even: tanh's gradient at the output 0.5 is go * 0.75, which for go = 1 + 2^-7
+// and 1 + 3 * 2^-7 falls exactly halfway between two bfloat16 values (0x3f418000 and
+// 0x3f448000 as floats); the first rounds up to the even neighbour (0x3f42), the second down
+// (0x3f44). Truncation gives 0x3f41 and 0x3f44, rounding half up 0x3f42 and 0x3f45.
+void test_bfloat16_ties() {
+  const uint16_t go[2] = {0x3f81, 0x3f83}, saved[2] = {0x3f00, 0x3f00};
+  uint16_t g[2] = {0, 0};
+  float sums[2];
+  dpcuda::cpu::bfloat16_activation_backward_rows(go, saved, g, sums, 0, 1, 2, Activation::kTanh,
+                                                 2, 1);
+  CHECK(g[0] == 0x3f42 && g[1] == 0x3f44);
+  CHECK(bf16_round(bf16_value(0x3f81) * 0.75f) == 0x3f42);
+  CHECK(bf16_round(bf16_value(0x3f83) * 0.75f) == 0x3f44);
+}
+
 int main() {
   std::mt19937 rng(1234);
+  test_bfloat16_ties();
   // (17 and 100: blocks of 16 rows and a rest; 100 columns: the transposed gradient read in
   // blocks but for gelu and gelu_tanh (from 256), fewer columns or rows: row by row)
   const int64_t sizes[] = {1, 3, 17, 100};
@@ -192,6 +304,7 @@ int main() {
         test_flat_rows<double>(rows, cols, act, rng);
         test_column_major<float>(rows, cols, act, rng);
         test_column_major<double>(rows, cols, act, rng);
+        test_bfloat16(rows, cols, act, rng);
       }
     }
   }
@@ -202,6 +315,7 @@ int main() {
       for (int64_t cols : {255, 256, 1024, 1030}) {
         test_column_major<float>(rows, cols, act, rng);
         test_column_major<double>(rows, cols, act, rng);
+        test_bfloat16(rows, cols, act, rng);
       }
     }
   }
