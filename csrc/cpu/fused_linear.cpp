@@ -54,25 +54,33 @@ template <typename S>
 using acc_of = typename Compute<S>::type;
 
 // Column sums of a matrix whose columns are contiguous (a transposed one: row stride 1, column
-// c at g + c * cs), each column added in row order onto partial[c], as the row-major loops add
-// it (the same bits), kBlock columns at a time so that their independent sums hide the adds'
-// latency. load widens an element to the sums' type.
+// c at g + c * cs), for "none", where no pass writes g and the sums are the only reading of it:
+// each column's rows [row_begin, row_end) go to kLanes running sums (row r to sum
+// (r - row_begin) % kLanes, in row order within it), so that the loads are contiguous and the
+// adds a vector's lanes; the kLanes sums are then added in a fixed tree, and the result onto
+// partial[c]. A fixed order, the same for any vector width (the lanes are the source's, not
+// the compiler's), thread count or CPU; not the row-major loop's order, so the sums equal the
+// contiguous gradient's within rounding, as torch's GEMMs over a transposed operand do. Added in
+// row order, the pass cost 594 us against sum(0)'s 202 (256x256, batch 8192, float32).
+// load widens an element to the sums' type.
 template <typename In, typename Acc, typename Load>
 inline void column_major_sums(const In* __restrict__ g, Acc* __restrict__ partial,
                               int64_t row_begin, int64_t row_end, int64_t cols, int64_t cs,
                               Load load) {
-  constexpr int64_t kBlock = 8;
-  int64_t c = 0;
-  for (; c + kBlock <= cols; c += kBlock) {
-    Acc acc[kBlock];
-    for (int64_t j = 0; j < kBlock; ++j) acc[j] = partial[c + j];
-    for (int64_t r = row_begin; r < row_end; ++r) {
-      for (int64_t j = 0; j < kBlock; ++j) acc[j] += load(g[(c + j) * cs + r]);
+  constexpr int64_t kLanes = 16;
+  const int64_t n = row_end - row_begin;
+  for (int64_t c = 0; c < cols; ++c) {
+    const In* __restrict__ column = g + c * cs + row_begin;
+    Acc lane[kLanes] = {};
+    int64_t i = 0;
+    for (; i + kLanes <= n; i += kLanes) {
+      for (int64_t j = 0; j < kLanes; ++j) lane[j] += load(column[i + j]);
     }
-    for (int64_t j = 0; j < kBlock; ++j) partial[c + j] = acc[j];
-  }
-  for (; c < cols; ++c) {
-    for (int64_t r = row_begin; r < row_end; ++r) partial[c] += load(g[c * cs + r]);
+    for (int64_t j = 0; i + j < n; ++j) lane[j] += load(column[i + j]);
+    for (int64_t width = kLanes / 2; width > 0; width /= 2) {
+      for (int64_t j = 0; j < width; ++j) lane[j] += lane[j + width];
+    }
+    partial[c] += lane[0];
   }
 }
 

@@ -76,20 +76,33 @@ BackwardPlan plan_backward(const Tensor& grad_output, const Tensor& input, const
   return p;
 }
 
+// g as the two GEMMs read it: where it lies if BLAS can (row- or column-major), else (an
+// expanded gradient, for "none") one contiguous copy for both, where ATen's mm would copy it
+// for each (the same values either way).
+Tensor gemm_operand(const Tensor& g) {
+  const auto ready = [](int64_t s0, int64_t s1, int64_t n0, int64_t n1) {
+    return s1 == 1 && (n0 == 1 || s0 >= std::max<int64_t>(1, n1));
+  };
+  const bool blas = ready(g.stride(0), g.stride(1), g.size(0), g.size(1)) ||
+                    ready(g.stride(1), g.stride(0), g.size(1), g.size(0));
+  return blas ? g : g.contiguous();
+}
+
 // The two GEMMs that follow the CPU's activation pass.
 std::tuple<Tensor, Tensor, Tensor> finish_backward(const BackwardPlan& p, const Tensor& input,
                                                    const Tensor& weight,
                                                    std::array<bool, 3> output_mask,
                                                    const Tensor& grad_weight_into = Tensor()) {
-  Tensor grad_input = output_mask[0] ? at::mm(p.g, weight).view(input.sizes())
+  const Tensor g = output_mask[0] || output_mask[1] ? gemm_operand(p.g) : p.g;
+  Tensor grad_input = output_mask[0] ? at::mm(g, weight).view(input.sizes())
                                      : empty_like_options(p.grad_out);
   Tensor grad_weight = empty_like_options(p.grad_out);
   if (output_mask[1] && grad_weight_into.defined()) {
     Tensor out = grad_weight_into;
-    at::mm_out(out, p.g.t(), as_matrix(input, p.shape));
+    at::mm_out(out, g.t(), as_matrix(input, p.shape));
     grad_weight = grad_weight_into;
   } else if (output_mask[1]) {
-    grad_weight = at::mm(p.g.t(), as_matrix(input, p.shape));
+    grad_weight = at::mm(g.t(), as_matrix(input, p.shape));
   }
   return {grad_input, grad_weight, p.grad_bias};
 }
@@ -287,8 +300,9 @@ std::tuple<Tensor, Tensor, Tensor> full_backward_cpu_into(
                           });
     }
     const Tensor none = empty_like_options(g);
-    Tensor gi = output_mask[0] ? at::mm(g, weight).view(input.sizes()) : none;
-    Tensor gw = output_mask[1] ? at::mm(g.t(), as_matrix(input, p.shape)) : none;
+    const Tensor gm = output_mask[0] || output_mask[1] ? gemm_operand(g) : g;
+    Tensor gi = output_mask[0] ? at::mm(gm, weight).view(input.sizes()) : none;
+    Tensor gw = output_mask[1] ? at::mm(gm.t(), as_matrix(input, p.shape)) : none;
     Tensor gb = none;
     if (output_mask[2]) {
       if (!bf16) {
