@@ -11,7 +11,11 @@ activation) and prints the worst cells and the geometric mean.
 
 Upstream-gradient layouts: dense (a contiguous tensor), expanded (what y.sum() hands back: one
 value broadcast), transposed (a (out, batch) tensor's transpose). Cells whose work exceeds
---max-gflop (forward and backward: 6 * batch * width^2 flops) are skipped and listed.
+--max-gflop (forward and backward: 6 * batch * width^2 flops) are skipped and listed. --cells
+measures named cells alone (a cell's time in the whole grid can depend on what ran before it):
+
+    python benchmarks/bench_sweep.py --cells 256x4096:gelu:on:transposed:bfloat16 \\
+        64x8192:silu:off:expanded
 """
 
 import argparse
@@ -31,6 +35,34 @@ from dpcuda.reference import ACTIVATIONS  # noqa: E402
 from dpcuda.reference import activation as torch_activation  # noqa: E402
 
 LAYOUTS = ("dense", "expanded", "transposed")
+DTYPES = ("float32", "bfloat16")
+
+
+def parse_cell(text):
+    """WIDTHxBATCH:activation:on|off:layout[:dtype] (dtype float32 unless given), as the JSON's
+    rows name a cell; returns (width, batch, activation, bias, layout, dtype)."""
+    parts = text.split(":")
+    try:
+        shape, act, bias, layout = parts[:4]
+        width, batch = (int(v) for v in shape.split("x"))
+        if len(parts) > 5:
+            raise ValueError
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"a cell is WIDTHxBATCH:activation:on|off:layout[:dtype], got {text!r}") from None
+    dtype = parts[4] if len(parts) == 5 else "float32"
+    if bias not in ("on", "off"):
+        raise argparse.ArgumentTypeError(f"bias must be on or off, got {bias!r}")
+    if act not in ACTIVATIONS:
+        raise argparse.ArgumentTypeError(f"activation must be one of {', '.join(ACTIVATIONS)}, "
+                                         f"got {act!r}")
+    if layout not in LAYOUTS:
+        raise argparse.ArgumentTypeError(f"layout must be one of {', '.join(LAYOUTS)}, "
+                                         f"got {layout!r}")
+    if dtype not in DTYPES:
+        raise argparse.ArgumentTypeError(f"dtype must be one of {', '.join(DTYPES)}, "
+                                         f"got {dtype!r}")
+    return width, batch, act, bias == "on", layout, dtype
 
 
 def upstream(layout, batch, width, dtype):
@@ -126,6 +158,10 @@ def main(argv=None):
                         help="time each cell at least this long (default: %(default)s)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads (default: torch's)")
+    parser.add_argument("--cells", nargs="+", type=parse_cell, default=None,
+                        metavar="CELL",
+                        help="measure these cells alone instead of the grid: "
+                             "WIDTHxBATCH:activation:on|off:layout[:dtype]")
     parser.add_argument("--json", default=None)
     parser.add_argument("--png", default=None, help="the heat map (dense, float32, bias on)")
     args = parser.parse_args(argv)
@@ -138,18 +174,21 @@ def main(argv=None):
         parser.error(f"--layouts: choose from {list(LAYOUTS)}")
     dtypes = []
     for name in args.dtypes.split(","):
-        if name not in ("float32", "bfloat16"):
+        if name not in DTYPES:
             parser.error(f"--dtypes: float32 or bfloat16, got {name!r}")
         dtypes.append(name)
     biases = [{"on": True, "off": False}[v] for v in args.bias.split(",")]
+    if args.cells:
+        grid = [(dt, w, b, a, bi, lay) for w, b, a, bi, lay, dt in args.cells]
+    else:
+        grid = itertools.product(dtypes, args.widths, args.batches, acts, biases, layouts)
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     rows, skipped = [], []
     print(f"{'width':>6}{'batch':>6}{'activation':>11}{'bias':>5}{'layout':>11}{'dtype':>9}"
           f"{'eager/fused':>12}{'q1':>6}{'q3':>6}{'compile/fused':>14}")
-    for dtype, width, batch, act, bias, layout in itertools.product(
-            dtypes, args.widths, args.batches, acts, biases, layouts):
+    for dtype, width, batch, act, bias, layout in grid:
         gflop = 6 * batch * width * width / 1e9
         if gflop > args.max_gflop:
             skipped.append({"width": width, "batch": batch, "gflop": gflop})
@@ -182,7 +221,8 @@ def main(argv=None):
                            "geomean_eager_over_fused": geomean, "results": rows,
                            "skipped": skipped})
     if args.png and rows:
-        heat_map(rows, args.png, layouts[0], dtypes[0], biases[0])
+        first = rows[0]
+        heat_map(rows, args.png, first["layout"], first["dtype"], first["bias"])
 
 
 if __name__ == "__main__":

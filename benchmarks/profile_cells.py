@@ -7,7 +7,8 @@ cannot win; the rest is what the fusion changes.
 
     python benchmarks/profile_cells.py --json benchmarks/results/profile-cells-cpu.json
 
-A cell is WIDTHxBATCH:activation:bias(on/off):layout, as in the sweep's JSON.
+A cell is WIDTHxBATCH:activation:bias(on/off):layout[:dtype] (float32 unless given), as in the
+sweep's JSON.
 """
 
 import argparse
@@ -18,12 +19,11 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_sweep import LAYOUTS, upstream  # noqa: E402
+from bench_sweep import parse_cell, upstream  # noqa: E402
 from common import environment, write_json  # noqa: E402
 
 import torch.nn.functional as F  # noqa: E402
 from dpcuda import ops  # noqa: E402
-from dpcuda.reference import ACTIVATIONS  # noqa: E402
 from dpcuda.reference import activation as torch_activation  # noqa: E402
 
 GEMMS = ("aten::mm", "aten::addmm")
@@ -36,24 +36,6 @@ DEFAULT_CELLS = (
     "4096x256:sigmoid:on:transposed", "1024x4096:gelu:off:dense",
     "64x8192:silu:off:dense", "128x8192:gelu:off:dense",
 )
-
-
-def parse_cell(text):
-    try:
-        shape, act, bias, layout = text.split(":")
-        width, batch = (int(v) for v in shape.split("x"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"a cell is WIDTHxBATCH:activation:on|off:layout, got {text!r}") from None
-    if bias not in ("on", "off"):
-        raise argparse.ArgumentTypeError(f"bias must be on or off, got {bias!r}")
-    if act not in ACTIVATIONS:
-        raise argparse.ArgumentTypeError(f"activation must be one of {', '.join(ACTIVATIONS)}, "
-                                         f"got {act!r}")
-    if layout not in LAYOUTS:
-        raise argparse.ArgumentTypeError(f"layout must be one of {', '.join(LAYOUTS)}, "
-                                         f"got {layout!r}")
-    return width, batch, act, bias == "on", layout
 
 
 def profile_side(step, steps):
@@ -75,12 +57,13 @@ def profile_side(step, steps):
             "gemm_share": gemm / total if total else 0.0, "ops": ops_}
 
 
-def profile_cell(width, batch, act, bias, layout, steps):
+def profile_cell(width, batch, act, bias, layout, dtype, steps):
     torch.manual_seed(0)
-    x = torch.randn(batch, width, requires_grad=True)
-    w = (torch.randn(width, width) * width ** -0.5).requires_grad_()
-    b = torch.randn(width, requires_grad=True) if bias else None
-    go = upstream(layout, batch, width, torch.float32)
+    dt = getattr(torch, dtype)
+    x = torch.randn(batch, width, dtype=dt, requires_grad=True)
+    w = (torch.randn(width, width, dtype=dt) * width ** -0.5).requires_grad_()
+    b = torch.randn(width, dtype=dt, requires_grad=True) if bias else None
+    go = upstream(layout, batch, width, dt)
     leaves = [t for t in (x, w, b) if t is not None]
 
     def run(fn):
@@ -92,7 +75,8 @@ def profile_cell(width, batch, act, bias, layout, steps):
     fused = run(lambda: ops.full_forward(x, w, b, act))
     eager = run(lambda: torch_activation(F.linear(x, w, b), act))
     return {"width": width, "batch": batch, "activation": act, "bias": bias, "layout": layout,
-            "fused": profile_side(fused, steps), "eager": profile_side(eager, steps)}
+            "dtype": dtype, "fused": profile_side(fused, steps),
+            "eager": profile_side(eager, steps)}
 
 
 def main(argv=None):
@@ -110,11 +94,12 @@ def main(argv=None):
         torch.set_num_threads(args.threads)
     cells = args.cells or [parse_cell(c) for c in DEFAULT_CELLS]
     rows = []
-    for width, batch, act, bias, layout in cells:
-        row = profile_cell(width, batch, act, bias, layout, args.steps)
+    for width, batch, act, bias, layout, dtype in cells:
+        row = profile_cell(width, batch, act, bias, layout, dtype, args.steps)
         rows.append(row)
         f, e = row["fused"], row["eager"]
-        print(f"{width}x{width} batch {batch} {act} bias {'on' if bias else 'off'} {layout}: "
+        print(f"{width}x{width} batch {batch} {act} bias {'on' if bias else 'off'} {layout} "
+              f"{dtype}: "
               f"fused {f['total_us_per_step']:.0f} us (GEMMs {100 * f['gemm_share']:.0f}%), "
               f"eager {e['total_us_per_step']:.0f} us (GEMMs {100 * e['gemm_share']:.0f}%)")
         for side in ("fused", "eager"):

@@ -36,6 +36,18 @@ def test_bench_sweep_runs_a_small_grid(tmp_path):
     assert "worst:" in proc.stdout
 
 
+def test_bench_sweep_measures_named_cells_alone(tmp_path):
+    proc = run(tmp_path, "--cells", "8x4:gelu:on:transposed:bfloat16", "16x1:none:off:expanded",
+               "--repeats", "2", "--min-seconds", "0", "--json", "c.json")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = json.loads((tmp_path / "c.json").read_text())["results"]
+    assert [(r["width"], r["batch"], r["activation"], r["bias"], r["layout"], r["dtype"])
+            for r in rows] == [(8, 4, "gelu", True, "transposed", "bfloat16"),
+                               (16, 1, "none", False, "expanded", "float32")]
+    proc = run(tmp_path, "--cells", "8x4:gelu:on:dense:float16")
+    assert proc.returncode == 2 and "dtype must be one of" in proc.stderr
+
+
 def test_bench_sweep_refuses_unknown_names(tmp_path):
     proc = run(tmp_path, "--activations", "relu,swish")
     assert proc.returncode == 2 and "unknown activations" in proc.stderr
@@ -51,12 +63,12 @@ def run_profile(tmp_path, *args):
 def test_profile_cells_names_each_sides_operators(tmp_path):
     # Two small cells: the fused side runs dpcuda's ops and torch's GEMMs inside them, the eager
     # side torch's activation; the GEMMs' share is a share.
-    proc = run_profile(tmp_path, "32x64:gelu:on:transposed", "16x8:none:off:expanded",
+    proc = run_profile(tmp_path, "32x64:gelu:on:transposed", "16x8:none:off:expanded:bfloat16",
                        "--steps", "2", "--json", "p.json")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = json.loads((tmp_path / "p.json").read_text())["results"]
-    assert [(r["width"], r["activation"], r["bias"], r["layout"]) for r in rows] == [
-        (32, "gelu", True, "transposed"), (16, "none", False, "expanded")]
+    assert [(r["width"], r["activation"], r["bias"], r["layout"], r["dtype"]) for r in rows] == [
+        (32, "gelu", True, "transposed", "float32"), (16, "none", False, "expanded", "bfloat16")]
     for r in rows:
         fused = {o["op"] for o in r["fused"]["ops"]}
         eager = {o["op"] for o in r["eager"]["ops"]}
