@@ -175,20 +175,27 @@ def allreduce_gpu():
                  rows)
 
 
-def sweep_full(name):
+def sweep_full(name, bands=False):
+    """Per activation and dtype: the medians' range, geometric mean and cells below 1 (and with
+    bands, the cells whose third quartile is below 1: slower beyond the rounds' noise)."""
     results = load(name)["results"]
     rows = []
     for act in sorted({r["activation"] for r in results}):
         row = [act]
         for dtype in ("float32", "bfloat16"):
-            ratios = [r["eager_over_fused"]["median"] for r in results
-                      if (r["activation"], r["dtype"]) == (act, dtype)]
+            cells = [r["eager_over_fused"] for r in results
+                     if (r["activation"], r["dtype"]) == (act, dtype)]
+            ratios = [c["median"] for c in cells]
             geomean = math.exp(sum(map(math.log, ratios)) / len(ratios))
-            row.append(f"{f2(min(ratios))}-{f2(max(ratios))} ({f3(geomean)}), "
-                       f"{sum(x < 1 for x in ratios)} of {len(ratios)}")
+            text = (f"{f2(min(ratios))}-{f2(max(ratios))} ({f3(geomean)}), "
+                    f"{sum(x < 1 for x in ratios)} of {len(ratios)}")
+            if bands:
+                text += f", {sum(c['q3'] < 1 for c in cells)}"
+            row.append(text)
         rows.append(row)
-    return table(["activation", "float32: min-max (geomean), cells < 1",
-                  "bfloat16: min-max (geomean), cells < 1"], rows)
+    what = "cells < 1, third quartile < 1" if bands else "cells < 1"
+    return table(["activation", f"float32: min-max (geomean), {what}",
+                  f"bfloat16: min-max (geomean), {what}"], rows)
 
 
 STEP_SYNC_CPU = ([(1, "dpcuda blocking"), (1, "dpcuda nonblocking"), (2, "dpcuda blocking"),
@@ -394,6 +401,8 @@ TABLES = {
     "allreduce-cpu-2026-11-21.json": allreduce_cpu,
     "sweep-full-cpu-2026-11-27.json": lambda: sweep_full("sweep-full-cpu-2026-11-27.json"),
     "sweep-full-cpu-2026-11-27b.json": lambda: sweep_full("sweep-full-cpu-2026-11-27b.json"),
+    "sweep-full-cpu-2026-11-28.json": lambda: sweep_full("sweep-full-cpu-2026-11-28.json",
+                                                         bands=True),
     "step-sync-cpu-2026-11-25.json": step_sync,
     "step-sync-h100-2026-11-27.json": lambda: step_sync("step-sync-h100-2026-11-27.json",
                                                         STEP_SYNC_GPU),
