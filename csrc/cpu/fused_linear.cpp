@@ -354,6 +354,7 @@ void expanded_rows(const S* grad_out, const S* saved, S* grad_pre, acc_of<S>* bi
                    int64_t row_begin, int64_t row_end, int64_t cols, int64_t rs) {
   constexpr int64_t kWidth = 1024;
   S buffer[kWidth];
+  if (cols == 0) return;  // (no columns: nothing to read or write)
   if (cols <= kWidth) {
     const int64_t per_call = kWidth / cols;
     for (int64_t r0 = row_begin; r0 < row_end; r0 += per_call) {

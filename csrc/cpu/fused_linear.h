@@ -47,8 +47,9 @@ void activation_backward_rows(const T* grad_out, const T* saved, T* grad_pre, T*
 
 // bfloat16, given as its bit patterns, computed in float with the float pass's functions and
 // rounded once to nearest even where torch rounds, so that its results are torch's within that
-// rounding (each value differs from torch's only where the float results, a few float ulps
-// apart, round to neighbouring bfloat16 values).
+// rounding (a value differs from torch's where the two float results, a few float ulps apart,
+// round to neighbouring bfloat16 values, or where torch's float formula cancels and this one
+// does not: gelu's gradient in its left tail).
 //
 // The forward pass over elements [begin, end) of z: out = act(z), z being the GEMM's result
 // with the bias in it (out may be z).

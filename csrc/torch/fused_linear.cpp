@@ -77,8 +77,9 @@ BackwardPlan plan_backward(const Tensor& grad_output, const Tensor& input, const
 }
 
 // g as the two GEMMs read it: where it lies if BLAS can (row- or column-major), else (an
-// expanded gradient, for "none") one contiguous copy for both, where ATen's mm would copy it
-// for each (the same values either way).
+// expanded or sliced gradient, for "none") one contiguous copy for both, where ATen's mm would
+// copy it for each (in its own layout: with Inf or subnormal values the bfloat16 GEMMs' results
+// can follow the layout, torch's own included).
 Tensor gemm_operand(const Tensor& g) {
   const auto ready = [](int64_t s0, int64_t s1, int64_t n0, int64_t n1) {
     return s1 == 1 && (n0 == 1 || s0 >= std::max<int64_t>(1, n1));
