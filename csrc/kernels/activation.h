@@ -57,7 +57,7 @@ DPCUDA_HD Saved saved_for_backward(Activation act) {
 
 template <typename acc_t>
 DPCUDA_HD acc_t sigmoid_of(acc_t z) {
-  return acc_t(1) / (acc_t(1) + math_exp(-z));
+  return math_sigmoid(z);  // 1 / (1 + exp(-z))
 }
 
 // Forward activation of the pre-activation z, in the accumulation type.

@@ -132,9 +132,27 @@ DPCUDA_HD float normal_cdf_from_exp(float z, float e) {
 // results). Before it, the exp's own bound (-87) left |z| in (12.9, 13.2) to the slow path: a
 // 128x4096 gelu layer whose pre-activations spread to +-30 ran its forward and backward at 1.7x
 // torch's time. NaN stays NaN (the comparison is false).
+// Its argument is never above 0 (or NaN), so only exp's lower clamp is taken (the same bits as
+// exp()): the upper clamp and exp's two result selects cost 30% of a vectorised gelu loop
+// (0.57 against 0.40 ns an element on one AVX-512 core; every float checked for the same bits).
 DPCUDA_HD float gaussian(float z) {
-  const float e = exp(-0.5f * z * z);
+  float x = -0.5f * z * z;
+  x = x < -87.0f ? -87.0f : x;  // (NaN passes: the comparison is false)
+  const float e = exp_in_range(x);
   return e < 0x1p-120f ? 0.0f : e;
+}
+
+// 1 / (1 + exp(-z)) with exp's clamps taken once and one select for the result, not exp's two:
+// the same bits as that form with exp() (every float checked), 12% less time in a vectorised
+// sigmoid loop. Past the upper clamp exp(-z) is +Inf and the quotient 0; below the lower one
+// exp(-z) is 0 or the clamp's 1.6e-38, and the quotient 1 either way.
+DPCUDA_HD float sigmoid(float z) {
+  constexpr float kHi = 88.3762626647949f, kLo = -87.0f;
+  const float x = -z;
+  float clamped = x > kHi ? kHi : x;
+  clamped = clamped < kLo ? kLo : clamped;
+  const float r = 1.0f / (1.0f + exp_in_range(clamped));
+  return x > kHi ? 0.0f : r;
 }
 
 }  // namespace poly
@@ -144,10 +162,13 @@ DPCUDA_HD float gaussian(float z) {
 #if defined(__CUDA_ARCH__) || defined(DPCUDA_EMULATE)
 DPCUDA_HD float math_exp(float x) { return expf(x); }
 DPCUDA_HD float math_tanh(float x) { return tanhf(x); }
+DPCUDA_HD float math_sigmoid(float z) { return 1.0f / (1.0f + expf(-z)); }
 #else
 DPCUDA_HD float math_exp(float x) { return poly::exp(x); }
 DPCUDA_HD float math_tanh(float x) { return poly::tanh(x); }
+DPCUDA_HD float math_sigmoid(float z) { return poly::sigmoid(z); }
 #endif
+DPCUDA_HD double math_sigmoid(double z) { return 1.0 / (1.0 + ::exp(-z)); }
 // exp(-z^2 / 2) for gelu: on the CPU in float without the subnormal tail (poly::gaussian);
 // elsewhere as it was computed before it had a name.
 #if defined(__CUDA_ARCH__) || defined(DPCUDA_EMULATE)
