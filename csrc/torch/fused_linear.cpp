@@ -131,16 +131,17 @@ void check_into(const Tensor& into, const char* name, bool wanted, const Tensor&
 //   gelu 2350/1672, silu 2318/1882 and sigmoid 2090/1850 (its exp and erf cost less per
 //   element than the float pass's; the same holds in float, where the fusion pays for them);
 // - backward over a dense gradient: relu 611/854, sigmoid 669/878, tanh 635/834, gelu_tanh
-//   2243/6476; gelu 2096/1928 and silu 1865/1469 go to ATen's. Over a transposed one dpcuda's
-//   reads in blocks, ATen's element by element: 2351-4199 against 10465-73227 for every
-//   activation.
+//   2243/6476, gelu 1612-1629/1893-2101 (with the Gaussian without exp's selects; 2096/1928
+//   before); silu 1719-1767/1472-1662 goes to ATen's over a dense or expanded gradient. Over a
+//   transposed one dpcuda's reads in blocks, ATen's element by element: 2351-4199 against
+//   10465-73227 for every activation.
 bool bfloat16_forward_pass_wins(Activation act) {
   return act == Activation::kRelu || act == Activation::kGeluTanh || act == Activation::kTanh;
 }
 
 bool bfloat16_backward_pass_wins(Activation act, const Tensor& grad_out) {
   const bool read_in_place = grad_out.stride(1) == 1 || grad_out.stride(1) == 0;
-  return (act != Activation::kGelu && act != Activation::kSilu) || !read_in_place;
+  return act != Activation::kSilu || !read_in_place;
 }
 
 std::tuple<Tensor, Tensor> full_forward_cpu(const Tensor& input, const Tensor& weight,
