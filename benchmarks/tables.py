@@ -403,6 +403,8 @@ TABLES = {
     "sweep-full-cpu-2026-11-27b.json": lambda: sweep_full("sweep-full-cpu-2026-11-27b.json"),
     "sweep-full-cpu-2026-11-28.json": lambda: sweep_full("sweep-full-cpu-2026-11-28.json",
                                                          bands=True),
+    "sweep-full-cpu-2026-11-28b.json": lambda: sweep_full("sweep-full-cpu-2026-11-28b.json",
+                                                          bands=True),
     "step-sync-cpu-2026-11-25.json": step_sync,
     "step-sync-h100-2026-11-27.json": lambda: step_sync("step-sync-h100-2026-11-27.json",
                                                         STEP_SYNC_GPU),
