@@ -19,16 +19,10 @@ namespace {
 // bfloat16 as its bit patterns (uint16_t), the upper half of a float: widened exactly, and
 // rounded from float to nearest even, as torch rounds (a value past the largest finite one
 // becomes +-Inf); a NaN stays a quiet NaN of its sign. Branch-free, so the loops vectorise.
-inline float widen(uint16_t b) {
-  const uint32_t bits = static_cast<uint32_t>(b) << 16;
-  float v;
-  std::memcpy(&v, &bits, sizeof v);
-  return v;
-}
+inline float widen(uint16_t b) { return poly::from_bits(static_cast<uint32_t>(b) << 16); }
 
 inline uint16_t round_to_bfloat16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof u);
+  const uint32_t u = poly::to_bits(f);
   const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
   return (u & 0x7fffffffu) > 0x7f800000u ? static_cast<uint16_t>((u >> 16) | 0x40u)
                                          : static_cast<uint16_t>(rounded);
