@@ -128,8 +128,9 @@ void check_into(const Tensor& into, const char* name, bool wanted, const Tensor&
 // bias sum in both for the backward):
 // - forward (the layer with its small GEMM): relu 1225/1384, gelu_tanh 2406/5132, tanh
 //   2137/4250 (ATen's bfloat16 tanh runs at half its float speed); ATen's is the faster for
-//   gelu 2350/1672, silu 2318/1882 and sigmoid 2090/1850 (its exp and erf cost less per
-//   element than the float pass's; the same holds in float, where the fusion pays for them);
+//   gelu 2060-2100/1672-1784 and level for silu 1942-2051/1884-2018 and sigmoid
+//   1956-2030/1958-1985 (measured again after the Gaussian's and the sigmoid's change; before
+//   it 2350/1672, 2318/1882, 2090/1850), so those three stay on ATen's;
 // - backward over a dense gradient: relu 611/854, sigmoid 669/878, tanh 635/834, gelu_tanh
 //   2243/6476, gelu 1612-1629/1893-2101 (with the Gaussian without exp's selects; 2096/1928
 //   before); silu 1719-1767/1472-1662 goes to ATen's over a dense or expanded gradient. Over a
