@@ -47,8 +47,8 @@ struct Compute<uint16_t> {
 template <typename S>
 using acc_of = typename Compute<S>::type;
 
-// Column sums of a matrix whose columns are contiguous (a transposed one: row stride 1, column
-// c at g + c * cs), for "none", where no pass writes g and the sums are the only reading of it:
+// The bias-only pass ("none"): the column sums of a matrix whose columns are contiguous (a
+// transposed one: row stride 1, column c at g + c * cs), where no pass writes g and the sums are the only reading of it:
 // each column's rows [row_begin, row_end) go to kLanes running sums (row r to sum
 // (r - row_begin) % kLanes, in row order within it), so that the loads are contiguous and the
 // adds a vector's lanes; the kLanes sums are then added in a fixed tree, and the result onto
@@ -62,14 +62,9 @@ typedef float float_lanes __attribute__((vector_size(64)));
 typedef double double_lanes __attribute__((vector_size(128)));
 
 // (through a reference: a vector this wide returned by value draws GCC's ABI note)
-inline void add_lanes(const float* p, float_lanes& sums) {
-  float_lanes v;
-  std::memcpy(&v, p, sizeof v);
-  sums += v;
-}
-
-inline void add_lanes(const double* p, double_lanes& sums) {
-  double_lanes v;
+template <typename T, typename Lanes>
+inline void add_lanes(const T* p, Lanes& sums) {
+  Lanes v;
   std::memcpy(&v, p, sizeof v);
   sums += v;
 }
@@ -90,8 +85,9 @@ using lanes_of = typename std::conditional<std::is_same<S, double>::value, doubl
                                            float_lanes>::type;
 
 template <typename S>
-inline void column_major_sums(const S* __restrict__ g, acc_of<S>* __restrict__ partial,
-                              int64_t row_begin, int64_t row_end, int64_t cols, int64_t cs) {
+DPCUDA_CPU_CLONES void column_major_bias(const S* __restrict__ g,
+                                         acc_of<S>* __restrict__ partial, int64_t row_begin,
+                                         int64_t row_end, int64_t cols, int64_t cs) {
   using Acc = acc_of<S>;
   constexpr int64_t kLanes = 16;
   const int64_t n = row_end - row_begin;
@@ -193,14 +189,6 @@ DPCUDA_CPU_CLONES void backward_rows(const S* __restrict__ grad_out,
       for (int64_t c = 0; c < cols; ++c) bias_partial[c] += at(c);
     }
   }
-}
-
-// The bias-only pass ("none") over a gradient whose columns are contiguous (a transposed one).
-template <typename S>
-DPCUDA_CPU_CLONES void column_major_bias(const S* __restrict__ grad_out,
-                                         acc_of<S>* __restrict__ partial, int64_t row_begin,
-                                         int64_t row_end, int64_t cols, int64_t cs) {
-  column_major_sums(grad_out, partial, row_begin, row_end, cols, cs);
 }
 
 // The bfloat16 forward pass over flat elements: out = act(z), computed in float and rounded
