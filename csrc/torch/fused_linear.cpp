@@ -124,25 +124,24 @@ void check_into(const Tensor& into, const char* name, bool wanted, const Tensor&
 
 // Where dpcuda's bfloat16 passes run instead of ATen's bfloat16 kernels: where they are the
 // faster. Both compute in float and round once; they differ in the float functions. Measured
-// on the 2-core AVX-512 machine, 4096x1024 (us, dpcuda's pass against ATen's kernel, with the
-// bias sum in both for the backward):
-// - forward (the layer with its small GEMM): relu 1225/1384, gelu_tanh 2406/5132, tanh
-//   2137/4250 (ATen's bfloat16 tanh runs at half its float speed); ATen's is the faster for
-//   gelu 2060-2100/1672-1784 and level for silu 1942-2051/1884-2018 and sigmoid
-//   1956-2030/1958-1985 (measured again after the Gaussian's and the sigmoid's change; before
-//   it 2350/1672, 2318/1882, 2090/1850), so those three stay on ATen's;
-// - backward over a dense gradient: relu 611/854, sigmoid 669/878, tanh 635/834, gelu_tanh
-//   2243/6476, gelu 1612-1629/1893-2101 (with the Gaussian without exp's selects; 2096/1928
-//   before); silu 1719-1767/1472-1662 goes to ATen's over a dense or expanded gradient. Over a
-//   transposed one dpcuda's reads in blocks, ATen's element by element: 2351-4199 against
-//   10465-73227 for every activation.
-bool bfloat16_forward_pass_wins(Activation act) {
-  return act == Activation::kRelu || act == Activation::kGeluTanh || act == Activation::kTanh;
-}
+// on the 2-core AVX-512 machine, 4096x1024 (us, quartiles, dpcuda's pass against ATen's kernel,
+// with the bias sum in both for the backward; 2026-11-28, the passes over blocks of floats):
+// - forward (the layer with its GEMM, about 5 ms): silu 5209-5368/5264-5510, sigmoid
+//   5343-5467/5424-5578 (the pass alone, 4096x256 on one thread: 0.36/0.50 and 0.32/0.48 ns an
+//   element); relu, gelu_tanh and tanh ahead before (tanh 2137/4250: ATen's bfloat16 tanh runs
+//   at half its float speed); ATen's is the faster for gelu, 5085-5379 against 5463-5790;
+// - backward over a dense gradient: gelu 1429-1471/1683-1767, silu 1353-1443/1417-1525,
+//   sigmoid 623-643/658-682, tanh 624-692/662-682; over an expanded one ATen's kernel with the
+//   sums after it is the faster for sigmoid 527-560/692-715, tanh 538-571/708-726 and silu
+//   1393-1477/1481-1561 (its loop takes the one value as a scalar); gelu 1469-1503/2013-2196.
+//   Over a transposed gradient dpcuda's reads in blocks, ATen's element by element: 2351-4199
+//   against 10465-73227 for every activation.
+bool bfloat16_forward_pass_wins(Activation act) { return act != Activation::kGelu; }
 
 bool bfloat16_backward_pass_wins(Activation act, const Tensor& grad_out) {
-  const bool read_in_place = grad_out.stride(1) == 1 || grad_out.stride(1) == 0;
-  return act != Activation::kSilu || !read_in_place;
+  const bool aten_reads_expanded_faster =
+      act == Activation::kSigmoid || act == Activation::kTanh || act == Activation::kSilu;
+  return !(aten_reads_expanded_faster && grad_out.stride(1) == 0);
 }
 
 std::tuple<Tensor, Tensor> full_forward_cpu(const Tensor& input, const Tensor& weight,
