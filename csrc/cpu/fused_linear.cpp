@@ -176,7 +176,50 @@ DPCUDA_CPU_CLONES void backward_rows(const S* __restrict__ grad_out,
                                      int64_t row_end, int64_t cols, int64_t rs, int64_t cs) {
   using T = acc_of<S>;
   using C = Compute<S>;
-  for (int64_t r = row_begin; r < row_end; ++r) {
+  int64_t r = row_begin;
+  if constexpr (sizeof(S) >= 4) {
+    // float and double with the bias sums: kSumRows rows at a time. Each column's partial sum
+    // is loaded once, the rows' values are added to it in row order in a register (the same
+    // additions in the same order as row by row) and it is stored once, where row by row it is
+    // loaded and stored for every row. One core, ns an element, before and after: 256x256 (in
+    // cache) relu 0.29-0.32 -> 0.22-0.25, sigmoid 0.26-0.29 -> 0.23-0.24, tanh 0.29-0.34 ->
+    // 0.21-0.26, the sums alone 0.12-0.13 -> 0.10-0.11; an expanded gradient's sums alone
+    // 0.036-0.039 -> 0.021-0.022 (4096x256, 1024x1024); the rest within noise (bfloat16 was
+    // level or up to 9% slower with it: row by row there).
+    constexpr int64_t kSumRows = 4;
+    if (bias_partial) {
+      for (; r + kSumRows <= row_end; r += kSumRows) {
+        const S* __restrict__ go = grad_out + r * rs;
+        auto at = [&](int64_t k, int64_t c) {
+          return C::load(kCol == 1 ? go[k * rs + c] : kCol == 0 ? go[k * rs] : go[k * rs + c * cs]);
+        };
+        if (grad_pre) {
+          const S* __restrict__ s = saved + r * cols;
+          S* __restrict__ g = grad_pre + r * cols;
+#pragma GCC ivdep
+          for (int64_t c = 0; c < cols; ++c) {
+            T sum = bias_partial[c];
+#pragma GCC unroll 4
+            for (int64_t k = 0; k < kSumRows; ++k) {
+              const S v = C::store(grad_pre_value<T, A>(at(k, c), C::load(s[k * cols + c])));
+              g[k * cols + c] = v;
+              sum += C::load(v);
+            }
+            bias_partial[c] = sum;
+          }
+        } else {
+#pragma GCC ivdep
+          for (int64_t c = 0; c < cols; ++c) {
+            T sum = bias_partial[c];
+#pragma GCC unroll 4
+            for (int64_t k = 0; k < kSumRows; ++k) sum += at(k, c);
+            bias_partial[c] = sum;
+          }
+        }
+      }
+    }
+  }
+  for (; r < row_end; ++r) {
     const S* __restrict__ go = grad_out + r * rs;
     auto at = [&](int64_t c) {
       return C::load(kCol == 1 ? go[c] : kCol == 0 ? go[0] : go[c * cs]);
