@@ -158,8 +158,12 @@ inline T grad_pre_value(T go, T saved) {
 // computed from the pre-activation (4096x256 with the bias sum, one core, ns an element, before
 // and after: silu 0.76-0.78 -> 0.65-0.67, gelu 0.72-0.75 -> 0.66-0.70, gelu_tanh 1.00 ->
 // 0.91-0.95); sigmoid's and tanh's, from the output, are a few multiplies, and the extra
-// passes over the buffer made them slower (0.30 -> 0.33-0.36).
-constexpr int64_t kFloatBlock = 256;
+// passes over the buffer made them slower (0.30 -> 0.33-0.36). Rows narrower than
+// kFloatBlockMinCols go row by row in the one loop: four short loops a row cost more than the
+// spills (gelu with the bias sum at batch 4096, one core, ns an element, one loop against
+// blocks: 16 wide 1.21-1.29 against 2.75-2.87, 32 wide 0.85-0.90 against 0.92-0.98, 64 wide
+// 0.78-0.81 against 0.76-0.85, 128 wide 0.77-0.78 against 0.69-0.77).
+constexpr int64_t kFloatBlock = 256, kFloatBlockMinCols = 128;
 template <typename S, Activation A>
 constexpr bool kBlocked = sizeof(S) == 2 && (A == Activation::kGelu ||
                                              A == Activation::kGeluTanh || A == Activation::kSilu);
@@ -225,7 +229,7 @@ DPCUDA_CPU_CLONES void backward_rows(const S* __restrict__ grad_out,
       return C::load(kCol == 1 ? go[c] : kCol == 0 ? go[0] : go[c * cs]);
     };
     if constexpr (kBlocked<S, A>) {
-      if (grad_pre) {
+      if (grad_pre && cols >= kFloatBlockMinCols) {
         const S* __restrict__ s = saved + r * cols;
         S* __restrict__ g = grad_pre + r * cols;
         float value[kFloatBlock], held[kFloatBlock];

@@ -56,16 +56,20 @@ DPCUDA_HD float copy_sign(float magnitude, float sign) {
 
 // exp(x) for x in [-87, 88.37], with no range handling: Cody-Waite reduction x = n ln2 + r,
 // |r| <= ln2 / 2, Cephes' expf polynomial for exp(r), and 2^n assembled from its exponent bits.
-// exp() below is this with its clamps and selects; tanh's large branch, whose argument is in
-// [0, 20], calls it as it is, and gaussian() and sigmoid() with their own clamps (the same
-// bits, without the compares and blends they do not need).
-DPCUDA_HD float exp_in_range(float x) {
+// From 88.38 n is 128, whose 2^n is past the float range: kToMax (x in [-86, ln FLT_MAX =
+// 88.72]) multiplies by 2^(n-1) and then by 2, both exact while the value is a normal float
+// (the same bits as the one scaling; one multiply more). exp() below is exp_in_range with its
+// clamps and selects; tanh's large branch, whose argument is in [0, 20], calls it as it is, and
+// gaussian() and sigmoid() with their own clamps (the same bits, without the compares and
+// blends they do not need).
+template <bool kToMax>
+DPCUDA_HD float exp_scaled(float x) {
   constexpr float kMagic = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
   const float shifted = x * 1.44269504088896341f + kMagic;
   const float n = shifted - kMagic;
   // The integer n sits in the low mantissa bits of `shifted`: 2^n without a float-to-int
   // conversion (undefined for NaN).
-  const uint32_t scale = (to_bits(shifted) - to_bits(kMagic) + 127u) << 23;
+  const uint32_t scale = (to_bits(shifted) - to_bits(kMagic) + (kToMax ? 126u : 127u)) << 23;
   const float r = fma(n, 2.12194440e-4f, fma(n, -0.693359375f, x));
   float p = 1.9875691500e-4f;
   p = fma(p, r, 1.3981999507e-3f);
@@ -74,8 +78,10 @@ DPCUDA_HD float exp_in_range(float x) {
   p = fma(p, r, 1.6666665459e-1f);
   p = fma(p, r, 5.0000001201e-1f);
   const float er = fma(p, r * r, r) + 1.0f;
-  return er * from_bits(scale);
+  return kToMax ? er * from_bits(scale) * 2.0f : er * from_bits(scale);
 }
+
+DPCUDA_HD float exp_in_range(float x) { return exp_scaled<false>(x); }
 
 // exp(x) within 2 ulp for x in [-87, 88.37]; +inf above, 0 below (where the true result is
 // below 1.7e-38), NaN for NaN. The lower bound keeps every intermediate a normal float:
@@ -144,15 +150,19 @@ DPCUDA_HD float gaussian(float z) {
 }
 
 // 1 / (1 + exp(-z)) with exp's clamps taken once and one select for the result, not exp's two:
-// the same bits as that form with exp() (every float checked), 11% less time in a vectorised
-// sigmoid loop. Past the upper clamp exp(-z) is +Inf and the quotient 0; below the lower one
-// exp(-z) is 0 or the clamp's 1.6e-38, and the quotient 1 either way.
+// the same bits as that form with exp() (every float checked) for -z up to 88.37, and less time
+// in a vectorised sigmoid loop. Past 88.37 exp() is +Inf, but the true exp(-z) is finite up to
+// ln FLT_MAX = 88.72 and the sigmoid a subnormal (3e-39 to 4e-39), as torch's is: the upper
+// clamp is there, with exp_scaled's 2^128 (0 for 88.38 <= -z <= 88.72 made an infinite upstream
+// gradient a NaN where torch's is +-Inf: Inf * 0). Past the upper clamp exp(-z) is +Inf and the
+// quotient 0. Below -z = -80 exp(-z) is below 2^-115 and the quotient 1 either way (1 + e
+// rounds to 1 below 2^-24), so the lower clamp sits there, where exp_scaled<true> is exact.
 DPCUDA_HD float sigmoid(float z) {
-  constexpr float kHi = 88.3762626647949f, kLo = -87.0f;
+  constexpr float kHi = 88.72283935546875f, kLo = -80.0f;  // (kHi: exp(kHi) > FLT_MAX)
   const float x = -z;
   float clamped = x > kHi ? kHi : x;
   clamped = clamped < kLo ? kLo : clamped;
-  const float r = 1.0f / (1.0f + exp_in_range(clamped));
+  const float r = 1.0f / (1.0f + exp_scaled<true>(clamped));
   return x > kHi ? 0.0f : r;
 }
 

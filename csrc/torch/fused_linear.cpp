@@ -124,19 +124,23 @@ void check_into(const Tensor& into, const char* name, bool wanted, const Tensor&
 
 // Where dpcuda's bfloat16 passes run instead of ATen's bfloat16 kernels: where they are the
 // faster. Both compute in float and round once; they differ in the float functions. Measured
-// on the 2-core AVX-512 machine, 4096x1024 (us, quartiles, dpcuda's pass against ATen's kernel,
-// with the bias sum in both for the backward; 2026-11-28, the passes over blocks of floats):
-// - forward (the layer with its GEMM, about 5 ms): silu 5209-5368/5264-5510, sigmoid
-//   5343-5467/5424-5578 (the pass alone, 4096x256 on one thread: 0.36/0.50 and 0.32/0.48 ns an
-//   element); relu, gelu_tanh and tanh ahead before (tanh 2137/4250: ATen's bfloat16 tanh runs
-//   at half its float speed); ATen's is the faster for gelu, 5085-5379 against 5463-5790;
-// - backward over a dense gradient: gelu 1429-1471/1683-1767, silu 1353-1443/1417-1525,
-//   sigmoid 623-643/658-682, tanh 624-692/662-682; over an expanded one ATen's kernel with the
-//   sums after it is the faster for sigmoid 527-560/692-715, tanh 538-571/708-726 and silu
-//   1393-1477/1481-1561 (its loop takes the one value as a scalar); gelu 1469-1503/2013-2196.
-//   Over a transposed gradient dpcuda's reads in blocks, ATen's element by element: 2351-4199
-//   against 10465-73227 for every activation.
-bool bfloat16_forward_pass_wins(Activation act) { return act != Activation::kGelu; }
+// on the 2-core AVX-512 machine, 4096x1024 (us, quartiles, dpcuda's pass / ATen's kernel, with
+// the bias sum in both for the backward; 2026-11-28, the passes over blocks of floats):
+// - forward (the layer with its GEMM, about 5 ms): silu 5209-5368 / 5264-5510 and sigmoid
+//   5343-5467 / 5424-5578, level there; the pass alone, 4096x256 on one core, 0.36-0.39 /
+//   0.50 and 0.32-0.35 / 0.48 ns an element. relu, gelu_tanh and tanh were ahead before (tanh
+//   2137 / 4250: ATen's bfloat16 tanh runs at half its float speed). ATen's is the faster for
+//   gelu, 5463-5790 / 5085-5379. "none" has no pass: the GEMM's result is the output.
+// - backward over a dense gradient: gelu 1429-1471 / 1683-1767, silu 1353-1443 / 1417-1525,
+//   sigmoid 623-643 / 658-682, tanh 624-692 / 662-682. Over an expanded one ATen's kernel,
+//   with the sums after it, is the faster for sigmoid (692-715 / 527-560), tanh (708-726 /
+//   538-571) and silu (1481-1561 / 1393-1477): its loop takes the one value as a scalar, where
+//   dpcuda's reads a row buffer; not for gelu (1469-1503 / 2013-2196). Over a transposed
+//   gradient dpcuda's reads in blocks, ATen's element by element: 2351-4199 against
+//   10465-73227 for every activation.
+bool bfloat16_forward_pass_wins(Activation act) {
+  return act != Activation::kGelu && act != Activation::kNone;
+}
 
 bool bfloat16_backward_pass_wins(Activation act, const Tensor& grad_out) {
   const bool aten_reads_expanded_faster =

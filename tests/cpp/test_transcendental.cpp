@@ -135,13 +135,23 @@ int main() {
   const auto same = [](float a, float b) {
     return std::memcmp(&a, &b, sizeof a) == 0 || (std::isnan(a) && std::isnan(b));
   };
+  // (past -z = 88.37, where exp() is +Inf and the form 0, the sigmoid is 1 / (1 + exp(-z)) in
+  // double within 2 of the smallest subnormals, as torch's float sigmoid, up to ln FLT_MAX =
+  // 88.72, and 0 from the float past it, 88.7228394, where torch's float exp overflows)
+  int tail = 0, tail_nonzero = 0;
   const auto both = [&](float z) {
     const float e = poly::exp(-0.5f * z * z);
     differ += !same(poly::gaussian(z), e < 0x1p-120f ? 0.0f : e);
-    differ += !same(poly::sigmoid(z), 1.0f / (1.0f + poly::exp(-z)));
+    if (!(-z > 88.3762626647949f)) {
+      differ += !same(poly::sigmoid(z), 1.0f / (1.0f + poly::exp(-z)));
+      return;
+    }
+    const double want = -z >= 88.72283935546875f ? 0.0 : 1.0 / (1.0 + std::exp(-double(z)));
+    tail += !(std::fabs(poly::sigmoid(z) - want) <= 2 * 0x1p-149);
+    tail_nonzero += poly::sigmoid(z) != 0.0f;
   };
   for_floats(-inf, inf, both);
-  for (const float edge : {13.19f, 12.90f, 88.37f, 87.0f}) {  // (|z| where a clamp or bound acts)
+  for (const float edge : {13.19f, 12.90f, 88.37f, 88.72f, 87.0f, 80.0f}) {  // (clamps, bounds)
     for (const float sign : {1.0f, -1.0f}) {
       float z = sign * edge;
       for (int i = 0; i < 20000; ++i, z = std::nextafter(z, 0.0f)) both(z);
@@ -154,6 +164,10 @@ int main() {
   }
   std::printf("gaussian, sigmoid: %d values differ from the exp() forms\n", differ);
   CHECK(differ == 0);
+  std::printf("sigmoid past -z = 88.37: %d values off, %d of them nonzero\n", tail,
+              tail_nonzero);
+  CHECK(tail == 0);
+  CHECK(tail_nonzero > 1000);  // (the band holds about 24000 floats; the checks above reach it)
 
   if (dpcuda_test::failures()) std::printf("%d failures\n", dpcuda_test::failures());
   return dpcuda_test::failures() ? 1 : 0;
