@@ -135,17 +135,21 @@ void check_into(const Tensor& into, const char* name, bool wanted, const Tensor&
 //   sigmoid 623-643 / 658-682, tanh 624-692 / 662-682. Over an expanded one ATen's kernel,
 //   with the sums after it, is the faster for sigmoid (692-715 / 527-560), tanh (708-726 /
 //   538-571) and silu (1481-1561 / 1393-1477): its loop takes the one value as a scalar, where
-//   dpcuda's reads a row buffer; not for gelu (1469-1503 / 2013-2196). Over a transposed
-//   gradient dpcuda's reads in blocks, ATen's element by element: 2351-4199 against
-//   10465-73227 for every activation.
+//   dpcuda's reads a row buffer; not for gelu (1469-1503 / 2013-2196). Without the bias sum
+//   (a layer without a bias) silu's is ATen's over a dense gradient too: its silu_backward is
+//   the faster per element, and the sum that dpcuda's pass takes in its stride is not there
+//   (8192x256, the pass and the input's GEMM, malloc's trimming off: 1256-1294 / 1197-1248). Over
+//   a transposed gradient dpcuda's reads in blocks, ATen's element by element: 2351-4199
+//   against 10465-73227 for every activation.
 bool bfloat16_forward_pass_wins(Activation act) {
   return act != Activation::kGelu && act != Activation::kNone;
 }
 
-bool bfloat16_backward_pass_wins(Activation act, const Tensor& grad_out) {
+bool bfloat16_backward_pass_wins(Activation act, const Tensor& grad_out, bool bias_sum) {
   const bool aten_reads_expanded_faster =
       act == Activation::kSigmoid || act == Activation::kTanh || act == Activation::kSilu;
-  return !(aten_reads_expanded_faster && grad_out.stride(1) == 0);
+  if (aten_reads_expanded_faster && grad_out.stride(1) == 0) return false;
+  return !(act == Activation::kSilu && !bias_sum && grad_out.stride(1) == 1);
 }
 
 std::tuple<Tensor, Tensor> full_forward_cpu(const Tensor& input, const Tensor& weight,
@@ -278,7 +282,8 @@ std::tuple<Tensor, Tensor, Tensor> full_backward_cpu_into(
     const auto dtype = input.scalar_type();
     const int64_t rows = p.shape.rows, out_f = p.shape.out_features;
     const bool bf16 = dtype == at::kBFloat16;
-    const bool own_pass = bf16 && p.fused_pass && bfloat16_backward_pass_wins(p.act, p.grad_out);
+    const bool own_pass = bf16 && p.fused_pass && bfloat16_backward_pass_wins(p.act, p.grad_out,
+                                                                           output_mask[2]);
     Tensor g = !p.fused_pass ? p.grad_out
                : own_pass    ? at::empty({rows, out_f}, p.grad_out.options())
                              : aten_activation_backward(p.grad_out, p.saved, p.act);
