@@ -405,6 +405,8 @@ TABLES = {
                                                          bands=True),
     "sweep-full-cpu-2026-11-28b.json": lambda: sweep_full("sweep-full-cpu-2026-11-28b.json",
                                                           bands=True),
+    "sweep-full-cpu-2026-11-28c.json": lambda: sweep_full("sweep-full-cpu-2026-11-28c.json",
+                                                          bands=True),
     "step-sync-cpu-2026-11-25.json": step_sync,
     "step-sync-h100-2026-11-27.json": lambda: step_sync("step-sync-h100-2026-11-27.json",
                                                         STEP_SYNC_GPU),
