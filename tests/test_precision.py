@@ -272,28 +272,35 @@ def test_bfloat16_passes_read_strided_gradients_and_keep_nan_and_inf_as_torch(ac
         assert torch.equal(ours.isinf() & (ours < 0), theirs.isinf() & (theirs < 0))
 
 
+@pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "bias"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("activation", ["sigmoid", "silu"])
-def test_sigmoid_tail_keeps_torchs_subnormals_and_infinities(activation, dtype):
+def test_sigmoid_tail_keeps_torchs_subnormals_and_infinities(activation, dtype, bias):
     # For 88.38 < -z < 88.72 exp(-z) is finite in float, and torch's sigmoid a subnormal (3e-39
     # to 4e-39), not 0: an infinite upstream gradient then gives +-Inf, not Inf * 0 = NaN.
-    # Beyond it torch's exp overflows and its sigmoid is 0, as dpcuda's.
+    # Beyond it torch's exp overflows and its sigmoid is 0, as dpcuda's. (With a bias the
+    # bfloat16 backward is dpcuda's pass, without it for silu ATen's.)
     z = torch.tensor([-88.0, -88.3, -88.4, -88.5, -88.6, -88.7, -88.72, -88.73, -89.0, -100.0,
                       88.5, 100.0])
     x = torch.ones(1, 1, dtype=dtype)
     w = z.to(dtype).reshape(-1, 1)
-    out, saved = torch.ops.dpcuda.full_forward(x, w, None, activation)
-    torch_out = ref.full_forward(x, w, None, activation)  # (torch in the dtype: the oracle here)
+    b = torch.zeros(len(z), dtype=dtype) if bias else None
+    out, saved = torch.ops.dpcuda.full_forward(x, w, b, activation)
+    torch_out = ref.full_forward(x, w, b, activation)  # (torch in the dtype: the oracle here)
     assert torch.equal(out == 0, torch_out == 0), (out, torch_out)
-    rtol = 2.0 ** -22 if dtype == torch.float32 else 2 * ULP[dtype]
+    # (float32 silu: z * sigmoid(z) from a subnormal sigmoid, torch's z / (1 + e): up to 3
+    # float ulps apart in the band)
+    rtol = 2.0 ** -21 if dtype == torch.float32 else 2 * ULP[dtype]
     torch.testing.assert_close(out.double(), torch_out.double(), rtol=rtol, atol=1e-44)
     for inf in (float("inf"), -float("inf")):
         go = torch.full((1, len(z)), inf, dtype=dtype)
         got = torch.ops.dpcuda.full_backward(go, x, w, saved if saved.numel() else out,
-                                             activation, [True, True, False])
-        xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
-        ref.full_forward(xs, ws, None, activation).backward(go)
-        for ours, theirs in zip(got, (xs.grad, ws.grad)):
+                                             activation, [True, True, bias])
+        leaves = [t.clone().requires_grad_() for t in (x, w) + ((b,) if bias else ())]
+        ref.full_forward(leaves[0], leaves[1], leaves[2] if bias else None,
+                         activation).backward(go)
+        for ours, leaf in zip(got, leaves):
+            theirs = leaf.grad
             assert torch.equal(ours.isnan(), theirs.isnan()), (ours, theirs)
             assert torch.equal(ours.isinf(), theirs.isinf()), (ours, theirs)
             assert torch.equal(ours.sign().nan_to_num(), theirs.sign().nan_to_num())
