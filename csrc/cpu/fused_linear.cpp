@@ -48,7 +48,8 @@ template <typename S>
 using acc_of = typename Compute<S>::type;
 
 // The bias-only pass ("none"): the column sums of a matrix whose columns are contiguous (a
-// transposed one: row stride 1, column c at g + c * cs), where no pass writes g and the sums are the only reading of it:
+// transposed one: row stride 1, column c at g + c * cs), where no pass writes g and the sums
+// are the only reading of it:
 // each column's rows [row_begin, row_end) go to kLanes running sums (row r to sum
 // (r - row_begin) % kLanes, in row order within it), so that the loads are contiguous and the
 // adds a vector's lanes; the kLanes sums are then added in a fixed tree, and the result onto
@@ -180,6 +181,10 @@ DPCUDA_CPU_CLONES void backward_rows(const S* __restrict__ grad_out,
                                      int64_t row_end, int64_t cols, int64_t rs, int64_t cs) {
   using T = acc_of<S>;
   using C = Compute<S>;
+  // grad_out's column c of the row at go
+  const auto at = [cs](const S* go, int64_t c) {
+    return C::load(kCol == 1 ? go[c] : kCol == 0 ? go[0] : go[c * cs]);
+  };
   int64_t r = row_begin;
   if constexpr (sizeof(S) >= 4) {
     // float and double with the bias sums: kSumRows rows at a time. Each column's partial sum
@@ -194,9 +199,6 @@ DPCUDA_CPU_CLONES void backward_rows(const S* __restrict__ grad_out,
     if (bias_partial) {
       for (; r + kSumRows <= row_end; r += kSumRows) {
         const S* __restrict__ go = grad_out + r * rs;
-        auto at = [&](int64_t k, int64_t c) {
-          return C::load(kCol == 1 ? go[k * rs + c] : kCol == 0 ? go[k * rs] : go[k * rs + c * cs]);
-        };
         if (grad_pre) {
           const S* __restrict__ s = saved + r * cols;
           S* __restrict__ g = grad_pre + r * cols;
@@ -205,7 +207,8 @@ DPCUDA_CPU_CLONES void backward_rows(const S* __restrict__ grad_out,
             T sum = bias_partial[c];
 #pragma GCC unroll 4
             for (int64_t k = 0; k < kSumRows; ++k) {
-              const S v = C::store(grad_pre_value<T, A>(at(k, c), C::load(s[k * cols + c])));
+              const S v =
+                  C::store(grad_pre_value<T, A>(at(go + k * rs, c), C::load(s[k * cols + c])));
               g[k * cols + c] = v;
               sum += C::load(v);
             }
@@ -216,7 +219,7 @@ DPCUDA_CPU_CLONES void backward_rows(const S* __restrict__ grad_out,
           for (int64_t c = 0; c < cols; ++c) {
             T sum = bias_partial[c];
 #pragma GCC unroll 4
-            for (int64_t k = 0; k < kSumRows; ++k) sum += at(k, c);
+            for (int64_t k = 0; k < kSumRows; ++k) sum += at(go + k * rs, c);
             bias_partial[c] = sum;
           }
         }
@@ -225,9 +228,6 @@ DPCUDA_CPU_CLONES void backward_rows(const S* __restrict__ grad_out,
   }
   for (; r < row_end; ++r) {
     const S* __restrict__ go = grad_out + r * rs;
-    auto at = [&](int64_t c) {
-      return C::load(kCol == 1 ? go[c] : kCol == 0 ? go[0] : go[c * cs]);
-    };
     if constexpr (kBlocked<S, A>) {
       if (grad_pre && cols >= kFloatBlockMinCols) {
         const S* __restrict__ s = saved + r * cols;
@@ -235,7 +235,7 @@ DPCUDA_CPU_CLONES void backward_rows(const S* __restrict__ grad_out,
         float value[kFloatBlock], held[kFloatBlock];
         for (int64_t c0 = 0; c0 < cols; c0 += kFloatBlock) {
           const int64_t m = std::min(kFloatBlock, cols - c0);
-          for (int64_t j = 0; j < m; ++j) value[j] = at(c0 + j);
+          for (int64_t j = 0; j < m; ++j) value[j] = at(go, c0 + j);
           for (int64_t j = 0; j < m; ++j) held[j] = C::load(s[c0 + j]);
           for (int64_t j = 0; j < m; ++j) value[j] = grad_pre_value<T, A>(value[j], held[j]);
           if (bias_partial) {
@@ -261,19 +261,19 @@ DPCUDA_CPU_CLONES void backward_rows(const S* __restrict__ grad_out,
       if (bias_partial) {
 #pragma GCC ivdep
         for (int64_t c = 0; c < cols; ++c) {
-          const S v = C::store(grad_pre_value<T, A>(at(c), C::load(s[c])));
+          const S v = C::store(grad_pre_value<T, A>(at(go, c), C::load(s[c])));
           g[c] = v;
           bias_partial[c] += C::load(v);
         }
       } else {
 #pragma GCC ivdep
         for (int64_t c = 0; c < cols; ++c) {
-          g[c] = C::store(grad_pre_value<T, A>(at(c), C::load(s[c])));
+          g[c] = C::store(grad_pre_value<T, A>(at(go, c), C::load(s[c])));
         }
       }
     } else if (bias_partial) {
 #pragma GCC ivdep
-      for (int64_t c = 0; c < cols; ++c) bias_partial[c] += at(c);
+      for (int64_t c = 0; c < cols; ++c) bias_partial[c] += at(go, c);
     }
   }
 }
