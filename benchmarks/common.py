@@ -92,7 +92,30 @@ def environment(device):
         platform.machine()
     return {"device": str(device), "device_name": name, "torch": torch.__version__,
             "threads": torch.get_num_threads(), "commit": commit,
-            "date": time.strftime("%Y-%m-%d")}
+            "date": time.strftime("%Y-%m-%d"), **host_cpu()}
+
+
+# The instruction sets that decide which GEMM and vector kernels torch's CPU runs (bfloat16's
+# GEMMs are several times faster with AMX or AVX512-BF16 than without).
+CPU_ISA = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_tile")
+
+
+def host_cpu():
+    """The host CPU's model and the instruction sets above that it has (Linux's /proc/cpuinfo;
+    empty elsewhere), with torch's own CPU capability."""
+    model, flags = "", set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and not model:
+                    model = value.strip()
+                elif key.strip() == "flags" and not flags:
+                    flags = set(value.split())
+    except OSError:
+        pass
+    return {"cpu_model": model, "cpu_isa": [f for f in CPU_ISA if f in flags],
+            "cpu_capability": torch.backends.cpu.get_cpu_capability()}
 
 
 def write_json(path, payload):
