@@ -219,6 +219,10 @@ variable_list FullForwardBackward::apply(variable_list&& grads) {
   }
   const c10::string_view activation = activation_name(act);
   const Tensor s = kept.defined() ? kept : at::empty({0}, grad_out.options());
+  // Grad mode is off: nothing here is recorded, so the ops are called below autograd, straight
+  // to their kernels (through the autograd keys they would take the boxed fallback that only
+  // says they have no formula, a boxing of every argument per call).
+  at::AutoDispatchBelowADInplaceOrView below;
   if (into) {
     // The gradients go straight into the caller's destinations. Autograd gets fresh views of
     // them, held by nothing else, which AccumulateGrad makes .grad without a copy when .grad

@@ -97,13 +97,14 @@ std::tuple<Tensor, Tensor, Tensor> finish_backward(const BackwardPlan& p, const 
   const Tensor g = output_mask[0] || output_mask[1] ? gemm_operand(p.g) : p.g;
   Tensor grad_input = output_mask[0] ? at::mm(g, weight).view(input.sizes())
                                      : empty_like_options(p.grad_out);
-  Tensor grad_weight = empty_like_options(p.grad_out);
+  Tensor grad_weight;
   if (output_mask[1] && grad_weight_into.defined()) {
     Tensor out = grad_weight_into;
     at::mm_out(out, g.t(), as_matrix(input, p.shape));
     grad_weight = grad_weight_into;
-  } else if (output_mask[1]) {
-    grad_weight = at::mm(g.t(), as_matrix(input, p.shape));
+  } else {
+    grad_weight = output_mask[1] ? at::mm(g.t(), as_matrix(input, p.shape))
+                                 : empty_like_options(p.grad_out);
   }
   return {grad_input, grad_weight, p.grad_bias};
 }
