@@ -222,15 +222,20 @@ def test_half_types_on_the_cpu_are_torchs_own_kernels(dtype, activation):
                                    atol=2 * ULP[dtype] * (1 + theirs.float().abs().max().item()))
 
 
+@pytest.mark.parametrize("rows,outf", [(70, 300), (300, 40)], ids=["wide", "narrow"])
 @pytest.mark.parametrize("activation", ACTS)
-def test_bfloat16_passes_read_strided_gradients_and_keep_nan_and_inf_as_torch(activation):
+def test_bfloat16_passes_read_strided_gradients_and_keep_nan_and_inf_as_torch(activation, rows,
+                                                                              outf):
     # dpcuda's bfloat16 passes (csrc/cpu/fused_linear.cpp): an expanded, a transposed and a
     # sliced upstream gradient give the bits of its contiguous copy wherever dpcuda's pass runs
     # for both (for silu, sigmoid and tanh ATen's runs over an expanded one, dpcuda's over the
     # others: their g then differs by at most one rounding); and NaN, +-Inf and +-0 in the
-    # pre-activation and the upstream gradient come out where torch's come out.
+    # pre-activation and the upstream gradient come out where torch's come out. Narrow rows
+    # (under 128 columns) over a contiguous gradient take g over groups of rows, then the bias
+    # sums (300 rows: three groups of 102 and the threads' chunks): the bits of the strided
+    # gradients' row-by-row loop.
     torch.manual_seed(5)
-    rows, inf_, outf = 70, 5, 300
+    inf_ = 5
     x = torch.randn(rows, inf_).bfloat16()
     w = (torch.randn(outf, inf_) / 2).bfloat16()
     b = (torch.randn(outf) * 4).bfloat16()

@@ -486,6 +486,26 @@ void backward_pass(const S* grad_out, const S* saved, S* grad_pre, acc_of<S>* bi
     }
     const int64_t n = (row_end - row_begin) * cols, offset = row_begin * cols;
     const bool flat = (cs == 1 && rs == cols) || (cs == 0 && rs == 0);
+    if constexpr (sizeof(S) == 2) {
+      if (grad_pre && bias_partial && cs == 1 && rs == cols && cols < kFloatBlockMinCols) {
+        // bfloat16 rows narrower than kFloatBlockMinCols over a contiguous gradient, with the
+        // bias sums: g for a group of rows as one run of elements (blocked where the
+        // activation is), then the group's sums over the stored g, row by row: each row's loop
+        // was a vector or two, its overhead the most of it (16 wide silu at batch 8192 took
+        // 2.1 ns an element, ATen's silu_backward 0.7). The same bits: the same g, and each
+        // column's sum adds the same values in row order.
+        const int64_t group = std::max<int64_t>(1, kFloatBlock * 16 / std::max<int64_t>(cols, 1));
+        for (int64_t r0 = row_begin; r0 < row_end; r0 += group) {
+          const int64_t r1 = std::min(r0 + group, row_end), at = r0 * cols;
+          const int64_t m = (r1 - r0) * cols;
+          backward_rows<S, A, 1>(grad_out + at, saved + at, grad_pre + at, nullptr, 0, 1, m, m,
+                                 1);
+          backward_rows<S, Activation::kNone, 1>(grad_pre + at, nullptr, nullptr, bias_partial,
+                                                 0, r1 - r0, cols, cols, 1);
+        }
+        return;
+      }
+    }
     if (grad_pre && !bias_partial && n > 0 && flat) {
       // No bias sum, and grad_out contiguous or one value for all (y.sum()'s): one row of all
       // the elements, as in the forward's flatten_rows.
