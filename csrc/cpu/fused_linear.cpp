@@ -163,7 +163,8 @@ inline T grad_pre_value(T go, T saved) {
 // kFloatBlockMinCols go row by row in the one loop: four short loops a row cost more than the
 // spills (gelu with the bias sum at batch 4096, one core, ns an element, one loop against
 // blocks: 16 wide 1.21-1.29 against 2.75-2.87, 32 wide 0.85-0.90 against 0.92-0.98, 64 wide
-// 0.78-0.81 against 0.76-0.85, 128 wide 0.77-0.78 against 0.69-0.77).
+// 0.78-0.81 against 0.76-0.85, 128 wide 0.77-0.78 against 0.69-0.77). (With the bias sums
+// over a contiguous gradient, backward_pass runs such rows a group at a time as one row.)
 constexpr int64_t kFloatBlock = 256, kFloatBlockMinCols = 128;
 template <typename S, Activation A>
 constexpr bool kBlocked = sizeof(S) == 2 && (A == Activation::kGelu ||
