@@ -247,13 +247,11 @@ def write_json(path, payload):
     atomic_write(path, lambda f: f.write(text), "JSON file")
 
 
-_LOCKS = []  # open lock files, held until the process exits
-
-
 def lock_checkpoint(path, option="--checkpoint"):
-    """One run at a time per checkpoint: an exclusive lock on PATH.lock, held until the process
-    exits (the system drops it when the process ends, however it ends; the file stays).
-    OutputError if path cannot be written or another process holds the lock."""
+    """One run at a time per checkpoint: an exclusive lock on PATH.lock. Returns the open lock
+    file: the lock is held until it is closed (a context manager), or until the process ends,
+    however it ends, when the system drops it; the file stays. OutputError if path cannot be
+    written or another run (another process, or one still open in this one) holds the lock."""
     import fcntl
     check_output_path(path, option)  # (the room it needs is checked once it is sized)
     lock = os.path.realpath(path) + ".lock"
@@ -269,4 +267,4 @@ def lock_checkpoint(path, option="--checkpoint"):
         f.close()
         raise OutputError(f"{option} {path}: another run is writing it (its lock {lock} is "
                           f"held)") from None
-    _LOCKS.append(f)
+    return f

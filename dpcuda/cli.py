@@ -13,6 +13,7 @@ and SIGTERM save the state reached (with --checkpoint) and exit with status 130 
 diverged run, a failed write or a lost peer process exit with status 1 and one line.
 """
 
+import contextlib
 import os
 import sys
 import time
@@ -96,8 +97,8 @@ def _train(args, parser):
                      f"{args.checkpoint} continues it, --overwrite replaces it")
     lead_process = int(os.environ.get("RANK", "0") or 0) == 0
     if args.checkpoint and lead_process:
-        try:
-            lock_checkpoint(args.checkpoint)
+        try:  # (held until main() returns: a second run in this process may take it then)
+            args.held.enter_context(lock_checkpoint(args.checkpoint))
         except OutputError as err:
             parser.error(str(err))
     try:
@@ -331,7 +332,9 @@ def main(argv=None):
     args = parser.parse_args(argv)
     run = {"train": _train, "eval": _eval, "predict": _predict}[args.command]
     try:
-        return run(args, args.command_parser)
+        with contextlib.ExitStack() as held:  # what the run holds (the checkpoint's lock)
+            args.held = held
+            return run(args, args.command_parser)
     except KeyboardInterrupt:  # before the training loop's own handler, or a second Ctrl-C
         print(f"{args.command_parser.prog}: interrupted", file=sys.stderr)
         return 130

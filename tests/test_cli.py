@@ -1,7 +1,6 @@
 """The training command end to end: default data with 1 and 2 replicas, the JSON schema,
 checkpoints and resume, Ctrl-C, bad options and bad checkpoints, the IDX reader."""
 
-import gzip
 import json
 import os
 import signal
@@ -12,23 +11,24 @@ import numpy as np
 import pytest
 import torch
 
-from dpcuda import cli, data
+import cli_run
+from dpcuda import data
 from dpcuda.train import TrainConfig, load_checkpoint, train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run_cli(*args, timeout=300):
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    return subprocess.run([sys.executable, "-m", "dpcuda", *args], capture_output=True,
-                          text=True, timeout=timeout, cwd=ROOT, env=env)
+def run_cli(*args, timeout=300, process=False):
+    """`python -m dpcuda *args`, in this process unless process (tests/cli_run.py)."""
+    return cli_run.run(*args, timeout=timeout, process=process)
 
 
 @pytest.mark.parametrize("replicas", [1, 2])
 def test_train_end_to_end_and_json_schema(tmp_path, replicas):
     out = tmp_path / "run.json"
+    # (one replica in a new interpreter, as a user runs it; two in this one)
     proc = run_cli("train", "--devices", "cpu", "--replicas", str(replicas), "--epochs", "3",
-                   "--no-progress", "--json", str(out))
+                   "--no-progress", "--json", str(out), process=replicas == 1)
     assert proc.returncode == 0, proc.stderr
     assert "final test accuracy" in proc.stdout
     payload = json.loads(out.read_text())

@@ -11,15 +11,15 @@ import numpy as np
 import pytest
 import torch
 
+import cli_run
 from dpcuda import data
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def run(*args):
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    return subprocess.run([sys.executable, "-m", "dpcuda", *args], capture_output=True,
-                          text=True, timeout=300, cwd=ROOT, env=env)
+    """`python -m dpcuda *args`, in this process (tests/cli_run.py)."""
+    return cli_run.run(*args)
 
 
 def one_line_error(proc, message):
@@ -244,9 +244,7 @@ def test_the_training_data_is_known_by_its_contents_not_its_path(tmp_path, monke
     monkeypatch.chdir(tmp_path)
     base = ("train", "--no-progress", "--hidden", "8", "--batch-size", "16", "--checkpoint",
             str(ck))
-    env_run = lambda *a: subprocess.run(  # noqa: E731 (from tmp_path: a relative --data)
-        [sys.executable, "-m", "dpcuda", *a], capture_output=True, text=True, timeout=300,
-        cwd=tmp_path, env=dict(os.environ, PYTHONPATH=ROOT))
+    env_run = lambda *a: cli_run.run(*a, cwd=tmp_path)  # noqa: E731 (a relative --data)
     assert env_run(*base, "--data", "d.npz", "--epochs", "1").returncode == 0
     # the same file spelled otherwise resumes; eval from another folder finds it
     proc = env_run(*base, "--data", "./d.npz", "--epochs", "2", "--resume", str(ck))

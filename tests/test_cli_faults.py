@@ -7,12 +7,12 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
 import torch
 
+import cli_run
 import dpcuda
 from dpcuda import data
 from dpcuda.nn import FusedMLP
@@ -22,16 +22,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUICK = ["--no-progress", "--epochs", "2", "--hidden", "32"]
 
 
-def run(*args, env=None, code=None, timeout=300):
-    full_env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    full_env.update(env or {})
-    cmd = [sys.executable, "-c", code, *args] if code else [sys.executable, "-m", "dpcuda",
-                                                            *args]
-    start = time.monotonic()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
-                          env=full_env)
-    proc.seconds = time.monotonic() - start
-    return proc
+def run(*args, env=None, code=None, timeout=300, process=False):
+    """`python -m dpcuda *args`, or `python -c code *args`; in this process unless process, env
+    or code asks for a new one (tests/cli_run.py)."""
+    return cli_run.run(*args, env=env, code=code, timeout=timeout, process=process)
 
 
 def one_line_error(proc, status, message):
@@ -244,7 +238,7 @@ def test_bench_scaling_bad_options(args, message):
 
 
 def test_help_version_and_package():
-    proc = run("--version")
+    proc = run("--version", process=True)
     assert proc.returncode == 0 and proc.stdout.strip() == f"dpcuda {dpcuda.__version__}"
     proc = run("train", "--help")
     assert "(default: 256)" in proc.stdout and "(default: 5)" in proc.stdout
@@ -290,6 +284,22 @@ def test_one_run_per_checkpoint(tmp_path):
         first.kill()
         first.communicate()
 
+
+
+def test_a_run_in_this_process_holds_the_lock_until_it_returns(tmp_path):
+    """dpcuda.cli.main called twice in one process (a notebook, these tests): the first run's
+    lock is released when it returns, and an open lock refuses a run, as another process's."""
+    from dpcuda.checkpoint import lock_checkpoint
+    ck = tmp_path / "ck.pt"
+    with lock_checkpoint(str(ck)):
+        one_line_error(run("train", *QUICK, "--checkpoint", str(ck)), 2,
+                       "another run is writing it")
+    assert not ck.exists()
+    proc = run("train", *QUICK, "--checkpoint", str(ck))
+    assert proc.returncode == 0, proc.stderr
+    proc = run("train", *QUICK, "--epochs", "3", "--resume", str(ck), "--checkpoint", str(ck))
+    assert proc.returncode == 0, proc.stderr
+    assert load_checkpoint(str(ck))["epoch"] == 3
 
 def test_resume_lists_every_difference_with_the_model(trained, tmp_path):
     ck, _ = trained

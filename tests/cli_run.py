@@ -1,0 +1,95 @@
+"""`python -m dpcuda ARGS` for the command-line tests, run one of two ways:
+
+- in a new interpreter (process=True, or with env or code): what a user runs, imports and all;
+- in this process (the default): dpcuda.cli.main(ARGS) as `python -m dpcuda` calls it, with the
+  child's working directory, its own stdout and stderr, its exit status (argparse's SystemExit
+  included), an uncaught exception's traceback on stderr with status 1, and a new interpreter's
+  warning filters, printed to that stderr. It saves a new interpreter's 2-3 s of imports a call
+  (most of the command-line tests' time on a 2-core machine). torch's random state, the working
+  directory and the warning filters are restored afterwards; a call that runs past its timeout
+  ends the test run with every thread's traceback (faulthandler), as a hung child would be
+  killed.
+
+What only a new process can show (import-time output, signals, torchrun, environment
+variables) stays in the tests that run one."""
+
+import contextlib
+import faulthandler
+import io
+import os
+import subprocess
+import sys
+import time
+import traceback
+import warnings
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# A new interpreter's warning filters (no -W, no PYTHONWARNINGS, a release build).
+_FRESH_FILTERS = [("default", DeprecationWarning, "__main__"),
+                  ("ignore", DeprecationWarning, ""), ("ignore", PendingDeprecationWarning, ""),
+                  ("ignore", ImportWarning, ""), ("ignore", ResourceWarning, "")]
+
+
+class Completed:
+    """What subprocess.run returns, plus seconds (the call's wall time)."""
+
+    def __init__(self, args, returncode, stdout, stderr, seconds):
+        self.args, self.returncode, self.stdout, self.stderr = args, returncode, stdout, stderr
+        self.seconds = seconds
+
+
+def run(*args, env=None, code=None, timeout=300, process=False, cwd=ROOT):
+    """`python -m dpcuda *args` (or `python -c code *args`) from cwd; env: variables added to
+    this process's. In this process unless process, env or code asks for a new one."""
+    start = time.monotonic()
+    if process or env is not None or code is not None:
+        full_env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep +
+                        os.environ.get("PYTHONPATH", ""))
+        full_env.update(env or {})
+        cmd = [sys.executable, "-c", code, *args] if code else [sys.executable, "-m", "dpcuda",
+                                                                *args]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=cwd,
+                              env=full_env)
+        return Completed(proc.args, proc.returncode, proc.stdout, proc.stderr,
+                         time.monotonic() - start)
+    return _in_process([str(a) for a in args], timeout, cwd, start)
+
+
+def _in_process(args, timeout, cwd, start):
+    from dpcuda import cli
+    out, err = io.StringIO(), io.StringIO()
+    rng = torch.get_rng_state()
+    here = os.getcwd()
+    faulthandler.dump_traceback_later(timeout, exit=True)
+    try:
+        with warnings.catch_warnings():
+            warnings.resetwarnings()
+            for action, category, module in reversed(_FRESH_FILTERS):
+                warnings.filterwarnings(action, category=category, module=module)
+            # (pytest records warnings; a child prints them on its stderr)
+            warnings.showwarning = lambda message, category, filename, lineno, file=None, \
+                line=None: sys.stderr.write(warnings.formatwarning(message, category, filename,
+                                                                   lineno, line))
+            os.chdir(cwd)
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                try:
+                    status = cli.main(args)
+                except SystemExit as stop:
+                    status = stop.code
+                except Exception:
+                    traceback.print_exc()
+                    status = 1
+                if status is None:
+                    status = 0
+                elif not isinstance(status, int):  # sys.exit("message")
+                    print(status, file=sys.stderr)
+                    status = 1
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+        os.chdir(here)
+        torch.set_rng_state(rng)
+    return Completed(["dpcuda", *args], status, out.getvalue(), err.getvalue(),
+                     time.monotonic() - start)
