@@ -489,6 +489,51 @@ void sync_block() {
   tsan_acquire(&r.barrier_sync[f->generation % 2]);
 }
 
+namespace {
+
+// DPCUDA_EMU_REMOVE_BARRIER=PATH:LINE, read once: the barrier call site to skip (none: line 0).
+struct RemovedBarrier {
+  std::string path;
+  int line = 0;
+  mutable std::atomic<bool> said{false};  // (said once)
+  RemovedBarrier() {
+    const char* spec = std::getenv("DPCUDA_EMU_REMOVE_BARRIER");
+    const char* colon = spec != nullptr ? std::strrchr(spec, ':') : nullptr;
+    if (spec == nullptr || *spec == '\0') return;
+    line = colon != nullptr && colon != spec ? std::atoi(colon + 1) : 0;
+    if (line <= 0) {
+      std::fprintf(stderr, "dpcuda-emu: DPCUDA_EMU_REMOVE_BARRIER=%s is not PATH:LINE\n", spec);
+      std::exit(2);
+    }
+    path.assign(spec, colon);
+  }
+  bool matches(const char* file, int at) const {
+    if (at != line) return false;
+    const size_t n = std::strlen(file);
+    return n >= path.size() && std::strcmp(file + n - path.size(), path.c_str()) == 0 &&
+           (n == path.size() || file[n - path.size() - 1] == '/');
+  }
+};
+
+const RemovedBarrier& removed_barrier() {
+  static RemovedBarrier removed;
+  return removed;
+}
+
+}  // namespace
+
+void sync_block_at(const char* file, int line) {
+  const RemovedBarrier& removed = removed_barrier();
+  if (removed.line != 0 && removed.matches(file, line)) {
+    if (!removed.said.exchange(true)) {
+      std::fprintf(stderr, "dpcuda-emu: the __syncthreads() at %s:%d is removed "
+                   "(DPCUDA_EMU_REMOVE_BARRIER)\n", file, line);
+    }
+    return;
+  }
+  sync_block();
+}
+
 uint64_t warp_exchange(unsigned mask, uint64_t bits, int src, const char* what) {
   Runner& r = tl_runner;
   Fiber* f = r.current;

@@ -53,6 +53,10 @@ const ThreadBuiltins& builtins();
 
 // The barrier and the warp exchange that the intrinsics below are made of (csrc/emu/block.cpp).
 void sync_block();
+// __syncthreads() at FILE:LINE: sync_block(), unless DPCUDA_EMU_REMOVE_BARRIER names this call
+// site (a path ending, a colon, the line), which then runs as if the barrier were deleted and
+// says so once on stderr (scripts/check_barriers_matter.sh: every barrier must matter).
+void sync_block_at(const char* file, int line);
 // The memory model of the device atomics and __threadfence for ThreadSanitizer, as C++'s fences
 // order relaxed atomics: a fence before an atomic read-modify-write makes it a release; a fence
 // after atomic reads makes them acquires (csrc/emu/block.cpp).
@@ -93,7 +97,7 @@ int checked_width(int width, const char* what);
 #define warpSize 32
 #endif
 
-inline void __syncthreads() { ::dpcuda::emu::sync_block(); }
+#define __syncthreads() ::dpcuda::emu::sync_block_at(__FILE__, __LINE__)
 inline void __syncwarp(unsigned mask = 0xffffffffu) {
   (void)::dpcuda::emu::warp_exchange(mask, 0, ::dpcuda::emu::lane_id(), "__syncwarp");
 }

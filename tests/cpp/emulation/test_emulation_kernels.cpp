@@ -4,12 +4,15 @@
 // with the grid cap lowered so the grid-stride loops run too. Results are compared with a
 // float64 reference (tolerance per dtype) and, for float and double, with the CPU kernels. The
 // all-reduce kernels must give the fixed-order sum bit for bit.
+#include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <limits>
 #include <memory>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "cpu/all_reduce.h"
@@ -974,17 +977,40 @@ void test_kernel_image_status() {
 
 }  // namespace
 
-int main() {
+// test_emulation_kernels [--dtypes LIST]: LIST, comma-separated, of float, double, half and
+// bfloat16 (default: all four; CMakeLists.txt's thread build runs two).
+int main(int argc, char** argv) {
+  std::string dtypes = "float,double,half,bfloat16";
+  if (argc == 3 && std::string(argv[1]) == "--dtypes") {
+    dtypes = argv[2];
+  } else if (argc != 1) {
+    std::fprintf(stderr, "usage: %s [--dtypes float,double,half,bfloat16]\n", argv[0]);
+    return 2;
+  }
+  const std::string all = ",float,double,half,bfloat16,";
+  for (size_t at = 0; at <= dtypes.size();) {
+    const size_t end = std::min(dtypes.find(',', at), dtypes.size());
+    if (end == at || all.find("," + dtypes.substr(at, end - at) + ",") == std::string::npos) {
+      std::fprintf(stderr, "--dtypes %s: each must be one of float, double, half, bfloat16\n",
+                   dtypes.c_str());
+      return 2;
+    }
+    at = end + 1;
+  }
+  const auto wanted = [&](const std::string& name) {
+    return ("," + dtypes + ",").find("," + name + ",") != std::string::npos;
+  };
   test_kernel_image_status();
   // The default grid cap, then a cap of 3 blocks: every grid-stride loop takes several turns.
   for (int64_t cap : {dpcuda::cuda::kMaxGridX, int64_t(3)}) {
     dpcuda::cuda::grid_cap() = cap;
     dpcuda::emu::reset(emu_test::config(1, static_cast<uint64_t>(cap)));
-    test_dtype<float>(1);
-    test_dtype<double>(2);
-    test_dtype<__half>(3);
-    test_dtype<__nv_bfloat16>(4);
+    if (wanted("float")) test_dtype<float>(1);
+    if (wanted("double")) test_dtype<double>(2);
+    if (wanted("half")) test_dtype<__half>(3);
+    if (wanted("bfloat16")) test_dtype<__nv_bfloat16>(4);
     emu_test::expect_no_reports("kernels");
   }
+  std::printf("test_emulation_kernels: dtypes %s\n", dtypes.c_str());
   return emu_test::finish("test_emulation_kernels");
 }
