@@ -249,9 +249,10 @@ def write_json(path, payload):
 
 def lock_checkpoint(path, option="--checkpoint"):
     """One run at a time per checkpoint: an exclusive lock on PATH.lock. Returns the open lock
-    file: the lock is held until it is closed (a context manager), or until the process ends,
-    however it ends, when the system drops it; the file stays. OutputError if path cannot be
-    written or another run (another process, or one still open in this one) holds the lock."""
+    file, which the caller keeps for the run: the lock is held until it is closed (a context
+    manager; dropping the last reference closes it too), or until the process ends, however it
+    ends, when the system drops it; the file stays. OutputError if path cannot be written or
+    another run (another process, or one still open in this one) holds the lock."""
     import fcntl
     check_output_path(path, option)  # (the room it needs is checked once it is sized)
     lock = os.path.realpath(path) + ".lock"

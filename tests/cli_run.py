@@ -4,21 +4,26 @@
 - in this process (the default): dpcuda.cli.main(ARGS) as `python -m dpcuda` calls it, with the
   child's working directory, its own stdout and stderr, its exit status (argparse's SystemExit
   included), an uncaught exception's traceback on stderr with status 1, and a new interpreter's
-  warning filters, printed to that stderr. It saves a new interpreter's 2-3 s of imports a call
-  (most of the command-line tests' time on a 2-core machine). torch's random state, the working
-  directory and the warning filters are restored afterwards; a call that runs past its timeout
-  ends the test run with every thread's traceback (faulthandler), as a hung child would be
-  killed.
+  warning filters, printed to that stderr, as are an exception in a thread and one ignored in a
+  destructor (pytest would turn those into warnings) and help text 80 columns wide. It saves a
+  new interpreter's 2-3 s of imports a call (most of the command-line tests' time on a 2-core
+  machine). torch's random states, the working directory and the warning filters are restored
+  afterwards. A call past its timeout raises Expired in the test (SIGALRM), or, stuck where
+  Python cannot raise, ends the test run 60 s later with every thread's traceback on the real
+  stderr (faulthandler), where a hung child would be killed.
 
 What only a new process can show (import-time output, signals, torchrun, environment
-variables) stays in the tests that run one."""
+variables) stays in the tests that run one; a clean stderr of a whole run and of a refusal is
+checked in a new interpreter too."""
 
 import contextlib
 import faulthandler
 import io
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 import traceback
 import warnings
@@ -31,6 +36,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _FRESH_FILTERS = [("default", DeprecationWarning, "__main__"),
                   ("ignore", DeprecationWarning, ""), ("ignore", PendingDeprecationWarning, ""),
                   ("ignore", ImportWarning, ""), ("ignore", ResourceWarning, "")]
+
+
+# The real stderr, for faulthandler's last word (tests/conftest.py sets it before pytest
+# captures fd 2; None: sys.__stderr__).
+REAL_STDERR = None
+
+
+class Expired(BaseException):
+    """An in-process call ran past its timeout (a BaseException, as KeyboardInterrupt: the
+    command's own `except Exception` handlers do not turn it into an exit status)."""
 
 
 class Completed:
@@ -62,8 +77,17 @@ def _in_process(args, timeout, cwd, start):
     from dpcuda import cli
     out, err = io.StringIO(), io.StringIO()
     rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
     here = os.getcwd()
-    faulthandler.dump_traceback_later(timeout, exit=True)
+    columns = os.environ.get("COLUMNS")
+    hooks = threading.excepthook, sys.unraisablehook
+
+    def expired(signum, frame):
+        raise Expired(f"dpcuda {' '.join(args)}: still running after {timeout} s")
+    alarm = signal.signal(signal.SIGALRM, expired)
+    signal.setitimer(signal.ITIMER_REAL, timeout)
+    faulthandler.dump_traceback_later(timeout + 60, exit=True,
+                                      file=REAL_STDERR or sys.__stderr__)
     try:
         with warnings.catch_warnings():
             warnings.resetwarnings()
@@ -73,6 +97,9 @@ def _in_process(args, timeout, cwd, start):
             warnings.showwarning = lambda message, category, filename, lineno, file=None, \
                 line=None: sys.stderr.write(warnings.formatwarning(message, category, filename,
                                                                    lineno, line))
+            threading.excepthook, sys.unraisablehook = (threading.__excepthook__,
+                                                        sys.__unraisablehook__)
+            os.environ["COLUMNS"] = "80"  # (a child's stdout is a pipe: 80 columns)
             os.chdir(cwd)
             with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
                 try:
@@ -88,8 +115,17 @@ def _in_process(args, timeout, cwd, start):
                     print(status, file=sys.stderr)
                     status = 1
     finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, alarm)
         faulthandler.cancel_dump_traceback_later()
+        threading.excepthook, sys.unraisablehook = hooks
+        if columns is None:
+            os.environ.pop("COLUMNS", None)
+        else:
+            os.environ["COLUMNS"] = columns
         os.chdir(here)
         torch.set_rng_state(rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
     return Completed(["dpcuda", *args], status, out.getvalue(), err.getvalue(),
                      time.monotonic() - start)

@@ -6,6 +6,14 @@ import torch.nn.functional as F
 
 import dpcuda
 
+def pytest_configure(config):
+    """The real stderr for tests/cli_run.py's last-resort timeout (before pytest captures it)."""
+    import os
+
+    import cli_run
+    cli_run.REAL_STDERR = os.fdopen(os.dup(2), "w")
+
+
 DEVICES = ["cpu"] + (["cuda"] if dpcuda.cuda_available() else [])
 
 

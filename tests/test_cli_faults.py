@@ -285,7 +285,6 @@ def test_one_run_per_checkpoint(tmp_path):
         first.communicate()
 
 
-
 def test_a_run_in_this_process_holds_the_lock_until_it_returns(tmp_path):
     """dpcuda.cli.main called twice in one process (a notebook, these tests): the first run's
     lock is released when it returns, and an open lock refuses a run, as another process's."""
@@ -300,6 +299,7 @@ def test_a_run_in_this_process_holds_the_lock_until_it_returns(tmp_path):
     proc = run("train", *QUICK, "--epochs", "3", "--resume", str(ck), "--checkpoint", str(ck))
     assert proc.returncode == 0, proc.stderr
     assert load_checkpoint(str(ck))["epoch"] == 3
+
 
 def test_resume_lists_every_difference_with_the_model(trained, tmp_path):
     ck, _ = trained

@@ -20,7 +20,9 @@
 
 #include <algorithm>
 #include <atomic>
+#include <climits>
 #include <condition_variable>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -498,20 +500,31 @@ struct RemovedBarrier {
   mutable std::atomic<bool> said{false};  // (said once)
   RemovedBarrier() {
     const char* spec = std::getenv("DPCUDA_EMU_REMOVE_BARRIER");
-    const char* colon = spec != nullptr ? std::strrchr(spec, ':') : nullptr;
     if (spec == nullptr || *spec == '\0') return;
-    line = colon != nullptr && colon != spec ? std::atoi(colon + 1) : 0;
-    if (line <= 0) {
+    const char* colon = std::strrchr(spec, ':');
+    char* end = nullptr;
+    const long at = colon != nullptr && colon != spec ? std::strtol(colon + 1, &end, 10) : 0;
+    if (at <= 0 || at > INT32_MAX || end == colon + 1 || *end != '\0') {
       std::fprintf(stderr, "dpcuda-emu: DPCUDA_EMU_REMOVE_BARRIER=%s is not PATH:LINE\n", spec);
       std::exit(2);
     }
+    line = static_cast<int>(at);
     path.assign(spec, colon);
   }
+  // (the call site's file as the compiler named it, or with its ".." resolved: a header found
+  // through "../x.h" is named ".../kernels/y/../x.h")
   bool matches(const char* file, int at) const {
     if (at != line) return false;
-    const size_t n = std::strlen(file);
-    return n >= path.size() && std::strcmp(file + n - path.size(), path.c_str()) == 0 &&
-           (n == path.size() || file[n - path.size() - 1] == '/');
+    char resolved[PATH_MAX];
+    for (const char* name : {file, static_cast<const char*>(realpath(file, resolved))}) {
+      if (name == nullptr) continue;
+      const size_t n = std::strlen(name);
+      if (n >= path.size() && std::strcmp(name + n - path.size(), path.c_str()) == 0 &&
+          (n == path.size() || name[n - path.size() - 1] == '/')) {
+        return true;
+      }
+    }
+    return false;
   }
 };
 
@@ -519,6 +532,9 @@ const RemovedBarrier& removed_barrier() {
   static RemovedBarrier removed;
   return removed;
 }
+
+// (read, and a bad value refused, as the program starts: not in a worker, mid-kernel)
+const bool kRemovedBarrierRead = (removed_barrier(), true);
 
 }  // namespace
 
