@@ -6,6 +6,7 @@ import torch.nn.functional as F
 
 import dpcuda
 
+
 def pytest_configure(config):
     """The real stderr for tests/cli_run.py's last-resort timeout (before pytest captures it)."""
     import os

@@ -11,16 +11,11 @@ import numpy as np
 import pytest
 import torch
 
-import cli_run
+from cli_run import run as run_cli
 from dpcuda import data
 from dpcuda.train import TrainConfig, load_checkpoint, train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def run_cli(*args, timeout=300, process=False):
-    """`python -m dpcuda *args`, in this process unless process (tests/cli_run.py)."""
-    return cli_run.run(*args, timeout=timeout, process=process)
 
 
 @pytest.mark.parametrize("replicas", [1, 2])

@@ -11,15 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-import cli_run
+from cli_run import run
 from dpcuda import data
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def run(*args):
-    """`python -m dpcuda *args`, in this process (tests/cli_run.py)."""
-    return cli_run.run(*args)
 
 
 def one_line_error(proc, message):
@@ -244,7 +239,7 @@ def test_the_training_data_is_known_by_its_contents_not_its_path(tmp_path, monke
     monkeypatch.chdir(tmp_path)
     base = ("train", "--no-progress", "--hidden", "8", "--batch-size", "16", "--checkpoint",
             str(ck))
-    env_run = lambda *a: cli_run.run(*a, cwd=tmp_path)  # noqa: E731 (a relative --data)
+    env_run = lambda *a: run(*a, cwd=tmp_path)  # noqa: E731 (a relative --data)
     assert env_run(*base, "--data", "d.npz", "--epochs", "1").returncode == 0
     # the same file spelled otherwise resumes; eval from another folder finds it
     proc = env_run(*base, "--data", "./d.npz", "--epochs", "2", "--resume", str(ck))

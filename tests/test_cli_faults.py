@@ -12,20 +12,14 @@ import numpy as np
 import pytest
 import torch
 
-import cli_run
 import dpcuda
+from cli_run import run
 from dpcuda import data
 from dpcuda.nn import FusedMLP
 from dpcuda.train import load_checkpoint, save_checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUICK = ["--no-progress", "--epochs", "2", "--hidden", "32"]
-
-
-def run(*args, env=None, code=None, timeout=300, process=False):
-    """`python -m dpcuda *args`, or `python -c code *args`; in this process unless process, env
-    or code asks for a new one (tests/cli_run.py)."""
-    return cli_run.run(*args, env=env, code=code, timeout=timeout, process=process)
 
 
 def one_line_error(proc, status, message):
