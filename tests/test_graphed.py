@@ -730,3 +730,44 @@ def test_a_bad_label_in_a_replayed_window_is_named_and_its_update_skipped(closur
                     "(weights unchanged)"]
     assert a[:3] == b[:3]
     assert all(torch.equal(p, q) for p, q in zip(a[3], b[3]))
+
+
+@pytest.mark.parametrize("change", ["tensor lr in place", "betas list in place",
+                                    "new momentum", "same lr, new object"])
+def test_hyperparameters_changed_between_replays_reach_them(closure, change):
+    # A replay rewrites the graph's hyperparameters only when they changed: a changed entry
+    # (a new object, or one changed in place: a tensor lr, a list of betas) must reach the
+    # next replay, bit for bit as the eager non-blocking step.
+    def run(mode):
+        model = make()
+        kw = {"graphs": True} if mode == "graphed" else {"blocking": False}
+        dp = DataParallel(model, ["cpu"] * 2, **kw)
+        if change == "new momentum":
+            opt = dpcuda.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        else:
+            opt = dpcuda.optim.AdamW(
+                model.parameters(),
+                lr=torch.tensor(0.01) if change == "tensor lr in place" else 0.01)
+            if change == "betas list in place":
+                opt.param_groups[0]["betas"] = [0.9, 0.99]  # (a list, set by the user)
+        loss_fn = SoftmaxCrossEntropyLoss()
+        losses = []
+        for i, (x, y) in enumerate(batches(30)):
+            if i % 7 == 6:
+                group = opt.param_groups[0]
+                if change == "tensor lr in place":
+                    group["lr"].mul_(0.5)
+                elif change == "betas list in place":
+                    group["betas"][0] -= 0.2
+                elif change == "new momentum":
+                    group["momentum"] = group["momentum"] - 0.2
+                else:
+                    group["lr"] = float(str(group["lr"]))
+            losses.append(dp.step(x, y, loss_fn, optimizer=opt))
+        dp.synchronize()
+        return model, [float(v) for v in losses], dp
+
+    (ma, la, _), (mb, lb, dpb) = run("nonblocking"), run("graphed")
+    assert dpb._graphed.graphs  # (replayed)
+    assert same(la, lb)
+    assert all(torch.equal(p, q) for p, q in zip(ma.parameters(), mb.parameters()))

@@ -20,6 +20,10 @@ class _Thing:
     pass
 
 
+class _SubParameter(nn.Parameter):
+    """A parameter of a subclass: the C walk reads its shape and hooks through Python."""
+
+
 def _attribute(rng):
     """A module attribute of a kind a model may hold."""
     choice = rng.randrange(16)
@@ -75,7 +79,9 @@ def _model(rng):
         linears = [m for m in root.modules() if isinstance(m, nn.Linear)]
         if len(linears) >= 2 and linears[0].weight.shape == linears[1].weight.shape:
             linears[1].weight = linears[0].weight  # (a tied parameter)
-    hook = rng.randrange(8)
+    if rng.random() < 0.2:
+        rng.choice(pool).sub_param = _SubParameter(torch.randn(rng.randrange(1, 4), 2))
+    hook = rng.randrange(9)
     target = rng.choice(list(root.modules()))
     if hook == 0:
         target.register_forward_hook(lambda *a: None)
@@ -91,6 +97,13 @@ def _model(rng):
         params = list(root.parameters())
         if params:
             rng.choice(params).register_post_accumulate_grad_hook(lambda p: None)
+    elif hook == 5:
+        params = list(root.parameters())
+        if params:  # (a hook dict made, then emptied)
+            rng.choice(params).register_hook(lambda g: g).remove()
+    params = list(root.parameters())
+    if params and rng.random() < 0.3:
+        rng.choice(params).requires_grad_(False)
     return root
 
 
@@ -98,7 +111,7 @@ def _same(c, py):
     (cp, cb, ck, (ch, cs, co)), (pp, pb, pk, (ph, ps, po)) = c, py
     assert [id(p) for p in cp] == [id(p) for p in pp]
     assert [id(b) for b in cb] == [id(b) for b in pb]
-    assert ck == pk and type(ck) is tuple
+    assert ck == pk and type(ck) is tuple and hash(ck) == hash(pk)
     assert ch == ph
     assert type(cs) is tuple and len(cs) == len(ps)
     for a, b in zip(cs, ps):  # (compared as a graph's key compares them)

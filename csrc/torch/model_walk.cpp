@@ -14,6 +14,7 @@
 // result): there is one set of messages, in Python.
 // tests/test_walk.py compares the two walks on random models.
 #include <Python.h>
+#include <torch/csrc/autograd/python_variable.h>
 #include <torch/extension.h>
 
 #include <unordered_map>
@@ -164,17 +165,42 @@ void append(PyObject* list, PyObject* item) {
 
 void append(PyObject* list, const Ref& item) { append(list, item.ptr()); }
 
-// A module's own dict (m.__dict__, m._parameters, m._buffers, m._modules) as a list of its
-// values or items, taken before anything else runs (the walk runs Python code: a tensor
-// subclass's data_ptr, a hook dict's __bool__, which could change them); an empty object where
-// it is not exactly a dict (a TorchScript module's wrapper, an OrderedDict whose order is its
-// own), which the Python walk then handles.
-Ref module_entries(PyObject* m, const char* name, bool items) {
+// A module's own dict (m._parameters, m._buffers, m._modules) as a list of its values, taken
+// before anything else runs (the walk runs Python code: a tensor subclass's data_ptr, a hook
+// dict's __bool__, which could change them); an empty object where it is not exactly a dict (a
+// TorchScript module's wrapper, an OrderedDict whose order is its own), which the Python walk
+// then handles.
+Ref module_entries(PyObject* m, const char* name) {
   Ref d = attr(m, name);
   if (!PyDict_CheckExact(d.ptr())) {
     return Ref();
   }
-  return steal(items ? PyDict_Items(d.ptr()) : PyDict_Values(d.ptr()));
+  return steal(PyDict_Values(d.ptr()));
+}
+
+// A module's public attributes (an instance attribute whose name does not start with '_'), in
+// __dict__'s order, held before any Python code runs (only the names are read while the dict
+// is iterated; the module's private entries, most of its __dict__, are passed over without a
+// copy); false where __dict__ is not exactly a dict or holds a name that is not a plain str
+// (the Python walk's k[:1]), which the Python walk then handles.
+bool public_attributes(PyObject* m, std::vector<Ref>* out) {
+  const Ref d = attr(m, "__dict__");
+  if (!PyDict_CheckExact(d.ptr())) {
+    return false;
+  }
+  Py_ssize_t pos = 0;
+  PyObject* k = nullptr;
+  PyObject* v = nullptr;
+  while (PyDict_Next(d.ptr(), &pos, &k, &v)) {
+    if (!PyUnicode_CheckExact(k)) {
+      return false;
+    }
+    if (PyUnicode_GET_LENGTH(k) > 0 && PyUnicode_READ_CHAR(k, 0) == '_') {
+      continue;
+    }
+    out->push_back(py::reinterpret_borrow<py::object>(v));
+  }
+  return true;
 }
 
 bool has_hooks(PyObject* m) {
@@ -191,6 +217,26 @@ bool has_grad_hooks(PyObject* p) {
   return truth(attr(p, "_backward_hooks").ptr()) ||
          truth(attr(p, "_post_accumulate_grad_hooks").ptr());
 }
+
+// An exact nn.Parameter over a tensor with concrete sizes: its shape, requires_grad and hook
+// slots are read from its C object, as the Python getters read them (a subclass, whose
+// getters may be its own, goes through Python).
+bool plain_parameter(PyObject* p) {
+  return Py_TYPE(p) == reinterpret_cast<PyTypeObject*>(classes.parameter) &&
+         !THPVariable_Unpack(p).unsafeGetTensorImpl()->has_symbolic_sizes_strides();
+}
+
+// tuple(p.shape) (equal to the torch.Size the Python walk holds, with the same hash)
+Ref shape_tuple(const at::Tensor& t) {
+  const auto sizes = t.sizes();
+  Ref out = steal(PyTuple_New(static_cast<Py_ssize_t>(sizes.size())));
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    PyTuple_SET_ITEM(out.ptr(), static_cast<Py_ssize_t>(i), steal(PyLong_FromLongLong(sizes[i])).release().ptr());
+  }
+  return out;
+}
+
+bool slot_true(PyObject* slot) { return slot != nullptr && truth(slot); }
 
 py::object walk(py::handle model, bool graphed, int replicas) {
   if (classes.parameter == nullptr) {
@@ -216,28 +262,19 @@ py::object walk(py::handle model, bool graphed, int replicas) {
     append(key.ptr(), reinterpret_cast<PyObject*>(Py_TYPE(m)));
     if (graphed) {
       // every public attribute of the instance's __dict__, in its order
-      const Ref items = module_entries(m, "__dict__", true);
-      if (!items) {
+      std::vector<Ref> values;
+      if (!public_attributes(m, &values)) {
         return py::none();
       }
-      const Py_ssize_t n = PyList_GET_SIZE(items.ptr());
-      for (Py_ssize_t i = 0; i < n; ++i) {
-        PyObject* item = PyList_GET_ITEM(items.ptr(), i);
-        PyObject* k = PyTuple_GET_ITEM(item, 0);
-        if (!PyUnicode_CheckExact(k)) {
-          return py::none();  // (the Python walk's k[:1] on a key that is not a plain str)
-        }
-        if (PyUnicode_GET_LENGTH(k) > 0 && PyUnicode_READ_CHAR(k, 0) == '_') {
-          continue;
-        }
-        append(state.ptr(), attribute_key(PyTuple_GET_ITEM(item, 1), objects.ptr()));
+      for (const Ref& v : values) {
+        append(state.ptr(), attribute_key(v.ptr(), objects.ptr()));
       }
       hooked = hooked || has_hooks(m);
     }
     if (is_instance(m, classes.refused)) {
       return py::none();
     }
-    const Ref parameters = module_entries(m, "_parameters", false);
+    const Ref parameters = module_entries(m, "_parameters");
     if (!parameters) {
       return py::none();
     }
@@ -253,15 +290,24 @@ py::object walk(py::handle model, bool graphed, int replicas) {
       seen.insert(p);
       append(params.ptr(), p);
       append(key.ptr(), id_of(p));
-      append(key.ptr(), attr(p, "shape"));
-      append(key.ptr(), attr(p, "requires_grad"));
-      const bool grad_hooked = has_grad_hooks(p);
+      bool grad_hooked;
+      if (plain_parameter(p)) {
+        const at::Tensor& t = THPVariable_Unpack(p);
+        append(key.ptr(), shape_tuple(t));
+        append(key.ptr(), t.requires_grad() ? Py_True : Py_False);
+        const auto* var = reinterpret_cast<THPVariable*>(p);
+        grad_hooked = slot_true(var->backward_hooks) || slot_true(var->post_accumulate_grad_hooks);
+      } else {
+        append(key.ptr(), attr(p, "shape"));
+        append(key.ptr(), attr(p, "requires_grad"));
+        grad_hooked = has_grad_hooks(p);
+      }
       hooked = hooked || (graphed && grad_hooked);
       if (replicas > 1 && grad_hooked) {
         return py::none();
       }
     }
-    const Ref module_buffers = module_entries(m, "_buffers", false);
+    const Ref module_buffers = module_entries(m, "_buffers");
     if (!module_buffers) {
       return py::none();
     }
@@ -278,7 +324,7 @@ py::object walk(py::handle model, bool graphed, int replicas) {
         append(state.ptr(), steal(PyObject_CallMethodNoArgs(b, interned("data_ptr"))));
       }
     }
-    const Ref children = module_entries(m, "_modules", false);
+    const Ref children = module_entries(m, "_modules");
     if (!children) {
       return py::none();
     }

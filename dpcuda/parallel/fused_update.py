@@ -17,6 +17,9 @@ so that an update the device skips (DataParallel's non-blocking step: a record t
 NaN/Inf) counts no step, with no host read.
 """
 
+import itertools
+import operator
+
 import torch
 from torch.optim.optimizer import _global_optimizer_pre_hooks  # (a dict torch fills in place)
 
@@ -34,10 +37,9 @@ def shard_range(n, replicas, k, align):
 def plan_key(opt, generation, structure):
     """What a plan over an optimizer is made for: the optimizer, the replicas' build, the kind
     of state, and the parameter groups' members in order."""
-    groups = opt.param_groups
+    members = [group["params"] for group in opt.param_groups]
     return (id(opt), generation, structure,
-            tuple(id(p) for group in groups for p in group["params"]),
-            tuple(len(group["params"]) for group in groups))
+            tuple(map(id, itertools.chain.from_iterable(members))), tuple(map(len, members)))
 
 
 def group_of_trainable(opt, r0):
@@ -70,6 +72,22 @@ def group_segments(spans, group_of, begin=0, end=None):
     return [v for s in segments for v in s]
 
 
+def _same_objects(a, b):
+    """Whether two tuples hold the same objects, position by position."""
+    return len(a) == len(b) and all(map(operator.is_, a, b))
+
+
+_PLAIN = (float, int, bool, str, type(None))
+
+
+def _immutable_values(group):
+    """Whether a parameter group's hyperparameters (every entry but its params) are values no
+    one can change in place: numbers, strings, None, tuples of them (not a tensor lr, not a
+    list of betas)."""
+    return all(type(v) in _PLAIN or (type(v) is tuple and all(type(e) in _PLAIN for e in v))
+               for k, v in group.items() if k != "params")
+
+
 class _Plan:
     """What stays the same from step to step for one optimizer over one replica set: the
     state's flat buffers and their views, the shards, the parameter groups as segments."""
@@ -99,6 +117,7 @@ class _Plan:
         # replay with the same values makes no host-to-device copy. written: its bytes.
         self.hyper_base = torch.zeros_like(self.hyper)
         self.written = None
+        self.inputs = None  # write_hyper's memo: each group's entries at its last write
         self.firsts = [min((i for i, x in enumerate(group_of) if x == g), default=-1)
                        for g in range(G)]
         self.first_index = torch.tensor([max(f, 0) for f in self.firsts], device=r0.device)
@@ -187,15 +206,15 @@ class _Plan:
     def current(self, opt):
         """Whether the optimizer's state entries are still the plan's views (a load_state_dict
         or a user's assignment replaces them)."""
-        step = opt._op == "adam"
-        for i, p in enumerate(self.params):
-            state = opt.state.get(p)
-            if state is None or (step and state.get("step") is not self.step_views[i]):
+        states = list(map(opt.state.get, self.params))
+        if None in states:
+            return False
+        for k in self.keys:
+            if not all(map(operator.is_, map(dict.get, states, itertools.repeat(k)),
+                           self.views[k])):
                 return False
-            for k in self.keys:
-                if state.get(k) is not self.views[k][i]:
-                    return False
-        return True
+        return opt._op != "adam" or all(map(
+            operator.is_, map(dict.get, states, itertools.repeat("step")), self.step_views))
 
 
 class FusedUpdate:
@@ -282,27 +301,40 @@ class FusedUpdate:
         """Each group's hyperparameters (as the optimizer holds them now: a scheduler's lr)
         into the plan's device array; Adam's step and SGD's first-step flag are completed
         there by device_update. graphed: into the graph's copy (hyper_base), and only when
-        they changed since it was last written."""
+        they changed since it was last written: the same objects in every group's entries as
+        at the last write skip even the host's arithmetic (plan.inputs; kept only where the
+        entries are immutable values, whose objects cannot change in place)."""
         plan = self._plan
         adam = opt._op == "adam"
-        self._first = []  # SGD: the groups whose momentum buffers this update makes
+        state = opt.state
+        # SGD: the groups whose momentum buffers this update makes
+        self._first = [] if adam else [
+            index for index, m in enumerate(plan.members)
+            if m and "momentum_buffer" not in state[plan.params[m[0]]]]
+        if graphed:
+            inputs = [tuple(group.values()) for group in opt.param_groups]
+            last = plan.inputs
+            if last is not None and len(inputs) == len(last) and \
+                    all(map(_same_objects, inputs, last)):
+                return
         rows = []
         for index, group in enumerate(opt.param_groups):
-            m = plan.members[index]
-            if not m:
-                rows.append([0.0] * _HYPER)
-                continue
-            if not adam and "momentum_buffer" not in opt.state[plan.params[m[0]]]:
-                self._first.append(index)
-            rows.append(opt._values(group, 0.0 if adam else False))
+            rows.append(opt._values(group, 0.0 if adam else False) if plan.members[index]
+                        else [0.0] * _HYPER)
         plan.hyper_rows[:] = rows
         if graphed:
             # (compared by their bits: -0.0 is not 0.0 here, and a NaN equals itself)
             written = plan.hyper_rows.tobytes()
-            if written == plan.written:
-                return
-            plan.written = None  # (until the copy below is queued)
-        target = plan.hyper_base if graphed else plan.hyper
+            if written != plan.written:
+                plan.written = plan.inputs = None  # (until the copy below is queued)
+                self._copy_hyper(plan.hyper_base)
+                plan.written = written
+            plan.inputs = inputs if all(map(_immutable_values, opt.param_groups)) else None
+            return
+        self._copy_hyper(plan.hyper)
+
+    def _copy_hyper(self, target):
+        plan = self._plan
         with torch.no_grad():
             if plan.device.type == "cpu":
                 target.copy_(plan.hyper_host)
@@ -312,8 +344,6 @@ class FusedUpdate:
                 # array at once; the copy runs in stream order after the last update that read
                 # the device array.
                 target.copy_(plan.hyper_host, non_blocking=True)
-        if graphed:
-            plan.written = written
 
     def device_update(self, opt, replicas, algorithm, records=(), scaled_by=0.0,
                       loss_out=None, graphed=False):
