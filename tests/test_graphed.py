@@ -771,3 +771,26 @@ def test_hyperparameters_changed_between_replays_reach_them(closure, change):
     assert dpb._graphed.graphs  # (replayed)
     assert same(la, lb)
     assert all(torch.equal(p, q) for p, q in zip(ma.parameters(), mb.parameters()))
+
+
+def test_a_batch_that_requires_grad_is_copied_without_autograd(closure):
+    # The replay copies the batch into the static buffer with no autograd context: a batch
+    # that requires grad (an adversarial input, a learned augmentation) is detached first, so
+    # that the static buffer records no graph and the training is the eager step's.
+    def run(mode):
+        model = make()
+        kw = {"graphs": True} if mode == "graphed" else {"blocking": False}
+        dp = DataParallel(model, ["cpu"] * 2, **kw)
+        opt = dpcuda.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        losses = []
+        for x, y in batches(12):
+            losses.append(dp.step(x.requires_grad_(), y, SoftmaxCrossEntropyLoss(),
+                                  optimizer=opt))
+        dp.synchronize()
+        return model, [float(v) for v in losses], dp
+
+    (ma, la, _), (mb, lb, dpb) = run("nonblocking"), run("graphed")
+    (graph,) = dpb._graphed.graphs.values()
+    assert not graph.static_x.requires_grad and graph.static_x.grad_fn is None
+    assert same(la, lb)
+    assert all(torch.equal(p, q) for p, q in zip(ma.parameters(), mb.parameters()))

@@ -372,9 +372,12 @@ class GraphedSteps:
         """One step from the graph: the batch into the static buffers, the hyperparameters
         into the plan's array, the replay; then the host's part of a step."""
         ring = self.ring
-        with torch.no_grad():
-            graph.static_x.copy_(inputs, non_blocking=True)
-            graph.static_y.copy_(targets, non_blocking=True)
+        # (no autograd context: the static buffers do not require grad, and a batch that does
+        # is detached, so that no copy is recorded; torch.no_grad() costs as much as a copy)
+        graph.static_x.copy_(inputs.detach() if inputs.requires_grad else inputs,
+                             non_blocking=True)
+        graph.static_y.copy_(targets.detach() if targets.requires_grad else targets,
+                             non_blocking=True)
 
         replayed = []
 

@@ -7,6 +7,7 @@ import dataclasses
 import math
 import warnings
 
+import numpy as np
 import torch
 
 
@@ -40,7 +41,10 @@ class PendingWindow:
 
     def clean(self):
         """Whether no step of the window was skipped or saw a bad label (records' flags 0)."""
-        return not self.host.numpy()[self.rows][:, :, 1:3].any()
+        flags = self.host.numpy()[:, :, 1:3]
+        if len(self.rows) != len(flags):  # (a window cut short: its rows only)
+            flags = flags[self.rows]
+        return np.count_nonzero(flags) == 0
 
     def steps(self):
         return [PendingStep(step, list(self.host[row].unbind()), self.events, targets, summed,

@@ -5,6 +5,8 @@ wrapper's own SGD on the p2p reduction (reduce_sgd_) or the host's. A mixin of S
 (step.py), which decides which of them a step takes.
 """
 
+import itertools
+
 import torch
 
 from ..optim import _FusedOptimizer
@@ -27,13 +29,11 @@ class UpdateMixin:
                     "update is fused into the reduction and the device decides to skip it; "
                     f"got {type(optimizer).__name__} over replicas on "
                     f"{sorted(map(str, devices))}; use blocking=True")
-        own = {id(p) for p in params}
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                if id(p) not in own:
-                    raise ValueError("dpcuda DataParallel: the optimizer holds a tensor that is "
-                                     "not a parameter of dp.module; make it over "
-                                     "dp.parameters()")
+        own = set(map(id, params))
+        held = itertools.chain.from_iterable(group["params"] for group in optimizer.param_groups)
+        if not own.issuperset(map(id, held)):
+            raise ValueError("dpcuda DataParallel: the optimizer holds a tensor that is not a "
+                             "parameter of dp.module; make it over dp.parameters()")
 
     def _reduce_then_update(self, unused):
         """The update by the step's optimizer: fused into the reduction where FusedUpdate is
