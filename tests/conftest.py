@@ -15,6 +15,13 @@ def pytest_configure(config):
     cli_run.REAL_STDERR = os.fdopen(os.dup(2), "w")
 
 
+def pytest_unconfigure(config):
+    import cli_run
+    if cli_run.REAL_STDERR is not None:
+        cli_run.REAL_STDERR.close()
+        cli_run.REAL_STDERR = None
+
+
 DEVICES = ["cpu"] + (["cuda"] if dpcuda.cuda_available() else [])
 
 

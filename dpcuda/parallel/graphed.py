@@ -196,8 +196,9 @@ class GraphedSteps:
     def _key(self, dp, inputs, targets, loss_fn, optimizer, accumulate, state):
         """(the shape's part, the whole key) of a step: what its graph holds as constants.
         state: the walk's (ReplicaSet.walk) modules' attributes and buffers' storage."""
-        settings = tuple(getattr(loss_fn, k, None) for k in
-                         ("reduction", "label_smoothing", "ignore_index"))
+        settings = (getattr(loss_fn, "reduction", None),
+                    getattr(loss_fn, "label_smoothing", None),
+                    getattr(loss_fn, "ignore_index", None))
         if optimizer is None:
             update = ("sgd", dp.lr, dp.momentum, dp.weight_decay)
         else:
@@ -205,8 +206,8 @@ class GraphedSteps:
         kind = dp._replicas[0].device.type
         weights = dp._row_weights()
         # (the shape's part first: its warm-up is counted per shape)
-        shape = (tuple(inputs.shape), inputs.dtype, inputs.device, tuple(targets.shape),
-                 targets.dtype, targets.device, dp._set.generation, dp._set._structure)
+        shape = (inputs.shape, inputs.dtype, inputs.device, targets.shape, targets.dtype,
+                 targets.device, dp._set.generation, dp._set._structure)
         return shape, shape + (type(loss_fn), id(loss_fn) if not isinstance(
             loss_fn, torch.nn.Module) else None, settings, update, accumulate, state,
             torch.is_autocast_enabled(kind), dp.algorithm, torch.is_grad_enabled(),
