@@ -415,6 +415,8 @@ TABLES = {
     "host-cpu-2026-11-27.json + host-cpu-2026-11-27-before.json": host,
     "host-cpu-2026-11-27d.json + host-cpu-2026-11-27c.json": lambda: host(
         "host-cpu-2026-11-27d.json", "host-cpu-2026-11-27c.json"),
+    "host-cpu-2026-11-28.json + host-cpu-2026-11-28-before.json": lambda: host(
+        "host-cpu-2026-11-28.json", "host-cpu-2026-11-28-before.json"),
     "launches-h100-2026-11-27.json": launches_graphed,
     "launches-h100-2026-11-27b.json": lambda: launches_graphed("launches-h100-2026-11-27b.json"),
     "step-cpu-2026-11-22.json": step_cpu,
