@@ -3,6 +3,14 @@ nvcc --resource-usage, for each architecture of the build) and fails on any stac
 or local memory, or on more than 48 KiB of static shared memory. Prints the table.
 
     python scripts/check_kernel_resources.py [--arch 75 --arch 80 --arch 90] [--jobs 2]
+    python scripts/check_kernel_resources.py --build build/cmake
+
+The first form compiles every .cu itself. The second reads what a CMake build configured with
+-DDPCUDA_KERNEL_REPORT=ON and built with Ninja left (CI's): ptxas's report of every image in
+its log (build.log: `cmake --build ... > build.log`; Ninja prints each command's output whole)
+and the PTX nvcc kept (kernel-report/*.compute_75.ptx), so that nothing is compiled twice. It
+fails unless every .cu under csrc/kernels is in the log with an image for every architecture
+the build makes.
 
 Local memory is where by-value parameter arrays indexed at run time, or locals whose address
 escapes, end up: slow on a GPU and invisible in the emulation, so it is checked here.
@@ -104,6 +112,23 @@ __global__ void sgd_plain(const float* g, float* p, float lr, int n) {
 """
 
 
+def contractible_in(ptx, pattern):
+    """{entry name: [contractible instructions]} of the entries of a PTX file whose name
+    matches pattern."""
+    found, entry = {}, None
+    with open(ptx) as f:
+        for line in f:
+            m = re.search(r"\.entry\s+(\S+?)\(", line)
+            if m:
+                entry = m.group(1) if re.search(pattern, m.group(1)) else None
+                if entry:
+                    found.setdefault(entry, [])
+            elif entry and CONTRACTIBLE.match(line):
+                words = line.split()
+                found[entry].append(words[1] if words[0].startswith("@") else words[0])
+    return found
+
+
 def contractible_ops(nvcc, source, arch, pattern, include=True):
     """{entry name: [contractible PTX instructions]} of the entries of source whose name
     matches pattern."""
@@ -116,21 +141,12 @@ def contractible_ops(nvcc, source, arch, pattern, include=True):
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0:
             raise SystemExit(f"nvcc -ptx failed on {source}:\n{done.stderr}")
-        found, entry = {}, None
-        with open(ptx) as f:
-            for line in f:
-                m = re.search(r"\.entry\s+(\S+?)\(", line)
-                if m:
-                    entry = m.group(1) if re.search(pattern, m.group(1)) else None
-                    if entry:
-                        found.setdefault(entry, [])
-                elif entry and CONTRACTIBLE.match(line):
-                    words = line.split()
-                    found[entry].append(words[1] if words[0].startswith("@") else words[0])
-    return found
+        return contractible_in(ptx, pattern)
 
 
-def check_no_contraction(nvcc, arch):
+def check_no_contraction(nvcc, arch, kept=None):
+    """kept: the folder of the PTX a build kept (<name>.compute_<arch>.ptx), read instead of
+    compiling the sources again."""
     with tempfile.TemporaryDirectory() as tmp:
         broken = os.path.join(tmp, "broken_sgd.cu")
         with open(broken, "w") as f:
@@ -141,7 +157,12 @@ def check_no_contraction(nvcc, arch):
         return 1
     found, missing = {}, []
     for source, pattern in NO_FMA_SOURCES:
-        entries = contractible_ops(nvcc, os.path.join(ROOT, source), arch, pattern)
+        if kept is None:
+            entries = contractible_ops(nvcc, os.path.join(ROOT, source), arch, pattern)
+        else:
+            name = os.path.splitext(os.path.basename(source))[0]
+            ptx = os.path.join(kept, f"{name}.compute_{arch}.ptx")
+            entries = contractible_in(ptx, pattern) if os.path.isfile(ptx) else {}
         if not entries:
             missing.append(source)
         found.update(entries)
@@ -158,11 +179,55 @@ def check_no_contraction(nvcc, arch):
     return 1 if bad or missing else 0
 
 
+BUILDING = re.compile(r"Building CUDA object \S*?(csrc/kernels/\S+\.cu)\.o\b")
+
+
+def rows_from_log(log, sources, archs, kept):
+    """The rows of every image in a Ninja build's log (each command's output follows its
+    "Building CUDA object ..." line); an error unless each source has images for every arch,
+    or none and no kernel in its kept PTX (host code only)."""
+    chunks, current = {}, None
+    with open(log, errors="replace") as f:
+        for line in f:
+            m = BUILDING.search(line)
+            if m:
+                current = m.group(1)
+                chunks.setdefault(current, [])
+            elif current is not None:
+                chunks[current].append(line)
+    rows, problems = [], []
+    for source in sources:
+        rel = os.path.relpath(source, ROOT)
+        if rel not in chunks:
+            problems.append(f"{rel}: not built in {log}")
+            continue
+        found = parse("".join(chunks[rel]), None)
+        seen = {row["arch"] for row in found}
+        if not seen:
+            name = os.path.splitext(os.path.basename(source))[0]
+            ptx = os.path.join(kept, f"{name}.compute_{archs[0]}.ptx")
+            if os.path.isfile(ptx):
+                with open(ptx) as f:
+                    if not re.search(r"\.entry\s", f.read()):
+                        continue  # (no kernel in it)
+        if seen != set(archs):
+            problems.append(f"{rel}: images for sm_{', sm_'.join(sorted(seen)) or '(none)'}, "
+                            f"the build makes sm_{', sm_'.join(archs)} (configured with "
+                            f"-DDPCUDA_KERNEL_REPORT=ON?)")
+        for row in found:
+            row["file"] = rel
+            rows.append(row)
+    return rows, problems
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", action="append", default=None,
                         help="compute capability digits, e.g. 80 (default: 75, 80 and 90)")
     parser.add_argument("--jobs", type=int, default=int(os.environ.get("MAX_JOBS", "2")))
+    parser.add_argument("--build", default=None,
+                        help="a CMake build folder to read (its build.log and kernel-report/) "
+                             "instead of compiling")
     args = parser.parse_args()
     nvcc = nvcc_path()
     if nvcc is None:
@@ -171,14 +236,24 @@ def main():
     archs = args.arch or ["75", "80", "90"]
     sources = sorted(glob.glob(os.path.join(ROOT, "csrc", "kernels", "**", "*.cu"),
                                recursive=True))
-    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
-        outputs = list(pool.map(lambda sa: (sa, compile_one(nvcc, *sa)),
-                                [(s, a) for s in sources for a in archs]))
-    rows = []
-    for (source, arch), text in outputs:
-        for row in parse(text, arch):
-            row["file"] = os.path.relpath(source, ROOT)
-            rows.append(row)
+    kept = None
+    if args.build is not None:
+        kept = os.path.join(args.build, "kernel-report")
+        rows, problems = rows_from_log(os.path.join(args.build, "build.log"), sources, archs,
+                                       kept)
+        for problem in problems:
+            print(f"check_kernel_resources: {problem}")
+        if problems:
+            return 1
+    else:
+        with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+            outputs = list(pool.map(lambda sa: (sa, compile_one(nvcc, *sa)),
+                                    [(s, a) for s in sources for a in archs]))
+        rows = []
+        for (source, arch), text in outputs:
+            for row in parse(text, arch):
+                row["file"] = os.path.relpath(source, ROOT)
+                rows.append(row)
     names = demangle([r["name"] for r in rows])
     bad = 0
     print(f"{'arch':>4} {'regs':>4} {'stack':>5} {'spill':>5} {'lmem':>5} {'smem':>6}  kernel")
@@ -190,7 +265,7 @@ def main():
               f"{row['smem']:>6}  {name}{'   <-- FAILS' if flag else ''}")
     print(f"{len(rows)} kernel images, {bad} with stack, spills, local memory or over "
           f"{SHARED_LIMIT} bytes of static shared memory")
-    contraction = check_no_contraction(nvcc, archs[0])
+    contraction = check_no_contraction(nvcc, archs[0], kept)
     return 1 if bad or not rows or contraction else 0
 
 
