@@ -18,6 +18,7 @@ checked in a new interpreter too."""
 
 import contextlib
 import faulthandler
+import importlib
 import io
 import os
 import signal
@@ -70,11 +71,32 @@ def run(*args, env=None, code=None, timeout=300, process=False, cwd=ROOT):
                               env=full_env)
         return Completed(proc.args, proc.returncode, proc.stdout, proc.stderr,
                          time.monotonic() - start)
-    return _in_process([str(a) for a in args], timeout, cwd, start)
-
-
-def _in_process(args, timeout, cwd, start):
     from dpcuda import cli
+    return _in_process([str(a) for a in args], timeout, cwd, start, cli.main, ["dpcuda"])
+
+
+def run_script(name, *args, timeout=300, cwd=ROOT):
+    """`python benchmarks/NAME.py *args` in this process (its main(args), sys.argv[0] the
+    script's path), as run() runs the command line: for what a script refuses (its exit status
+    and stderr). A script's run itself is tested in a new interpreter."""
+    start = time.monotonic()
+    folder = os.path.join(ROOT, "benchmarks")
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    main = importlib.import_module(name).main
+    path = os.path.join(folder, f"{name}.py")
+    argv = sys.argv
+
+    def script_main(args):
+        sys.argv = [path, *args]  # (argparse's prog, as the script's)
+        try:
+            return main(args)
+        finally:
+            sys.argv = argv
+    return _in_process([str(a) for a in args], timeout, cwd, start, script_main, [path])
+
+
+def _in_process(args, timeout, cwd, start, main, command):
     out, err = io.StringIO(), io.StringIO()
     rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
@@ -83,7 +105,7 @@ def _in_process(args, timeout, cwd, start):
     hooks = threading.excepthook, sys.unraisablehook
 
     def expired(signum, frame):
-        raise Expired(f"dpcuda {' '.join(args)}: still running after {timeout} s")
+        raise Expired(f"{' '.join(command + args)}: still running after {timeout} s")
     alarm = signal.signal(signal.SIGALRM, expired)
     signal.setitimer(signal.ITIMER_REAL, timeout)
     faulthandler.dump_traceback_later(timeout + 60, exit=True,
@@ -103,7 +125,7 @@ def _in_process(args, timeout, cwd, start):
             os.chdir(cwd)
             with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
                 try:
-                    status = cli.main(args)
+                    status = main(args)
                 except SystemExit as stop:
                     status = stop.code
                 except Exception:
@@ -127,5 +149,5 @@ def _in_process(args, timeout, cwd, start):
         torch.set_rng_state(rng)
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)
-    return Completed(["dpcuda", *args], status, out.getvalue(), err.getvalue(),
+    return Completed([*command, *args], status, out.getvalue(), err.getvalue(),
                      time.monotonic() - start)

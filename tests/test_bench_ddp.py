@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+from cli_run import run_script
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -44,7 +46,6 @@ def test_bench_ddp_runs_and_trains_the_same_model(tmp_path, optimizer):
                                         (["--momentum", "-1"], "--momentum"),
                                         (["--json", "/nonexistent/x.json"], "--json")])
 def test_bench_ddp_rejects_bad_arguments(args, named):
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_ddp.py"),
-                           *args], capture_output=True, text=True, timeout=60)
+    proc = run_script("bench_ddp", *args, timeout=60)
     assert proc.returncode == 2
     assert named in proc.stderr and "Traceback" not in proc.stderr

@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+from cli_run import run_script
+
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -44,9 +46,9 @@ def test_bench_step_runs_every_cpu_contender(tmp_path):
 
 
 def test_bench_step_refuses_what_it_cannot_run(tmp_path):
-    proc, _ = run(tmp_path, "--contenders", "torch eager,tensorflow")
+    proc = run_script("bench_step", "--device", "cpu", "--contenders", "torch eager,tensorflow")
     assert proc.returncode == 2 and "unknown contenders" in proc.stderr
-    proc, _ = run(tmp_path, "--steps-per-sync", "0")
+    proc = run_script("bench_step", "--device", "cpu", "--steps-per-sync", "0")
     assert proc.returncode == 2 and "--steps-per-sync must be at least 1" in proc.stderr
 
 

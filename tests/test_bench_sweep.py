@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+from cli_run import run_script
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -44,14 +46,14 @@ def test_bench_sweep_measures_named_cells_alone(tmp_path):
     assert [(r["width"], r["batch"], r["activation"], r["bias"], r["layout"], r["dtype"])
             for r in rows] == [(8, 4, "gelu", True, "transposed", "bfloat16"),
                                (16, 1, "none", False, "expanded", "float32")]
-    proc = run(tmp_path, "--cells", "8x4:gelu:on:dense:float16")
+    proc = run_script("bench_sweep", "--cells", "8x4:gelu:on:dense:float16", cwd=tmp_path)
     assert proc.returncode == 2 and "dtype must be one of" in proc.stderr
 
 
 def test_bench_sweep_refuses_unknown_names(tmp_path):
-    proc = run(tmp_path, "--activations", "relu,swish")
+    proc = run_script("bench_sweep", "--activations", "relu,swish", cwd=tmp_path)
     assert proc.returncode == 2 and "unknown activations" in proc.stderr
-    proc = run(tmp_path, "--dtypes", "float16")
+    proc = run_script("bench_sweep", "--dtypes", "float16", cwd=tmp_path)
     assert proc.returncode == 2 and "--dtypes" in proc.stderr
 
 
@@ -80,11 +82,11 @@ def test_profile_cells_names_each_sides_operators(tmp_path):
 
 
 def test_profile_cells_refuses_a_malformed_cell(tmp_path):
-    proc = run_profile(tmp_path, "32x64:gelu:maybe:dense")
+    proc = run_script("profile_cells", "32x64:gelu:maybe:dense", cwd=tmp_path)
     assert proc.returncode == 2 and "bias must be on or off" in proc.stderr
-    proc = run_profile(tmp_path, "32:gelu:on:dense")
+    proc = run_script("profile_cells", "32:gelu:on:dense", cwd=tmp_path)
     assert proc.returncode == 2 and "WIDTHxBATCH" in proc.stderr
-    proc = run_profile(tmp_path, "32x64:swish:on:dense")
+    proc = run_script("profile_cells", "32x64:swish:on:dense", cwd=tmp_path)
     assert proc.returncode == 2 and "activation must be one of" in proc.stderr
-    proc = run_profile(tmp_path, "32x64:gelu:on:sliced")
+    proc = run_script("profile_cells", "32x64:gelu:on:sliced", cwd=tmp_path)
     assert proc.returncode == 2 and "layout must be one of" in proc.stderr
