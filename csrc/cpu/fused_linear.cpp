@@ -304,9 +304,11 @@ DPCUDA_CPU_CLONES void bfloat16_forward_flat(const uint16_t* z, uint16_t* out, i
 
 #if defined(DPCUDA_AVX512_TRANSPOSE)
 // (GCC 12's AVX-512 headers fill the unused operand of an unmasked shuffle with a
-// self-initialised _mm512_undefined_ps(), which -Wuninitialized reports at each use.)
+// self-initialised _mm512_undefined_ps(), which -Wuninitialized reports at each use, and
+// -Wmaybe-uninitialized where the function is built for one target alone: a sanitizer build.)
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 // 16 columns of 16 floats (column i at src + i * cs) into 16 rows (row i at dst + i * ld), in
 // registers: 16 loads, 64 shuffles, 16 stores, where the element-by-element copy makes 256
 // stores to 16 lines. A move of bits: NaN payloads and signs as they were.
