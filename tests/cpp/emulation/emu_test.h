@@ -84,7 +84,7 @@ inline PerDevice per_device(const std::vector<size_t>& bytes) {
 inline void expect_no_reports(const char* where) {
   for (const std::string& r : dpcuda::emu::reports()) {
     std::printf("%s: unexpected emulator report: %s\n", where, r.c_str());
-    ++dpcuda_test::failures();
+    dpcuda_test::fail();
   }
 }
 
@@ -95,7 +95,7 @@ inline void expect_report(const char* text, const char* where) {
   }
   std::printf("%s: expected an emulator report containing \"%s\"; got %zu reports\n", where, text,
               dpcuda::emu::reports().size());
-  ++dpcuda_test::failures();
+  dpcuda_test::fail();
 }
 
 inline int finish(const char* name) {

@@ -278,7 +278,7 @@ void replay_matches_direct(const Case& c, uint64_t seed) {
                   "differs from the direct launch\n",
                   static_cast<int>(c.algorithm), static_cast<int>(c.op), c.replicas, c.devices,
                   c.peers, static_cast<long long>(c.n), k);
-      ++dpcuda_test::failures();
+      dpcuda_test::fail();
     }
   }
   CUDA_OK(cudaGraphExecDestroy(exec));

@@ -72,7 +72,7 @@ void expect_close(double got, double want, double tol, double scale, const char*
     std::printf("%s (%s) element %lld: got %.9g, want %.9g\n", what, dtype,
                 static_cast<long long>(i), got, want);
   }
-  ++dpcuda_test::failures();
+  dpcuda_test::fail();
 }
 
 
@@ -540,10 +540,10 @@ void test_all_reduce_kernels(std::mt19937& rng) {
             for (int64_t i = 0; i < n; ++i) {
               const T want = i < begin ? x[r][i] : fixed_sum(x, i, mean);
               if (!same_bits(got[i], want)) {
-                ++dpcuda_test::failures();
                 if (++g_reported <= 20)
                   std::printf("reduce_range (%s) R=%d n=%lld begin=%lld: element %lld differs\n",
                               name<T>(), R, (long long)n, (long long)begin, (long long)i);
+                dpcuda_test::fail();
                 break;
               }
             }
@@ -580,10 +580,10 @@ void test_all_reduce_kernels(std::mt19937& rng) {
                                       begin, n, {0.1, momentum ? 0.9 : 0.0, 0.01});
             for (int64_t i = begin; i < n; ++i) {
               if (!same_bits(sp[i], cp[i]) || (momentum && !same_bits(sm[i], cm[i]))) {
-                ++dpcuda_test::failures();
                 if (++g_reported <= 20)
                   std::printf("sgd CUDA vs CPU (%s) n=%lld: element %lld differs\n", name<T>(),
                               (long long)n, (long long)i);
+                dpcuda_test::fail();
                 break;
               }
             }
@@ -603,10 +603,10 @@ void test_all_reduce_kernels(std::mt19937& rng) {
                               (!momentum || (same_bits(gm[i], from_double<T>(d)) &&
                                              same_bits(sm[i], from_double<T>(d))));
               if (!ok) {
-                ++dpcuda_test::failures();
                 if (++g_reported <= 20)
                   std::printf("reduce_sgd/sgd (%s) R=%d n=%lld: element %lld differs\n",
                               name<T>(), R, (long long)n, (long long)i);
+                dpcuda_test::fail();
                 break;
               }
             }
@@ -632,10 +632,10 @@ void test_all_reduce_kernels(std::mt19937& rng) {
           const std::vector<T> got = own[R - 1]->download();
           for (int64_t i = begin; i < n; ++i) {
             if (!same_bits(got[i], fixed_sum(x, i, true))) {
-              ++dpcuda_test::failures();
               if (++g_reported <= 20)
                 std::printf("chain_accumulate (%s) R=%d n=%lld: element %lld differs\n",
                             name<T>(), R, (long long)n, (long long)i);
+              dpcuda_test::fail();
               break;
             }
           }
@@ -720,12 +720,12 @@ void test_step_status(std::mt19937& rng) {
                               flag.download()[0] == (clear ? 0 : label) &&
                               work.download()[0] == 0;
               if (!ok) {
-                ++dpcuda_test::failures();
                 if (++g_reported <= 20)
                   std::printf("step_status (%s) n=%lld bad at %lld label %d clear %d labels "
                               "%lld (%lld kept): record %g %g %g %g\n", name<T>(), (long long)n,
                               (long long)where, label, clear, (long long)labels_n,
                               (long long)kept, r[0], r[1], r[2], r[3]);
+                dpcuda_test::fail();
               }
             }
           }
@@ -822,12 +822,12 @@ void test_update_obeys_records(std::mt19937& rng) {
                  std::memcmp(gm.data(), own_m[r].data(), n * sizeof(T)) == 0;
           }
           if (!ok) {
-            ++dpcuda_test::failures();
             if (++g_reported <= 20)
               std::printf("%s (%s) R=%d n=%lld turn %d (skip %d, how %d): the records were not "
                           "obeyed on replica %d\n",
                           fused ? "reduce_sgd_range" : "sgd_range", name<T>(), R, (long long)n,
                           turn, skip, how, r);
+            dpcuda_test::fail();
           }
         }
       }
@@ -890,10 +890,10 @@ void test_update_rescales_from_records(std::mt19937& rng) {
           }
           const double got_loss = loss.download()[0];
           if (!(got_loss == want_loss || (std::isnan(got_loss) && std::isnan(want_loss)))) {
-            ++dpcuda_test::failures();
             if (++g_reported <= 20)
               std::printf("rescale (%s) R=%d rows %g: loss %.17g, want %.17g\n", name<T>(), R,
                           rows, got_loss, want_loss);
+            dpcuda_test::fail();
           }
           const Acc fix_a = static_cast<Acc>(fix);
           for (int r = 0; r < R; ++r) {
@@ -906,11 +906,11 @@ void test_update_rescales_from_records(std::mt19937& rng) {
               d = mu * static_cast<Acc>(to_double(m0[i])) + d;
               if (!same_bits(gp[i], from_double<T>(pv - lr * d)) ||
                   !same_bits(gm[i], from_double<T>(d))) {
-                ++dpcuda_test::failures();
                 if (++g_reported <= 20)
                   std::printf("rescale %s (%s) R=%d n=%lld rows %g: element %lld differs\n",
                               fused ? "reduce_sgd_range" : "sgd_range", name<T>(), R,
                               (long long)n, rows, (long long)i);
+                dpcuda_test::fail();
                 break;
               }
             }

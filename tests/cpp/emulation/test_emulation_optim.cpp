@@ -181,11 +181,11 @@ void test_dtype(uint64_t seed) {
         if (!sgd) ok &= same_bits(g2[i], s2[i]);
         if (!sgd && (c.flags & optim::kAmsgrad)) ok &= same_bits(g3[i], s3[i]);
         if (!ok) {
-          ++dpcuda_test::failures();
           if (++g_reported <= 20)
             std::printf("optim_update (%s) kind=%d flags=%d n=%lld: element %lld differs from "
                         "the CPU kernel\n", name<T>(), static_cast<int>(c.kind), c.flags,
                         static_cast<long long>(sizes[k]), static_cast<long long>(i));
+          dpcuda_test::fail();
           break;
         }
       }

@@ -95,13 +95,13 @@ void round_half(F* x, int64_t n) {
 }
 
 void fail(const char* what, const Case& c, int r, int64_t i) {
-  ++dpcuda_test::failures();
   if (++g_reported <= 20)
     std::printf("reduce_update %s: R=%d D=%d algo=%d n=%lld kind=%d flags=%d clip=%g records=%d: "
                 "replica %d element %lld differs\n", what, c.replicas, c.devices,
                 static_cast<int>(c.algorithm), static_cast<long long>(c.n),
                 static_cast<int>(c.kind), c.flags, c.max_norm, c.records, r,
                 static_cast<long long>(i));
+  dpcuda_test::fail();
 }
 
 template <typename T>

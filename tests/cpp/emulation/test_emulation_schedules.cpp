@@ -170,7 +170,7 @@ void run_case(const Case& c, uint64_t seed) {
                 static_cast<int>(c.algorithm), R, D, static_cast<int>(c.peers),
                 static_cast<long long>(c.n), c.sgd, c.momentum, static_cast<int>(c.records),
                 sizeof(T));
-    ++dpcuda_test::failures();
+    dpcuda_test::fail();
   }
   emu_test::expect_no_reports("schedules");
 }
