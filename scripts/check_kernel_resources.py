@@ -112,6 +112,12 @@ __global__ void sgd_plain(const float* g, float* p, float lr, int n) {
 """
 
 
+def kept_ptx(kept, source, arch):
+    """The PTX of source for compute_<arch> that nvcc --keep left in the folder kept."""
+    name = os.path.splitext(os.path.basename(source))[0]
+    return os.path.join(kept, f"{name}.compute_{arch}.ptx")
+
+
 def contractible_in(ptx, pattern):
     """{entry name: [contractible instructions]} of the entries of a PTX file whose name
     matches pattern."""
@@ -160,8 +166,7 @@ def check_no_contraction(nvcc, arch, kept=None):
         if kept is None:
             entries = contractible_ops(nvcc, os.path.join(ROOT, source), arch, pattern)
         else:
-            name = os.path.splitext(os.path.basename(source))[0]
-            ptx = os.path.join(kept, f"{name}.compute_{arch}.ptx")
+            ptx = kept_ptx(kept, source, arch)
             entries = contractible_in(ptx, pattern) if os.path.isfile(ptx) else {}
         if not entries:
             missing.append(source)
@@ -204,8 +209,7 @@ def rows_from_log(log, sources, archs, kept):
         found = parse("".join(chunks[rel]), None)
         seen = {row["arch"] for row in found}
         if not seen:
-            name = os.path.splitext(os.path.basename(source))[0]
-            ptx = os.path.join(kept, f"{name}.compute_{archs[0]}.ptx")
+            ptx = kept_ptx(kept, source, archs[0])
             if os.path.isfile(ptx):
                 with open(ptx) as f:
                     if not re.search(r"\.entry\s", f.read()):

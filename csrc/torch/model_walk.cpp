@@ -231,7 +231,8 @@ Ref shape_tuple(const at::Tensor& t) {
   const auto sizes = t.sizes();
   Ref out = steal(PyTuple_New(static_cast<Py_ssize_t>(sizes.size())));
   for (size_t i = 0; i < sizes.size(); ++i) {
-    PyTuple_SET_ITEM(out.ptr(), static_cast<Py_ssize_t>(i), steal(PyLong_FromLongLong(sizes[i])).release().ptr());
+    PyTuple_SET_ITEM(out.ptr(), static_cast<Py_ssize_t>(i),
+                     steal(PyLong_FromLongLong(sizes[i])).release().ptr());
   }
   return out;
 }
@@ -296,7 +297,8 @@ py::object walk(py::handle model, bool graphed, int replicas) {
         append(key.ptr(), shape_tuple(t));
         append(key.ptr(), t.requires_grad() ? Py_True : Py_False);
         const auto* var = reinterpret_cast<THPVariable*>(p);
-        grad_hooked = slot_true(var->backward_hooks) || slot_true(var->post_accumulate_grad_hooks);
+        grad_hooked =
+            slot_true(var->backward_hooks) || slot_true(var->post_accumulate_grad_hooks);
       } else {
         append(key.ptr(), attr(p, "shape"));
         append(key.ptr(), attr(p, "requires_grad"));
