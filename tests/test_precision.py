@@ -13,7 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from conftest import assert_within_torch_error
-from dpcuda import ops, reference as ref
+from dpcuda import _C, ops, reference as ref
 from dpcuda.nn import FusedMLP, SoftmaxCrossEntropyLoss, fuse
 from dpcuda.parallel import DataParallel
 
@@ -33,6 +33,35 @@ def assert_bfloat16_neighbours(ours, torchs, same_at_least):
                                equal_nan=True)
     same = ours.view(torch.int16) == torchs.view(torch.int16)
     assert same.float().mean().item() >= same_at_least
+
+
+@pytest.fixture(params=[0, 1], ids=["cpu_without_avx512_bf16", "cpu_with_avx512_bf16"])
+def bfloat16_cpu_kind(request):
+    # The CPU bfloat16 layer's routing between dpcuda's passes and ATen's kernels depends on
+    # the CPU (csrc/torch/fused_linear.cpp): the tests that take this fixture run both routes
+    # on any machine.
+    previous = _C._bfloat16_cpu_kind_for_tests(request.param)
+    yield request.param
+    _C._bfloat16_cpu_kind_for_tests(previous)
+
+
+@pytest.mark.parametrize("activation", ACTS)
+def test_bfloat16_forward_routing_follows_the_cpu_kind(activation, bfloat16_cpu_kind):
+    # Where the forward's activation is ATen's kernel: gelu's everywhere; silu's and sigmoid's
+    # on a CPU without AVX512-BF16, where they are the faster; dpcuda's pass elsewhere ("none"
+    # has no activation). Seen in torch's profiler, which records the ATen op inside the layer.
+    torch.manual_seed(0)
+    x = torch.randn(64, 16).bfloat16()
+    w = torch.randn(8, 16).bfloat16()
+    b = torch.randn(8).bfloat16()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                acc_events=True) as prof:
+        out, _ = torch.ops.dpcuda.full_forward(x, w, b, activation)
+    names = {e.name for e in prof.events()}
+    activation_ops = {"aten::relu", "aten::gelu", "aten::silu", "aten::sigmoid", "aten::tanh"}
+    aten = activation == "gelu" or (activation in ("silu", "sigmoid") and bfloat16_cpu_kind == 0)
+    assert bool(names & activation_ops) == aten, sorted(names)
+    assert_bfloat16_neighbours(out, ref.full_forward(x, w, b, activation), same_at_least=0.97)
 
 
 @pytest.mark.parametrize("dtype", HALF)
@@ -190,7 +219,7 @@ def test_float16_overflows_where_torch_overflows():
 
 @pytest.mark.parametrize("dtype", HALF)
 @pytest.mark.parametrize("activation", ACTS)
-def test_half_types_on_the_cpu_are_torchs_own_kernels(dtype, activation):
+def test_half_types_on_the_cpu_are_torchs_own_kernels(dtype, activation, bfloat16_cpu_kind):
     # The CPU's half-type layer is torch's half GEMM, its data stays in the half type, and the
     # activation is computed in float and rounded once where torch rounds it: by torch's kernel
     # for float16, so its output and its input's gradient are torch eager's bit for bit; for
@@ -226,7 +255,8 @@ def test_half_types_on_the_cpu_are_torchs_own_kernels(dtype, activation):
                          ids=["wide", "narrow", "narrow_groups"])
 @pytest.mark.parametrize("activation", ACTS)
 def test_bfloat16_passes_read_strided_gradients_and_keep_nan_and_inf_as_torch(activation, rows,
-                                                                              outf):
+                                                                              outf,
+                                                                              bfloat16_cpu_kind):
     # dpcuda's bfloat16 passes (csrc/cpu/fused_linear.cpp): an expanded, a transposed and a
     # sliced upstream gradient give the bits of its contiguous copy wherever dpcuda's pass runs
     # for both (for silu, sigmoid and tanh ATen's runs over an expanded one, dpcuda's over the
@@ -284,7 +314,7 @@ def test_bfloat16_passes_read_strided_gradients_and_keep_nan_and_inf_as_torch(ac
 @pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "bias"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("activation", ["sigmoid", "silu"])
-def test_sigmoid_tail_keeps_torchs_subnormals_and_infinities(activation, dtype, bias):
+def test_sigmoid_tail_keeps_torchs_subnormals_and_infinities(activation, dtype, bias, bfloat16_cpu_kind):
     # For 88.38 < -z < 88.72 exp(-z) is finite in float, and torch's sigmoid a subnormal (3e-39
     # to 4e-39), not 0: an infinite upstream gradient then gives +-Inf, not Inf * 0 = NaN.
     # Beyond it torch's exp overflows and its sigmoid is 0, as dpcuda's. (With a bias the

@@ -448,6 +448,19 @@ void expanded_rows(const S* grad_out, const S* saved, S* grad_pre, acc_of<S>* bi
       for (int64_t i = 0; i < n; ++i) {
         std::fill(buffer + i * cols, buffer + (i + 1) * cols, grad_out[(r0 + i) * rs]);
       }
+      if (grad_pre && cols < kFloatBlockMinCols) {
+        // Narrow rows: g for the buffer's rows as one run of elements, then their bias sums
+        // over the stored g, row by row (as backward_pass's narrow rows over a contiguous
+        // gradient, the same bits): a loop per 16-wide row cost more than its arithmetic
+        // (16x8192 silu, relu and sigmoid: ATen's backward was 8-13% ahead of this pass).
+        const int64_t at = r0 * cols, m = n * cols;
+        backward_rows<S, A, 1>(buffer, saved + at, grad_pre + at, nullptr, 0, 1, m, m, 1);
+        if (bias_partial) {
+          backward_rows<S, Activation::kNone, 1>(grad_pre + at, nullptr, nullptr, bias_partial,
+                                                 0, n, cols, cols, 1);
+        }
+        continue;
+      }
       backward_rows<S, A, 1>(buffer, grad_pre ? saved + r0 * cols : nullptr,
                              grad_pre ? grad_pre + r0 * cols : nullptr, bias_partial, 0, n, cols,
                              cols, 1);
