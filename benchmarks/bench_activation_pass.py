@@ -5,18 +5,30 @@ GEMM), against torch's activation applied to the same pre-activation, each as ns
 on --threads threads; medians over rounds, dpcuda and torch round-robin.
 
     python benchmarks/bench_activation_pass.py --json benchmarks/results/activation-pass-cpu.json
+
+--routes measures what the CPU bfloat16 routing (csrc/torch/fused_linear.cpp) chooses between
+for silu and sigmoid, whose forward is dpcuda's pass on a CPU with AVX512-BF16 and ATen's
+kernel on one without: the bfloat16 layer's forward (GEMM and activation) by each route, in
+alternating order within each round, with and without bias; each row's figure is the median
+over rounds of ATen's route's time over dpcuda's pass's (below 1: ATen's is the faster), with
+its quartiles.
+
+    python benchmarks/bench_activation_pass.py --routes --threads 2 --batches 4096,16384
 """
 
 import argparse
-import json
-import platform
+import os
 import statistics
+import sys
 import time
 
 import torch
 import torch.nn.functional as F
 
-import dpcuda  # noqa: F401  (registers torch.ops.dpcuda)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import environment, write_json  # noqa: E402
+
+from dpcuda import _C  # noqa: E402  (registers torch.ops.dpcuda)
 
 TORCH = {"relu": torch.relu, "gelu": F.gelu, "gelu_tanh": lambda z: F.gelu(z, approximate="tanh"),
          "silu": F.silu, "sigmoid": torch.sigmoid, "tanh": torch.tanh}
@@ -52,34 +64,81 @@ def measure(width, batch, activation, rounds):
             "torch_ns_per_element": 1e9 * med["torch_act"] / n}
 
 
-def main():
+def measure_routes(width, batch, activation, bias, rounds):
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(batch, width, generator=gen).bfloat16()
+    w = (torch.randn(width, width, generator=gen) / width ** 0.5).bfloat16()
+    b = torch.randn(width, generator=gen).bfloat16() if bias else None
+
+    def layer():
+        return torch.ops.dpcuda.full_forward(x, w, b, activation)
+    calls = max(3, 1_000_000 // (batch * width))
+    samples = {0: [], 1: []}  # the CPU kind the routing takes: 0 ATen's kernel, 1 dpcuda's pass
+    previous = _C._set_bfloat16_cpu_kind(1)
+    try:
+        timed(layer, calls)
+        for r in range(rounds):
+            for kind in ((0, 1) if r % 2 else (1, 0)):
+                _C._set_bfloat16_cpu_kind(kind)
+                samples[kind].append(timed(layer, calls))
+    finally:
+        _C._set_bfloat16_cpu_kind(previous)
+    ratios = sorted(a / p for a, p in zip(samples[0], samples[1]))
+    q = statistics.quantiles(ratios, n=4) if rounds > 1 else ratios * 3
+    return {"width": width, "batch": batch, "activation": activation, "bias": bias,
+            "pass_us": 1e6 * statistics.median(samples[1]),
+            "aten_us": 1e6 * statistics.median(samples[0]),
+            "aten_over_pass": {"median": statistics.median(ratios), "q1": q[0], "q3": q[2]}}
+
+
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--width", type=int, default=64)
     parser.add_argument("--batches", default="256,2048,8192")
-    parser.add_argument("--activations", default="tanh,silu,gelu,sigmoid,relu")
+    parser.add_argument("--activations", default=None,
+                        help="(default: tanh,silu,gelu,sigmoid,relu; with --routes silu,sigmoid)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--routes", action="store_true",
+                        help="bfloat16 silu and sigmoid: dpcuda's pass against ATen's kernel")
     parser.add_argument("--json", default=None)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    known = ("silu", "sigmoid") if args.routes else tuple(TORCH)
+    activations = (args.activations or ("silu,sigmoid" if args.routes else
+                                        "tanh,silu,gelu,sigmoid,relu")).split(",")
+    unknown = [a for a in activations if a not in known]
+    if unknown:
+        parser.error(f"--activations: unknown {', '.join(unknown)} (known"
+                     f"{' with --routes' if args.routes else ''}: {', '.join(known)})")
+    try:
+        batches = [int(b) for b in args.batches.split(",")]
+    except ValueError:
+        parser.error(f"--batches must be integers separated by commas, got {args.batches!r}")
+    if args.width < 1 or args.threads < 1 or args.rounds < 1 or min(batches) < 1:
+        parser.error("--width, --batches, --threads and --rounds must be at least 1")
     torch.set_num_threads(args.threads)
     rows = []
-    for batch in (int(b) for b in args.batches.split(",")):
-        for activation in args.activations.split(","):
+    for batch in batches:
+        for activation in activations:
+            if args.routes:
+                for bias in (False, True):
+                    row = measure_routes(args.width, batch, activation, bias, args.rounds)
+                    rows.append(row)
+                    band = row["aten_over_pass"]
+                    print(f"{args.width:5d} {batch:6d} {activation:10s} bias {int(bias)} "
+                          f"pass {row['pass_us']:9.1f} us  aten {row['aten_us']:9.1f} us  "
+                          f"aten/pass {band['median']:.3f} [{band['q1']:.3f}, "
+                          f"{band['q3']:.3f}]", flush=True)
+                continue
             row = measure(args.width, batch, activation, args.rounds)
             rows.append(row)
             print(f"{args.width:5d} {batch:6d} {activation:10s} dpcuda "
                   f"{row['dpcuda_ns_per_element']:.3f} ns  torch "
                   f"{row['torch_ns_per_element']:.3f} ns per element", flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"benchmark": "activation_pass", "threads": args.threads,
-                       "rounds": args.rounds,
-                       "environment": {"torch": torch.__version__,
-                                       "cpu": torch.backends.cpu.get_cpu_capability(),
-                                       "machine": platform.machine(),
-                                       "date": time.strftime("%Y-%m-%d")},
-                       "results": rows}, f, indent=1)
+    write_json(args.json, {"benchmark": "activation_routes" if args.routes else "activation_pass",
+                           "threads": args.threads, "rounds": args.rounds,
+                           "environment": environment("cpu"), "results": rows})
 
 
 if __name__ == "__main__":

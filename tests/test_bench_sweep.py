@@ -90,3 +90,27 @@ def test_profile_cells_refuses_a_malformed_cell(tmp_path):
     assert proc.returncode == 2 and "activation must be one of" in proc.stderr
     proc = run_script("profile_cells", "32x64:gelu:on:sliced", cwd=tmp_path)
     assert proc.returncode == 2 and "layout must be one of" in proc.stderr
+
+
+def test_bench_activation_pass_measures_the_bfloat16_routes(tmp_path):
+    # --routes: silu's and sigmoid's bfloat16 forward by dpcuda's pass and by ATen's kernel,
+    # whichever CPU this is, with and without bias; other activations are refused.
+    script = os.path.join(ROOT, "benchmarks", "bench_activation_pass.py")
+    proc = subprocess.run([sys.executable, script, "--routes", "--width", "8", "--batches",
+                           "4,16", "--rounds", "2", "--json", "a.json"], capture_output=True,
+                          text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    payload = json.loads((tmp_path / "a.json").read_text())
+    assert payload["benchmark"] == "activation_routes" and "cpu_isa" in payload["environment"]
+    assert [(r["batch"], r["activation"], r["bias"]) for r in payload["results"]] == [
+        (b, a, bias) for b in (4, 16) for a in ("silu", "sigmoid") for bias in (False, True)]
+    for r in payload["results"]:
+        band = r["aten_over_pass"]
+        assert r["pass_us"] > 0 and r["aten_us"] > 0 and band["q1"] <= band["q3"]
+    proc = run_script("bench_activation_pass", "--routes", "--activations", "tanh",
+                      cwd=tmp_path)
+    assert proc.returncode == 2 and "known with --routes: silu, sigmoid" in proc.stderr
+    proc = run_script("bench_activation_pass", "--activations", "relu,swish", cwd=tmp_path)
+    assert proc.returncode == 2 and "unknown swish" in proc.stderr
+    proc = run_script("bench_activation_pass", "--batches", "4,x", cwd=tmp_path)
+    assert proc.returncode == 2 and "--batches" in proc.stderr

@@ -40,9 +40,9 @@ def bfloat16_cpu_kind(request):
     # The CPU bfloat16 layer's routing between dpcuda's passes and ATen's kernels depends on
     # the CPU (csrc/torch/fused_linear.cpp): the tests that take this fixture run both routes
     # on any machine.
-    previous = _C._bfloat16_cpu_kind_for_tests(request.param)
+    previous = _C._set_bfloat16_cpu_kind(request.param)
     yield request.param
-    _C._bfloat16_cpu_kind_for_tests(previous)
+    _C._set_bfloat16_cpu_kind(previous)
 
 
 @pytest.mark.parametrize("activation", ACTS)

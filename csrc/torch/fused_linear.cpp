@@ -160,12 +160,13 @@ bool cpu_converts_bfloat16() {
 //   a transposed gradient dpcuda's reads in blocks, ATen's element by element: 2351-4199
 //   against 10465-73227 for every activation.
 // On a CPU without AVX512-BF16 (and without AMX: a 2-core "Intel Xeon Processor @ 2.50GHz" with
-// AVX-512 and VNNI, 2026-11-28) ATen's silu and sigmoid forward passes are the faster. The pass
-// alone (a layer of one input feature, so the GEMM is a small part, less that GEMM's time; 21
-// rounds, 2 threads), ATen's time over dpcuda's at 256x8192, 64x8192, 1024x1024 and 16x4096,
-// with and without bias: silu 0.88-0.99 in all 8 cells (median 0.94), sigmoid 0.82-1.06
-// (median 0.96). relu's and tanh's passes are dpcuda's by 1.7-2.3x there, gelu's ATen's as above.
-// The backward's routing measured the same there.
+// AVX-512 and VNNI, 2026-11-28) silu's and sigmoid's forward are ATen's kernels: the layer's
+// forward by each route, alternating, 21 rounds, 2 threads (benchmarks/bench_activation_pass.py
+// --routes, activation-routes-bf16-cpu-2026-11-28.json), ATen's time over dpcuda's pass's: silu
+// 64x4096 0.977 and 0.934 (without and with bias), 64x16384 1.016 and 1.003; sigmoid 0.99-1.02.
+// In other runs silu 0.92-0.93 at 64x4096 and 0.98-1.02 elsewhere, sigmoid 0.99-1.01. relu's
+// and tanh's passes are dpcuda's by 1.7-2.3x there, gelu's ATen's as above; the backward's
+// routing measured the same there (16x8192 and 64x8192, dense and expanded).
 bool bfloat16_forward_pass_wins(Activation act) {
   if (act == Activation::kGelu || act == Activation::kNone) return false;
   return cpu_converts_bfloat16() || (act != Activation::kSilu && act != Activation::kSigmoid);

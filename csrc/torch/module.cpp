@@ -125,9 +125,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("_defer_label_checks", &dpcuda::defer_label_checks,
         "Turns the CUDA loss adapter's own label check off on this thread (the kernel still "
         "flags bad labels); returns the previous setting");
-  m.def("_bfloat16_cpu_kind_for_tests", &dpcuda::set_bfloat16_cpu_kind,
-        "Tests only: the CPU full_forward routes its bfloat16 activation passes as on a CPU "
-        "with AVX512-BF16 (1), without (0), or as this one is (-1); returns the previous "
+  m.def("_set_bfloat16_cpu_kind", &dpcuda::set_bfloat16_cpu_kind,
+        "Tests and benchmarks: the CPU full_forward routes its bfloat16 activation passes as on "
+        "a CPU with AVX512-BF16 (1), without (0), or as this one is (-1); returns the previous "
         "setting");
   m.def("_read_cpu_labels_for_tests", &dpcuda::read_cpu_labels_for_tests,
         "Tests only: the loss's autograd node reads CPU labels as it reads labels on a GPU "
