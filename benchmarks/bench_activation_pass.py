@@ -17,6 +17,7 @@ its quartiles.
 """
 
 import argparse
+import itertools
 import os
 import statistics
 import sys
@@ -26,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import environment, write_json  # noqa: E402
+from common import environment, paired_ratio, write_json  # noqa: E402
 
 from dpcuda import _C  # noqa: E402  (registers torch.ops.dpcuda)
 
@@ -72,29 +73,29 @@ def measure_routes(width, batch, activation, bias, rounds):
 
     def layer():
         return torch.ops.dpcuda.full_forward(x, w, b, activation)
-    calls = max(3, 1_000_000 // (batch * width))
+    calls = max(3, min(2000, 1_000_000 // (batch * width)))
     samples = {0: [], 1: []}  # the CPU kind the routing takes: 0 ATen's kernel, 1 dpcuda's pass
     previous = _C._set_bfloat16_cpu_kind(1)
     try:
-        timed(layer, calls)
+        for kind in (0, 1):
+            _C._set_bfloat16_cpu_kind(kind)
+            timed(layer, calls)
         for r in range(rounds):
             for kind in ((0, 1) if r % 2 else (1, 0)):
                 _C._set_bfloat16_cpu_kind(kind)
                 samples[kind].append(timed(layer, calls))
     finally:
         _C._set_bfloat16_cpu_kind(previous)
-    ratios = sorted(a / p for a, p in zip(samples[0], samples[1]))
-    q = statistics.quantiles(ratios, n=4) if rounds > 1 else ratios * 3
     return {"width": width, "batch": batch, "activation": activation, "bias": bias,
             "pass_us": 1e6 * statistics.median(samples[1]),
             "aten_us": 1e6 * statistics.median(samples[0]),
-            "aten_over_pass": {"median": statistics.median(ratios), "q1": q[0], "q3": q[2]}}
+            "aten_over_pass": paired_ratio(samples[0], samples[1])}
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--width", type=int, default=64)
+    parser.add_argument("--width", default="64", help="one or more, separated by commas")
     parser.add_argument("--batches", default="256,2048,8192")
     parser.add_argument("--activations", default=None,
                         help="(default: tanh,silu,gelu,sigmoid,relu; with --routes silu,sigmoid)")
@@ -105,37 +106,41 @@ def main(argv=None):
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     known = ("silu", "sigmoid") if args.routes else tuple(TORCH)
-    activations = (args.activations or ("silu,sigmoid" if args.routes else
-                                        "tanh,silu,gelu,sigmoid,relu")).split(",")
+    if args.activations is None:
+        args.activations = "silu,sigmoid" if args.routes else "tanh,silu,gelu,sigmoid,relu"
+    activations = args.activations.split(",")
     unknown = [a for a in activations if a not in known]
     if unknown:
-        parser.error(f"--activations: unknown {', '.join(unknown)} (known"
+        parser.error(f"--activations: unknown {', '.join(map(repr, unknown))} (known"
                      f"{' with --routes' if args.routes else ''}: {', '.join(known)})")
-    try:
-        batches = [int(b) for b in args.batches.split(",")]
-    except ValueError:
-        parser.error(f"--batches must be integers separated by commas, got {args.batches!r}")
-    if args.width < 1 or args.threads < 1 or args.rounds < 1 or min(batches) < 1:
+    lists = {}
+    for name in ("width", "batches"):
+        text = getattr(args, name)
+        try:
+            lists[name] = [int(v) for v in text.split(",")]
+        except ValueError:
+            parser.error(f"--{name} must be integers separated by commas, got {text!r}")
+    widths, batches = lists["width"], lists["batches"]
+    if min(widths) < 1 or args.threads < 1 or args.rounds < 1 or min(batches) < 1:
         parser.error("--width, --batches, --threads and --rounds must be at least 1")
     torch.set_num_threads(args.threads)
     rows = []
-    for batch in batches:
-        for activation in activations:
-            if args.routes:
-                for bias in (False, True):
-                    row = measure_routes(args.width, batch, activation, bias, args.rounds)
-                    rows.append(row)
-                    band = row["aten_over_pass"]
-                    print(f"{args.width:5d} {batch:6d} {activation:10s} bias {int(bias)} "
-                          f"pass {row['pass_us']:9.1f} us  aten {row['aten_us']:9.1f} us  "
-                          f"aten/pass {band['median']:.3f} [{band['q1']:.3f}, "
-                          f"{band['q3']:.3f}]", flush=True)
-                continue
-            row = measure(args.width, batch, activation, args.rounds)
-            rows.append(row)
-            print(f"{args.width:5d} {batch:6d} {activation:10s} dpcuda "
-                  f"{row['dpcuda_ns_per_element']:.3f} ns  torch "
-                  f"{row['torch_ns_per_element']:.3f} ns per element", flush=True)
+    for width, batch, activation in itertools.product(widths, batches, activations):
+        if args.routes:
+            for bias in (False, True):
+                row = measure_routes(width, batch, activation, bias, args.rounds)
+                rows.append(row)
+                band = row["aten_over_pass"]
+                print(f"{width:5d} {batch:6d} {activation:10s} bias {int(bias)} "
+                      f"pass {row['pass_us']:9.1f} us  aten {row['aten_us']:9.1f} us  "
+                      f"aten/pass {band['median']:.3f} [{band['q1']:.3f}, "
+                      f"{band['q3']:.3f}]", flush=True)
+            continue
+        row = measure(width, batch, activation, args.rounds)
+        rows.append(row)
+        print(f"{width:5d} {batch:6d} {activation:10s} dpcuda "
+              f"{row['dpcuda_ns_per_element']:.3f} ns  torch "
+              f"{row['torch_ns_per_element']:.3f} ns per element", flush=True)
     write_json(args.json, {"benchmark": "activation_routes" if args.routes else "activation_pass",
                            "threads": args.threads, "rounds": args.rounds,
                            "environment": environment("cpu"), "results": rows})

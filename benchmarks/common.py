@@ -81,10 +81,11 @@ def paired_ratio(baseline, ours):
 
 
 def environment(device):
-    """Where a result was measured: device name, versions and the commit."""
+    """Where a result was measured: device name, versions and the commit ("-dirty" after it
+    where the tracked files differ from it: the code measured is not that commit's)."""
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True, check=False).stdout.strip()
+        commit = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=7"],
+                                capture_output=True, text=True, check=False).stdout.strip()
     except OSError:
         commit = ""
     dev = torch.device(device)

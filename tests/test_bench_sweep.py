@@ -96,14 +96,15 @@ def test_bench_activation_pass_measures_the_bfloat16_routes(tmp_path):
     # --routes: silu's and sigmoid's bfloat16 forward by dpcuda's pass and by ATen's kernel,
     # whichever CPU this is, with and without bias; other activations are refused.
     script = os.path.join(ROOT, "benchmarks", "bench_activation_pass.py")
-    proc = subprocess.run([sys.executable, script, "--routes", "--width", "8", "--batches",
+    proc = subprocess.run([sys.executable, script, "--routes", "--width", "8,4", "--batches",
                            "4,16", "--rounds", "2", "--json", "a.json"], capture_output=True,
                           text=True, timeout=300, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     payload = json.loads((tmp_path / "a.json").read_text())
     assert payload["benchmark"] == "activation_routes" and "cpu_isa" in payload["environment"]
-    assert [(r["batch"], r["activation"], r["bias"]) for r in payload["results"]] == [
-        (b, a, bias) for b in (4, 16) for a in ("silu", "sigmoid") for bias in (False, True)]
+    assert [(r["width"], r["batch"], r["activation"], r["bias"]) for r in payload["results"]] == [
+        (w, b, a, bias) for w in (8, 4) for b in (4, 16) for a in ("silu", "sigmoid")
+        for bias in (False, True)]
     for r in payload["results"]:
         band = r["aten_over_pass"]
         assert r["pass_us"] > 0 and r["aten_us"] > 0 and band["q1"] <= band["q3"]
@@ -111,6 +112,8 @@ def test_bench_activation_pass_measures_the_bfloat16_routes(tmp_path):
                       cwd=tmp_path)
     assert proc.returncode == 2 and "known with --routes: silu, sigmoid" in proc.stderr
     proc = run_script("bench_activation_pass", "--activations", "relu,swish", cwd=tmp_path)
-    assert proc.returncode == 2 and "unknown swish" in proc.stderr
+    assert proc.returncode == 2 and "unknown 'swish'" in proc.stderr
     proc = run_script("bench_activation_pass", "--batches", "4,x", cwd=tmp_path)
-    assert proc.returncode == 2 and "--batches" in proc.stderr
+    assert proc.returncode == 2 and "--batches must be integers" in proc.stderr
+    proc = run_script("bench_activation_pass", "--activations", "silu,", cwd=tmp_path)
+    assert proc.returncode == 2 and "unknown ''" in proc.stderr

@@ -45,11 +45,9 @@ def bfloat16_cpu_kind(request):
     _C._set_bfloat16_cpu_kind(previous)
 
 
-@pytest.mark.parametrize("activation", ACTS)
-def test_bfloat16_forward_routing_follows_the_cpu_kind(activation, bfloat16_cpu_kind):
-    # Where the forward's activation is ATen's kernel: gelu's everywhere; silu's and sigmoid's
-    # on a CPU without AVX512-BF16, where they are the faster; dpcuda's pass elsewhere ("none"
-    # has no activation). Seen in torch's profiler, which records the ATen op inside the layer.
+def forward_runs_atens_activation(activation):
+    """Whether the bfloat16 layer's forward ran an ATen activation kernel (torch's profiler
+    records it inside the layer) rather than dpcuda's pass."""
     torch.manual_seed(0)
     x = torch.randn(64, 16).bfloat16()
     w = torch.randn(8, 16).bfloat16()
@@ -57,11 +55,33 @@ def test_bfloat16_forward_routing_follows_the_cpu_kind(activation, bfloat16_cpu_
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
                                 acc_events=True) as prof:
         out, _ = torch.ops.dpcuda.full_forward(x, w, b, activation)
-    names = {e.name for e in prof.events()}
-    activation_ops = {"aten::relu", "aten::gelu", "aten::silu", "aten::sigmoid", "aten::tanh"}
-    aten = activation == "gelu" or (activation in ("silu", "sigmoid") and bfloat16_cpu_kind == 0)
-    assert bool(names & activation_ops) == aten, sorted(names)
     assert_bfloat16_neighbours(out, ref.full_forward(x, w, b, activation), same_at_least=0.97)
+    names = {e.name for e in prof.events()}
+    return bool(names & {"aten::relu", "aten::gelu", "aten::silu", "aten::sigmoid", "aten::tanh"})
+
+
+@pytest.mark.parametrize("activation", ACTS)
+def test_bfloat16_forward_routing_follows_the_cpu_kind(activation, bfloat16_cpu_kind):
+    # Where the forward's activation is ATen's kernel: gelu's everywhere, silu's on a CPU
+    # without AVX512-BF16, where it is the faster; dpcuda's pass elsewhere ("none" has none).
+    aten = activation == "gelu" or (activation == "silu" and bfloat16_cpu_kind == 0)
+    assert forward_runs_atens_activation(activation) == aten
+
+
+def test_bfloat16_routing_reads_this_cpus_kind():
+    # As detected (CPUID), the routing takes this CPU for what its kernel says it is.
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next(line for line in f if line.startswith("flags")).split()
+    except (OSError, StopIteration):
+        pytest.skip("no /proc/cpuinfo flags line")
+    if "avx512f" not in flags and "avx2" not in flags:
+        pytest.skip("not an x86-64 CPU with AVX")
+    previous = _C._set_bfloat16_cpu_kind(-1)
+    try:
+        assert forward_runs_atens_activation("silu") == ("avx512_bf16" not in flags)
+    finally:
+        _C._set_bfloat16_cpu_kind(previous)
 
 
 @pytest.mark.parametrize("dtype", HALF)
@@ -314,7 +334,8 @@ def test_bfloat16_passes_read_strided_gradients_and_keep_nan_and_inf_as_torch(ac
 @pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "bias"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("activation", ["sigmoid", "silu"])
-def test_sigmoid_tail_keeps_torchs_subnormals_and_infinities(activation, dtype, bias, bfloat16_cpu_kind):
+def test_sigmoid_tail_keeps_torchs_subnormals_and_infinities(activation, dtype, bias,
+                                                             bfloat16_cpu_kind):
     # For 88.38 < -z < 88.72 exp(-z) is finite in float, and torch's sigmoid a subnormal (3e-39
     # to 4e-39), not 0: an infinite upstream gradient then gives +-Inf, not Inf * 0 = NaN.
     # Beyond it torch's exp overflows and its sigmoid is 0, as dpcuda's. (With a bias the

@@ -7,6 +7,9 @@
 
 #include <algorithm>
 #include <atomic>
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <cpuid.h>
+#endif
 
 #include "../cpu/fused_linear.h"
 #include "aten_activation.h"
@@ -124,20 +127,33 @@ void check_into(const Tensor& into, const char* name, bool wanted, const Tensor&
   TORCH_CHECK_VALUE(into.is_contiguous(), name, " must be contiguous");
 }
 
-// Whether the bfloat16 routing below takes this CPU for one with AVX512-BF16's conversions
-// (the kind it was first measured on, with AMX too): detected once; tests set it either way
-// (set_bfloat16_cpu_kind) so that both routes run on any machine.
+// Whether the bfloat16 routing below takes this CPU for one with AVX512-BF16 (the kind it was
+// first measured on, with AMX too): read once from CPUID (leaf 7, subleaf 1, EAX bit 5), with
+// the OS saving the AVX-512 registers (XCR0), on x86-64 with GCC or clang; false elsewhere (other
+// architectures: not measured). Tests set it either way (set_bfloat16_cpu_kind) so that both
+// routes run on any machine.
 std::atomic<int> bfloat16_cpu_kind{-1};  // -1: as detected
+
+bool detect_avx512_bf16() {
+#if defined(__x86_64__) && defined(__GNUC__)
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (!__get_cpuid(1, &a, &b, &c, &d) || !(c & (1u << 27))) return false;  // OSXSAVE
+  unsigned xcr0_low = 0, xcr0_high = 0;
+  __asm__ volatile("xgetbv" : "=a"(xcr0_low), "=d"(xcr0_high) : "c"(0));
+  constexpr unsigned kAvx512State = 0xe6;  // SSE, AVX, opmask, ZMM0-15 high, ZMM16-31
+  if ((xcr0_low & kAvx512State) != kAvx512State) return false;
+  if (!__get_cpuid_count(7, 1, &a, &b, &c, &d)) return false;
+  return (a & (1u << 5)) != 0;
+#else
+  return false;
+#endif
+}
 
 bool cpu_converts_bfloat16() {
   const int forced = bfloat16_cpu_kind.load(std::memory_order_relaxed);
   if (forced >= 0) return forced != 0;
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 11
-  static const bool detected = __builtin_cpu_supports("avx512bf16");
+  static const bool detected = detect_avx512_bf16();
   return detected;
-#else
-  return false;
-#endif
 }
 
 // Where dpcuda's bfloat16 passes run instead of ATen's bfloat16 kernels: where they are the
@@ -160,16 +176,14 @@ bool cpu_converts_bfloat16() {
 //   a transposed gradient dpcuda's reads in blocks, ATen's element by element: 2351-4199
 //   against 10465-73227 for every activation.
 // On a CPU without AVX512-BF16 (and without AMX: a 2-core "Intel Xeon Processor @ 2.50GHz" with
-// AVX-512 and VNNI, 2026-11-28) silu's and sigmoid's forward are ATen's kernels: the layer's
-// forward by each route, alternating, 21 rounds, 2 threads (benchmarks/bench_activation_pass.py
-// --routes, activation-routes-bf16-cpu-2026-11-28.json), ATen's time over dpcuda's pass's: silu
-// 64x4096 0.977 and 0.934 (without and with bias), 64x16384 1.016 and 1.003; sigmoid 0.99-1.02.
-// In other runs silu 0.92-0.93 at 64x4096 and 0.98-1.02 elsewhere, sigmoid 0.99-1.01. relu's
-// and tanh's passes are dpcuda's by 1.7-2.3x there, gelu's ATen's as above; the backward's
-// routing measured the same there (16x8192 and 64x8192, dense and expanded).
+// AVX-512 and VNNI, 2026-11-28) silu's forward is ATen's kernel: the layer's forward by each
+// route, alternating, 21 rounds, 2 threads (benchmarks/bench_activation_pass.py --routes,
+// activation-routes-bf16-cpu-2026-11-28.json), ATen's time over dpcuda's pass's, without and
+// with bias: width 64 at batch 4096 0.977 and 0.934, at 16384 1.016 and 1.003 (level); wider
+// layers in the same file. sigmoid's stays dpcuda's (0.991-1.021: level, one band above 1).
 bool bfloat16_forward_pass_wins(Activation act) {
   if (act == Activation::kGelu || act == Activation::kNone) return false;
-  return cpu_converts_bfloat16() || (act != Activation::kSilu && act != Activation::kSigmoid);
+  return act != Activation::kSilu || cpu_converts_bfloat16();
 }
 
 bool bfloat16_backward_pass_wins(Activation act, const Tensor& grad_out, bool bias_sum) {
