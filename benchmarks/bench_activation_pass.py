@@ -6,12 +6,11 @@ on --threads threads; medians over rounds, dpcuda and torch round-robin.
 
     python benchmarks/bench_activation_pass.py --json benchmarks/results/activation-pass-cpu.json
 
---routes measures what the CPU bfloat16 routing (csrc/torch/fused_linear.cpp) chooses between
-for silu and sigmoid, whose forward is dpcuda's pass on a CPU with AVX512-BF16 and ATen's
-kernel on one without: the bfloat16 layer's forward (GEMM and activation) by each route, in
-alternating order within each round, with and without bias; each row's figure is the median
-over rounds of ATen's route's time over dpcuda's pass's (below 1: ATen's is the faster), with
-its quartiles.
+--routes measures what the CPU bfloat16 routing (csrc/torch/fused_linear.cpp) chooses between:
+the bfloat16 layer's forward (GEMM and activation) with its activation by dpcuda's pass and by
+ATen's kernel, in alternating order within each round, with and without bias; each row's figure
+is the median over rounds of ATen's route's time over dpcuda's pass's (below 1: ATen's is the
+faster), with its quartiles. Default activations silu and sigmoid, the closest calls.
 
     python benchmarks/bench_activation_pass.py --routes --threads 2 --batches 4096,16384
 """
@@ -74,18 +73,18 @@ def measure_routes(width, batch, activation, bias, rounds):
     def layer():
         return torch.ops.dpcuda.full_forward(x, w, b, activation)
     calls = max(3, min(2000, 1_000_000 // (batch * width)))
-    samples = {0: [], 1: []}  # the CPU kind the routing takes: 0 ATen's kernel, 1 dpcuda's pass
-    previous = _C._set_bfloat16_cpu_kind(1)
+    samples = {0: [], 1: []}  # the route: 0 ATen's kernel, 1 dpcuda's pass
+    previous = _C._set_bfloat16_forward_route(1)
     try:
-        for kind in (0, 1):
-            _C._set_bfloat16_cpu_kind(kind)
+        for route in (0, 1):
+            _C._set_bfloat16_forward_route(route)
             timed(layer, calls)
         for r in range(rounds):
-            for kind in ((0, 1) if r % 2 else (1, 0)):
-                _C._set_bfloat16_cpu_kind(kind)
-                samples[kind].append(timed(layer, calls))
+            for route in ((0, 1) if r % 2 else (1, 0)):
+                _C._set_bfloat16_forward_route(route)
+                samples[route].append(timed(layer, calls))
     finally:
-        _C._set_bfloat16_cpu_kind(previous)
+        _C._set_bfloat16_forward_route(previous)
     return {"width": width, "batch": batch, "activation": activation, "bias": bias,
             "pass_us": 1e6 * statistics.median(samples[1]),
             "aten_us": 1e6 * statistics.median(samples[0]),
@@ -102,17 +101,17 @@ def main(argv=None):
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--routes", action="store_true",
-                        help="bfloat16 silu and sigmoid: dpcuda's pass against ATen's kernel")
+                        help="bfloat16: the layer by dpcuda's pass against by ATen's kernel")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
-    known = ("silu", "sigmoid") if args.routes else tuple(TORCH)
+    known = tuple(TORCH)
     if args.activations is None:
         args.activations = "silu,sigmoid" if args.routes else "tanh,silu,gelu,sigmoid,relu"
     activations = args.activations.split(",")
     unknown = [a for a in activations if a not in known]
     if unknown:
-        parser.error(f"--activations: unknown {', '.join(map(repr, unknown))} (known"
-                     f"{' with --routes' if args.routes else ''}: {', '.join(known)})")
+        parser.error(f"--activations: unknown {', '.join(map(repr, unknown))} (known: "
+                     f"{', '.join(known)})")
     lists = {}
     for name in ("width", "batches"):
         text = getattr(args, name)

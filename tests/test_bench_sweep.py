@@ -93,8 +93,8 @@ def test_profile_cells_refuses_a_malformed_cell(tmp_path):
 
 
 def test_bench_activation_pass_measures_the_bfloat16_routes(tmp_path):
-    # --routes: silu's and sigmoid's bfloat16 forward by dpcuda's pass and by ATen's kernel,
-    # whichever CPU this is, with and without bias; other activations are refused.
+    # --routes: the bfloat16 layer's forward with its activation by dpcuda's pass and by ATen's
+    # kernel (silu and sigmoid by default), with and without bias; "none" has no activation.
     script = os.path.join(ROOT, "benchmarks", "bench_activation_pass.py")
     proc = subprocess.run([sys.executable, script, "--routes", "--width", "8,4", "--batches",
                            "4,16", "--rounds", "2", "--json", "a.json"], capture_output=True,
@@ -108,9 +108,9 @@ def test_bench_activation_pass_measures_the_bfloat16_routes(tmp_path):
     for r in payload["results"]:
         band = r["aten_over_pass"]
         assert r["pass_us"] > 0 and r["aten_us"] > 0 and band["q1"] <= band["q3"]
-    proc = run_script("bench_activation_pass", "--routes", "--activations", "tanh",
+    proc = run_script("bench_activation_pass", "--routes", "--activations", "none",
                       cwd=tmp_path)
-    assert proc.returncode == 2 and "known with --routes: silu, sigmoid" in proc.stderr
+    assert proc.returncode == 2 and "unknown 'none'" in proc.stderr
     proc = run_script("bench_activation_pass", "--activations", "relu,swish", cwd=tmp_path)
     assert proc.returncode == 2 and "unknown 'swish'" in proc.stderr
     proc = run_script("bench_activation_pass", "--batches", "4,x", cwd=tmp_path)

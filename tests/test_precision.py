@@ -35,14 +35,14 @@ def assert_bfloat16_neighbours(ours, torchs, same_at_least):
     assert same.float().mean().item() >= same_at_least
 
 
-@pytest.fixture(params=[0, 1], ids=["cpu_without_avx512_bf16", "cpu_with_avx512_bf16"])
-def bfloat16_cpu_kind(request):
-    # The CPU bfloat16 layer's routing between dpcuda's passes and ATen's kernels depends on
-    # the CPU (csrc/torch/fused_linear.cpp): the tests that take this fixture run both routes
-    # on any machine.
-    previous = _C._set_bfloat16_cpu_kind(request.param)
+@pytest.fixture(params=[0, 1], ids=["atens_activation", "dpcudas_pass"])
+def bfloat16_route(request):
+    # The CPU bfloat16 layer computes its forward activation by dpcuda's pass or by ATen's
+    # kernel, whichever was measured the faster (csrc/torch/fused_linear.cpp): the tests that
+    # take this fixture run both, whatever the choice.
+    previous = _C._set_bfloat16_forward_route(request.param)
     yield request.param
-    _C._set_bfloat16_cpu_kind(previous)
+    _C._set_bfloat16_forward_route(previous)
 
 
 def forward_runs_atens_activation(activation):
@@ -61,27 +61,20 @@ def forward_runs_atens_activation(activation):
 
 
 @pytest.mark.parametrize("activation", ACTS)
-def test_bfloat16_forward_routing_follows_the_cpu_kind(activation, bfloat16_cpu_kind):
-    # Where the forward's activation is ATen's kernel: gelu's everywhere, silu's on a CPU
-    # without AVX512-BF16, where it is the faster; dpcuda's pass elsewhere ("none" has none).
-    aten = activation == "gelu" or (activation == "silu" and bfloat16_cpu_kind == 0)
-    assert forward_runs_atens_activation(activation) == aten
-
-
-def test_bfloat16_routing_reads_this_cpus_kind():
-    # As detected (CPUID), the routing takes this CPU for what its kernel says it is.
+def test_bfloat16_forward_route(activation):
+    # As measured: ATen's kernel for gelu, dpcuda's pass for the others ("none" has neither);
+    # either where set, but gelu's, ATen's always (ATen's gives NaN for +Inf in its vector loop).
+    previous = _C._set_bfloat16_forward_route(-1)
     try:
-        with open("/proc/cpuinfo") as f:
-            flags = next(line for line in f if line.startswith("flags")).split()
-    except (OSError, StopIteration):
-        pytest.skip("no /proc/cpuinfo flags line")
-    if "avx512f" not in flags and "avx2" not in flags:
-        pytest.skip("not an x86-64 CPU with AVX")
-    previous = _C._set_bfloat16_cpu_kind(-1)
-    try:
-        assert forward_runs_atens_activation("silu") == ("avx512_bf16" not in flags)
+        assert forward_runs_atens_activation(activation) == (activation == "gelu")
+        for route in (0, 1):
+            _C._set_bfloat16_forward_route(route)
+            assert forward_runs_atens_activation(activation) == (
+                activation == "gelu" or (route == 0 and activation != "none"))
     finally:
-        _C._set_bfloat16_cpu_kind(previous)
+        _C._set_bfloat16_forward_route(previous)
+    with pytest.raises(ValueError, match="route must be"):
+        _C._set_bfloat16_forward_route(2)
 
 
 @pytest.mark.parametrize("dtype", HALF)
@@ -239,7 +232,7 @@ def test_float16_overflows_where_torch_overflows():
 
 @pytest.mark.parametrize("dtype", HALF)
 @pytest.mark.parametrize("activation", ACTS)
-def test_half_types_on_the_cpu_are_torchs_own_kernels(dtype, activation, bfloat16_cpu_kind):
+def test_half_types_on_the_cpu_are_torchs_own_kernels(dtype, activation, bfloat16_route):
     # The CPU's half-type layer is torch's half GEMM, its data stays in the half type, and the
     # activation is computed in float and rounded once where torch rounds it: by torch's kernel
     # for float16, so its output and its input's gradient are torch eager's bit for bit; for
@@ -276,7 +269,7 @@ def test_half_types_on_the_cpu_are_torchs_own_kernels(dtype, activation, bfloat1
 @pytest.mark.parametrize("activation", ACTS)
 def test_bfloat16_passes_read_strided_gradients_and_keep_nan_and_inf_as_torch(activation, rows,
                                                                               outf,
-                                                                              bfloat16_cpu_kind):
+                                                                              bfloat16_route):
     # dpcuda's bfloat16 passes (csrc/cpu/fused_linear.cpp): an expanded, a transposed and a
     # sliced upstream gradient give the bits of its contiguous copy wherever dpcuda's pass runs
     # for both (for silu, sigmoid and tanh ATen's runs over an expanded one, dpcuda's over the
@@ -335,7 +328,7 @@ def test_bfloat16_passes_read_strided_gradients_and_keep_nan_and_inf_as_torch(ac
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("activation", ["sigmoid", "silu"])
 def test_sigmoid_tail_keeps_torchs_subnormals_and_infinities(activation, dtype, bias,
-                                                             bfloat16_cpu_kind):
+                                                             bfloat16_route):
     # For 88.38 < -z < 88.72 exp(-z) is finite in float, and torch's sigmoid a subnormal (3e-39
     # to 4e-39), not 0: an infinite upstream gradient then gives +-Inf, not Inf * 0 = NaN.
     # Beyond it torch's exp overflows and its sigmoid is 0, as dpcuda's. (With a bias the

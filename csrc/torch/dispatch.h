@@ -51,10 +51,9 @@ inline at::Tensor call_full_backward_into(const at::Tensor& grad_output, const a
 // The int32 elements of step_status's workspace on a CUDA device (csrc/torch/all_reduce.cpp).
 int64_t step_status_workspace_ints();
 
-// Which CPU the bfloat16 routing of the CPU full_forward takes this one for: 1 one with
-// AVX512-BF16, 0 one without, -1 as detected (csrc/torch/fused_linear.cpp). Returns the
-// previous setting.
-int set_bfloat16_cpu_kind(int kind);
+// The CPU bfloat16 full_forward's activation: by dpcuda's pass (1), by ATen's kernel (0), or as
+// measured best per activation (-1) (csrc/torch/fused_linear.cpp). Returns the previous setting.
+int set_bfloat16_forward_route(int route);
 
 // While one is alive on a thread, a full_forward that builds an autograd node there hands the
 // node these destinations for its weight and bias gradients (csrc/torch/autograd.cpp).

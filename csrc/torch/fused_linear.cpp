@@ -7,9 +7,6 @@
 
 #include <algorithm>
 #include <atomic>
-#if defined(__x86_64__) && defined(__GNUC__)
-#include <cpuid.h>
-#endif
 
 #include "../cpu/fused_linear.h"
 #include "aten_activation.h"
@@ -127,34 +124,9 @@ void check_into(const Tensor& into, const char* name, bool wanted, const Tensor&
   TORCH_CHECK_VALUE(into.is_contiguous(), name, " must be contiguous");
 }
 
-// Whether the bfloat16 routing below takes this CPU for one with AVX512-BF16 (the kind it was
-// first measured on, with AMX too): read once from CPUID (leaf 7, subleaf 1, EAX bit 5), with
-// the OS saving the AVX-512 registers (XCR0), on x86-64 with GCC or clang; false elsewhere (other
-// architectures: not measured). Tests set it either way (set_bfloat16_cpu_kind) so that both
-// routes run on any machine.
-std::atomic<int> bfloat16_cpu_kind{-1};  // -1: as detected
-
-bool detect_avx512_bf16() {
-#if defined(__x86_64__) && defined(__GNUC__)
-  unsigned a = 0, b = 0, c = 0, d = 0;
-  if (!__get_cpuid(1, &a, &b, &c, &d) || !(c & (1u << 27))) return false;  // OSXSAVE
-  unsigned xcr0_low = 0, xcr0_high = 0;
-  __asm__ volatile("xgetbv" : "=a"(xcr0_low), "=d"(xcr0_high) : "c"(0));
-  constexpr unsigned kAvx512State = 0xe6;  // SSE, AVX, opmask, ZMM0-15 high, ZMM16-31
-  if ((xcr0_low & kAvx512State) != kAvx512State) return false;
-  if (!__get_cpuid_count(7, 1, &a, &b, &c, &d)) return false;
-  return (a & (1u << 5)) != 0;
-#else
-  return false;
-#endif
-}
-
-bool cpu_converts_bfloat16() {
-  const int forced = bfloat16_cpu_kind.load(std::memory_order_relaxed);
-  if (forced >= 0) return forced != 0;
-  static const bool detected = detect_avx512_bf16();
-  return detected;
-}
+// The bfloat16 forward's route where tests and benchmarks set it (set_bfloat16_forward_route):
+// -1 the measured choice below, 0 ATen's kernel, 1 dpcuda's pass (every activation but gelu).
+std::atomic<int> bfloat16_forward_route{-1};
 
 // Where dpcuda's bfloat16 passes run instead of ATen's bfloat16 kernels: where they are the
 // faster. Both compute in float and round once; they differ in the float functions. Measured
@@ -175,15 +147,18 @@ bool cpu_converts_bfloat16() {
 //   (8192x256, the pass and the input's GEMM, malloc's trimming off: 1256-1294 / 1197-1248). Over
 //   a transposed gradient dpcuda's reads in blocks, ATen's element by element: 2351-4199
 //   against 10465-73227 for every activation.
-// On a CPU without AVX512-BF16 (and without AMX: a 2-core "Intel Xeon Processor @ 2.50GHz" with
-// AVX-512 and VNNI, 2026-11-28) silu's forward is ATen's kernel: the layer's forward by each
-// route, alternating, 21 rounds, 2 threads (benchmarks/bench_activation_pass.py --routes,
-// activation-routes-bf16-cpu-2026-11-28.json), ATen's time over dpcuda's pass's, without and
-// with bias: width 64 at batch 4096 0.977 and 0.934, at 16384 1.016 and 1.003 (level); wider
-// layers in the same file. sigmoid's stays dpcuda's (0.991-1.021: level, one band above 1).
+// Measured again on a CPU without AVX512-BF16 or AMX (a 2-core "Intel Xeon Processor @ 2.50GHz"
+// with AVX-512 and VNNI, 2026-11-28), where either could differ: silu's and sigmoid's forward,
+// the layer by each route alternating, 21 rounds, 2 threads (benchmarks/bench_activation_pass.py
+// --routes, activation-routes-bf16-cpu-2026-11-28.json: widths 16, 64, 256, batches 4096 and
+// 16384), ATen's time over dpcuda's pass's: silu 0.956-1.032, sigmoid 0.987-1.080 (the widest
+// bands from bursts of the machine's noise), level; so the choice does not depend on the CPU.
+// gelu's is ATen's whatever is set: ATen's gelu gives NaN for +Inf in its vectorised loop (Inf
+// in its scalar tail; float32 too), which dpcuda's bfloat16 pass, not used, does not follow.
 bool bfloat16_forward_pass_wins(Activation act) {
-  if (act == Activation::kGelu || act == Activation::kNone) return false;
-  return act != Activation::kSilu || cpu_converts_bfloat16();
+  if (act == Activation::kNone || act == Activation::kGelu) return false;  // ("none": no pass)
+  const int forced = bfloat16_forward_route.load(std::memory_order_relaxed);
+  return forced != 0;
 }
 
 bool bfloat16_backward_pass_wins(Activation act, const Tensor& grad_out, bool bias_sum) {
@@ -533,9 +508,11 @@ std::tuple<Tensor, Tensor, Tensor> full_backward_cuda_into(
 
 }  // namespace
 
-int set_bfloat16_cpu_kind(int kind) {
-  TORCH_CHECK_VALUE(kind >= -1 && kind <= 1, "kind must be -1 (as detected), 0 or 1, got ", kind);
-  return bfloat16_cpu_kind.exchange(kind);
+int set_bfloat16_forward_route(int route) {
+  TORCH_CHECK_VALUE(route >= -1 && route <= 1,
+                    "route must be -1 (the measured choice), 0 (ATen's) or 1 (dpcuda's), got ",
+                    route);
+  return bfloat16_forward_route.exchange(route);
 }
 
 TORCH_LIBRARY_IMPL(dpcuda, CPU, m) {

@@ -125,10 +125,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("_defer_label_checks", &dpcuda::defer_label_checks,
         "Turns the CUDA loss adapter's own label check off on this thread (the kernel still "
         "flags bad labels); returns the previous setting");
-  m.def("_set_bfloat16_cpu_kind", &dpcuda::set_bfloat16_cpu_kind,
-        "Tests and benchmarks: the CPU full_forward routes its bfloat16 activation passes as on "
-        "a CPU with AVX512-BF16 (1), without (0), or as this one is (-1); returns the previous "
-        "setting");
+  m.def("_set_bfloat16_forward_route", &dpcuda::set_bfloat16_forward_route,
+        "Tests and benchmarks: the CPU bfloat16 full_forward computes its activation by "
+        "dpcuda's pass (1), by ATen's kernel (0), or as measured best per activation (-1); "
+        "returns the previous setting");
   m.def("_read_cpu_labels_for_tests", &dpcuda::read_cpu_labels_for_tests,
         "Tests only: the loss's autograd node reads CPU labels as it reads labels on a GPU "
         "(a copy in host memory, checked there); returns the previous setting");
