@@ -128,12 +128,21 @@ void test_column_major(int64_t rows, int64_t cols, Activation act, std::mt19937&
       if (with_bias && act != Activation::kNone) CHECK(same(sum, sum_t));
       if (with_bias && act == Activation::kNone) {
         // (the sums alone over a column-major gradient: 16 lanes down each column, then a
-        // fixed tree; equal within rounding, the same bits for any clone)
+        // fixed tree; equal within rounding, the same bits for any clone, and the bits of that
+        // order written out here: row r into lane (r - b) % 16, lane j += lane j + 8, + 4, + 2,
+        // + 1)
         for (int64_t c = 0; c < cols; ++c) {
           double magnitude = 0;
           for (int64_t r = b; r < e; ++r) magnitude += std::fabs(double(go[r * cols + c]));
           const double tol = (sizeof(T) == 4 ? 0x1p-20 : 0x1p-48) * magnitude;
           CHECK(std::fabs(double(sum_t[c]) - double(sum[c])) <= tol);
+          T lane[16] = {};
+          for (int64_t r = b; r < e; ++r) lane[(r - b) % 16] += go[r * cols + c];
+          for (int width = 8; width > 0; width /= 2) {
+            for (int j = 0; j < width; ++j) lane[j] += lane[j + width];
+          }
+          const T want = T(0) + lane[0];
+          CHECK(std::memcmp(&want, &sum_t[c], sizeof want) == 0);
         }
       }
     }
