@@ -2,6 +2,7 @@
 with CUDA events on a GPU and with perf_counter on the CPU."""
 
 import json
+import os
 import platform
 import random
 import statistics
@@ -85,7 +86,8 @@ def environment(device):
     where the tracked files differ from it: the code measured is not that commit's)."""
     try:
         commit = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=7"],
-                                capture_output=True, text=True, check=False).stdout.strip()
+                                capture_output=True, text=True, check=False,
+                                cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
     except OSError:
         commit = ""
     dev = torch.device(device)

@@ -94,7 +94,8 @@ def test_profile_cells_refuses_a_malformed_cell(tmp_path):
 
 def test_bench_activation_pass_measures_the_bfloat16_routes(tmp_path):
     # --routes: the bfloat16 layer's forward with its activation by dpcuda's pass and by ATen's
-    # kernel (silu and sigmoid by default), with and without bias; "none" has no activation.
+    # kernel (silu and sigmoid by default), with and without bias; "none" has no activation,
+    # gelu's is ATen's on either route.
     script = os.path.join(ROOT, "benchmarks", "bench_activation_pass.py")
     proc = subprocess.run([sys.executable, script, "--routes", "--width", "8,4", "--batches",
                            "4,16", "--rounds", "2", "--json", "a.json"], capture_output=True,
@@ -111,6 +112,9 @@ def test_bench_activation_pass_measures_the_bfloat16_routes(tmp_path):
     proc = run_script("bench_activation_pass", "--routes", "--activations", "none",
                       cwd=tmp_path)
     assert proc.returncode == 2 and "unknown 'none'" in proc.stderr
+    proc = run_script("bench_activation_pass", "--routes", "--activations", "gelu",
+                      cwd=tmp_path)
+    assert proc.returncode == 2 and "unknown 'gelu'" in proc.stderr
     proc = run_script("bench_activation_pass", "--activations", "relu,swish", cwd=tmp_path)
     assert proc.returncode == 2 and "unknown 'swish'" in proc.stderr
     proc = run_script("bench_activation_pass", "--batches", "4,x", cwd=tmp_path)
