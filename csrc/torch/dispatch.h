@@ -52,7 +52,8 @@ inline at::Tensor call_full_backward_into(const at::Tensor& grad_output, const a
 int64_t step_status_workspace_ints();
 
 // The CPU bfloat16 full_forward's activation: by dpcuda's pass (1), by ATen's kernel (0), or as
-// measured best per activation (-1) (csrc/torch/fused_linear.cpp). Returns the previous setting.
+// measured best per activation (-1); gelu's is ATen's whatever is set (csrc/torch/
+// fused_linear.cpp). Returns the previous setting.
 int set_bfloat16_forward_route(int route);
 
 // While one is alive on a thread, a full_forward that builds an autograd node there hands the

@@ -148,11 +148,13 @@ std::atomic<int> bfloat16_forward_route{-1};
 //   a transposed gradient dpcuda's reads in blocks, ATen's element by element: 2351-4199
 //   against 10465-73227 for every activation.
 // Measured again on a CPU without AVX512-BF16 or AMX (a 2-core "Intel Xeon Processor @ 2.50GHz"
-// with AVX-512 and VNNI, 2026-11-28), where either could differ: silu's and sigmoid's forward,
-// the layer by each route alternating, 21 rounds, 2 threads (benchmarks/bench_activation_pass.py
-// --routes, activation-routes-bf16-cpu-2026-11-28.json: widths 16, 64, 256, batches 4096 and
-// 16384), ATen's time over dpcuda's pass's: silu 0.956-1.032, sigmoid 0.987-1.080 (the widest
-// bands from bursts of the machine's noise), level; so the choice does not depend on the CPU.
+// with AVX-512 and VNNI, 2026-11-28): the layer's forward by each route, alternating, 21 rounds,
+// 2 threads (benchmarks/bench_activation_pass.py --routes, activation-routes-bf16-cpu-
+// 2026-11-28.json: widths 16, 64, 256, batches 4096 and 16384, with and without bias), ATen's
+// time over dpcuda's pass's: tanh 1.04-1.61, gelu_tanh 1.09-1.48, relu 1.01-1.11 (dpcuda's
+// ahead), sigmoid 0.99-1.01 (level), silu 0.95-1.04 (ATen's 2-5% ahead in three cells at batch
+// 4096, level at 16384; on the AMX machine dpcuda's pass was the faster, above). The choices
+// stay the same on both CPUs: silu's edge there is under 1% of the layer.
 // gelu's is ATen's whatever is set: ATen's gelu gives NaN for +Inf in its vectorised loop (Inf
 // in its scalar tail; float32 too), which dpcuda's bfloat16 pass, not used, does not follow.
 bool bfloat16_forward_pass_wins(Activation act) {

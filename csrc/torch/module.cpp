@@ -128,7 +128,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("_set_bfloat16_forward_route", &dpcuda::set_bfloat16_forward_route,
         "Tests and benchmarks: the CPU bfloat16 full_forward computes its activation by "
         "dpcuda's pass (1), by ATen's kernel (0), or as measured best per activation (-1); "
-        "returns the previous setting");
+        "gelu's is ATen's whatever is set; returns the previous setting");
   m.def("_read_cpu_labels_for_tests", &dpcuda::read_cpu_labels_for_tests,
         "Tests only: the loss's autograd node reads CPU labels as it reads labels on a GPU "
         "(a copy in host memory, checked there); returns the previous setting");

@@ -313,6 +313,38 @@ void test_bfloat16(int64_t rows, int64_t cols, Activation act, std::mt19937& rng
   }
 }
 
+// The bfloat16 sums alone over a column-major gradient in their fixed order, bit for bit: row r
+// into lane (r - b) % 16, lane j += lane j + 8, + 4, + 2, + 1 (as test_column_major's for float
+// and double). Values of exponents far apart, so that float sums round and any other order
+// gives other bits (bfloat16 values of like size add exactly in float).
+void test_bfloat16_column_order(std::mt19937& rng) {
+  std::uniform_real_distribution<float> mantissa(1.0f, 2.0f);
+  std::uniform_int_distribution<int> exponent(-12, 24);
+  for (const int64_t rows : {int64_t(5), int64_t(16), int64_t(37), int64_t(300)}) {
+    const int64_t cols = 3;
+    std::vector<uint16_t> go(rows * cols);  // column-major: (r, c) at go[c * rows + r]
+    for (auto& v : go) {
+      const float f = std::ldexp(mantissa(rng), exponent(rng)) * (rng() % 2 ? 1.0f : -1.0f);
+      uint32_t u;
+      std::memcpy(&u, &f, sizeof u);
+      v = uint16_t(u >> 16);
+    }
+    const int64_t b = rows > 2 ? 1 : 0;
+    std::vector<float> sums(cols, -1.0f);
+    dpcuda::cpu::bfloat16_activation_backward_rows(go.data(), nullptr, nullptr, sums.data(), b,
+                                                   rows, cols, Activation::kNone, 1, rows);
+    for (int64_t c = 0; c < cols; ++c) {
+      float lane[16] = {};
+      for (int64_t r = b; r < rows; ++r) lane[(r - b) % 16] += bf16_value(go[c * rows + r]);
+      for (int width = 8; width > 0; width /= 2) {
+        for (int j = 0; j < width; ++j) lane[j] += lane[j + width];
+      }
+      const float want = 0.0f + lane[0];
+      CHECK(std::memcmp(&want, &sums[c], sizeof want) == 0);
+    }
+  }
+}
+
 // Ties round to even: tanh's gradient at the output 0.5 is go * 0.75, which for go = 1 + 2^-7
 // and 1 + 3 * 2^-7 falls exactly halfway between two bfloat16 values (0x3f418000 and
 // 0x3f448000 as floats); the first rounds up to the even neighbour (0x3f42), the second down
@@ -331,6 +363,7 @@ void test_bfloat16_ties() {
 int main() {
   std::mt19937 rng(1234);
   test_bfloat16_ties();
+  test_bfloat16_column_order(rng);
   // (17 and 100: blocks of 16 rows and a rest; 100 columns: the transposed gradient read in
   // blocks but for gelu and gelu_tanh (from 256), fewer columns or rows: row by row)
   const int64_t sizes[] = {1, 3, 17, 100};
