@@ -457,6 +457,21 @@ constexpr int64_t kBlockedStride = 16;
 
 namespace {
 
+// Narrow rows (under kFloatBlockMinCols columns), rows of them contiguous at grad_out, saved
+// and grad_pre: g for all of them as one run of elements, then the bias sums (bias_partial
+// non-null) over the stored g, row by row. A loop per row cost more than its arithmetic; the
+// bits are the row loop's: the same g, each column's sum adding the same values in row order.
+template <typename S, Activation A>
+void narrow_rows_then_sums(const S* grad_out, const S* saved, S* grad_pre,
+                           acc_of<S>* bias_partial, int64_t rows, int64_t cols) {
+  const int64_t m = rows * cols;
+  backward_rows<S, A, 1>(grad_out, saved, grad_pre, nullptr, 0, 1, m, m, 1);
+  if (bias_partial) {
+    backward_rows<S, Activation::kNone, 1>(grad_pre, nullptr, nullptr, bias_partial, 0, rows,
+                                           cols, cols, 1);
+  }
+}
+
 // Rows [row_begin, row_end) of an expanded gradient (row r's one value at grad_out[r * rs]):
 // the values copied into rows of a buffer of kWidth elements, which the unit-stride loop reads
 // (as many whole rows as it holds, or a wider row's columns kWidth at a time).
@@ -474,19 +489,13 @@ void expanded_rows(const S* grad_out, const S* saved, S* grad_pre, acc_of<S>* bi
         std::fill(buffer + i * cols, buffer + (i + 1) * cols, grad_out[(r0 + i) * rs]);
       }
       if (grad_pre && cols < kFloatBlockMinCols) {
-        // Narrow rows: g for the buffer's rows as one run of elements, then their bias sums
-        // over the stored g, row by row (as backward_pass's narrow rows over a contiguous
-        // gradient, the same bits): a loop per 16-wide row cost more than its arithmetic.
-        // The layer (relu, gelu, gelu_tanh: the activations whose backward over an expanded
-        // gradient is this pass), eager/fused at 16 wide, batch 8192, without and with bias:
-        // gelu 1.036 and 1.047 -> 1.108 and 1.102, gelu_tanh 1.128 and 1.109 -> 1.209 and
-        // 1.164, relu level (1.03); 64 wide within noise (sweep-narrow-expanded-cpu-2026-11-28*).
-        const int64_t at = r0 * cols, m = n * cols;
-        backward_rows<S, A, 1>(buffer, saved + at, grad_pre + at, nullptr, 0, 1, m, m, 1);
-        if (bias_partial) {
-          backward_rows<S, Activation::kNone, 1>(grad_pre + at, nullptr, nullptr, bias_partial,
-                                                 0, n, cols, cols, 1);
-        }
+        // Narrow rows: the buffer's rows through narrow_rows_then_sums. The layer (relu, gelu,
+        // gelu_tanh: the activations whose backward over an expanded gradient is this pass),
+        // eager/fused at 16 wide, batch 8192, without and with bias: gelu 1.036 and 1.047 ->
+        // 1.108 and 1.102, gelu_tanh 1.128 and 1.109 -> 1.209 and 1.164, relu level (1.03); 64
+        // wide within noise (sweep-narrow-expanded-cpu-2026-11-28*).
+        narrow_rows_then_sums<S, A>(buffer, saved + r0 * cols, grad_pre + r0 * cols,
+                                    bias_partial, n, cols);
         continue;
       }
       backward_rows<S, A, 1>(buffer, grad_pre ? saved + r0 * cols : nullptr,
@@ -533,19 +542,14 @@ void backward_pass(const S* grad_out, const S* saved, S* grad_pre, acc_of<S>* bi
     if constexpr (sizeof(S) == 2) {
       if (grad_pre && bias_partial && cs == 1 && rs == cols && cols < kFloatBlockMinCols) {
         // bfloat16 rows narrower than kFloatBlockMinCols over a contiguous gradient, with the
-        // bias sums: g for a group of rows as one run of elements (blocked where the
-        // activation is), then the group's sums over the stored g, row by row: each row's loop
-        // was a vector or two, its overhead the most of it (16 wide silu at batch 8192 took
-        // 2.1 ns an element, ATen's silu_backward 0.7). The same bits: the same g, and each
-        // column's sum adds the same values in row order.
+        // bias sums: a group of rows at a time (blocked where the activation is) through
+        // narrow_rows_then_sums: each row's loop was a vector or two, its overhead the most of
+        // it (16 wide silu at batch 8192 took 2.1 ns an element, ATen's silu_backward 0.7).
         const int64_t group = std::max<int64_t>(1, kFloatBlock * 16 / std::max<int64_t>(cols, 1));
         for (int64_t r0 = row_begin; r0 < row_end; r0 += group) {
           const int64_t r1 = std::min(r0 + group, row_end), at = r0 * cols;
-          const int64_t m = (r1 - r0) * cols;
-          backward_rows<S, A, 1>(grad_out + at, saved + at, grad_pre + at, nullptr, 0, 1, m, m,
-                                 1);
-          backward_rows<S, Activation::kNone, 1>(grad_pre + at, nullptr, nullptr, bias_partial,
-                                                 0, r1 - r0, cols, cols, 1);
+          narrow_rows_then_sums<S, A>(grad_out + at, saved + at, grad_pre + at, bias_partial,
+                                      r1 - r0, cols);
         }
         return;
       }
