@@ -9,18 +9,41 @@ cannot win; the rest is what the fusion changes.
 
 A cell is WIDTHxBATCH:activation:bias(on/off):layout[:dtype] (float32 unless given), as in the
 sweep's JSON.
+
+--from SWEEP.json takes every cell of a sweep whose median eager/fused is below --below, times
+it again alone (bench_sweep's timing, --alone-repeats rounds) and profiles both sides --rounds
+times, alternating (each profile about 0.2 s of steps, at most --steps); each cell then gets a
+verdict:
+- "ahead alone": its median alone is at least --below (the grid's figure was the machine's);
+- "GEMM-bound": behind alone, but dpcuda's own part of the step (everything but the GEMMs:
+  its passes, its autograd node, the copies) is no more than torch's (its activation kernels,
+  the bias sum, its autograd nodes), and both sides make the same GEMM calls (the same ATen
+  products, as many, on the same shapes, through ATen's mm or addmm): what it loses is in the
+  GEMMs' time, which the fusion cannot change (where torch's addmm adds the bias, that add
+  counts in torch's GEMMs and in dpcuda's own part: the verdict leans against dpcuda);
+- "behind": dpcuda's own part costs more than torch's: a loss of dpcuda's to fix.
+The profile's medians over rounds decide; the profiler's per-operator cost (a few us a call)
+weighs on the side with more operators (torch's, usually) at the smallest shapes, so the
+verdict states both sides' figures.
+
+    python benchmarks/profile_cells.py --from benchmarks/results/sweep-cpu.json \\
+        --json benchmarks/results/explain-cpu.json
 """
 
 import argparse
+import json
+import math
 import os
+import statistics
 import sys
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_sweep import cell as time_cell  # noqa: E402
 from bench_sweep import parse_cell, upstream  # noqa: E402
-from common import environment, write_json  # noqa: E402
+from common import environment, paired_ratio, write_json  # noqa: E402
 
 import torch.nn.functional as F  # noqa: E402
 from dpcuda import ops  # noqa: E402
@@ -38,10 +61,10 @@ DEFAULT_CELLS = (
 )
 
 
-def profile_side(step, steps):
-    for _ in range(5):
+def profile_side(step, steps, warmup=5):
+    for _ in range(warmup):
         step()
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         for _ in range(steps):
             step()
     ops_ = []
@@ -53,11 +76,22 @@ def profile_side(step, steps):
     ops_.sort(key=lambda o: -o["self_us_per_step"])
     total = sum(o["self_us_per_step"] for o in ops_)
     gemm = sum(o["self_us_per_step"] for o in ops_ if o["op"] in GEMMS)
+    # The matrix products per step, by their two operands' shapes (addmm's bias left out:
+    # dpcuda's forward adds the bias in its own pass after an mm, torch's in its addmm).
+    calls = {}
+    for event in prof.key_averages(group_by_input_shape=True):
+        if event.key in GEMMS:
+            shapes = event.input_shapes[1:3] if event.key == "aten::addmm" else \
+                event.input_shapes[:2]
+            key = " x ".join(str(list(v)) for v in shapes)
+            calls[key] = calls.get(key, 0) + event.count / steps
     return {"total_us_per_step": total, "gemm_us_per_step": gemm,
-            "gemm_share": gemm / total if total else 0.0, "ops": ops_}
+            "gemm_share": gemm / total if total else 0.0,
+            "gemm_calls": dict(sorted(calls.items())), "ops": ops_}
 
 
-def profile_cell(width, batch, act, bias, layout, dtype, steps):
+def cell_steps(width, batch, act, bias, layout, dtype):
+    """The fused and the eager step of a cell, as bench_sweep.py times them."""
     torch.manual_seed(0)
     dt = getattr(torch, dtype)
     x = torch.randn(batch, width, dtype=dt, requires_grad=True)
@@ -72,11 +106,70 @@ def profile_cell(width, batch, act, bias, layout, dtype, steps):
                 t.grad = None
             fn().backward(go)
         return step
-    fused = run(lambda: ops.full_forward(x, w, b, act))
-    eager = run(lambda: torch_activation(F.linear(x, w, b), act))
+    return (run(lambda: ops.full_forward(x, w, b, act)),
+            run(lambda: torch_activation(F.linear(x, w, b), act)))
+
+
+def profile_cell(width, batch, act, bias, layout, dtype, steps):
+    fused, eager = cell_steps(width, batch, act, bias, layout, dtype)
     return {"width": width, "batch": batch, "activation": act, "bias": bias, "layout": layout,
             "dtype": dtype, "fused": profile_side(fused, steps),
             "eager": profile_side(eager, steps)}
+
+
+def explain_cell(width, batch, act, bias, layout, dtype, steps, rounds, repeats, min_seconds,
+                 below):
+    """A cell timed alone, then profiled `rounds` times per side (alternating), with its
+    verdict (the module's docstring)."""
+    samples = time_cell(width, batch, act, bias, layout, getattr(torch, dtype), False, repeats,
+                        min_seconds)
+    alone = paired_ratio(samples["eager"], samples["fused"])
+    # Each profile covers about 0.2 s of steps (at least 2, at most `steps`): large cells
+    # take seconds a step in bfloat16 here.
+    fused_ms = statistics.median(samples["fused"])
+    steps = max(2, min(steps, math.ceil(200.0 / max(fused_ms, 1e-3))))
+    fused, eager = cell_steps(width, batch, act, bias, layout, dtype)
+    profiles = {"fused": [], "eager": []}
+    for _ in range(rounds):
+        for side, step in (("fused", fused), ("eager", eager)):
+            profiles[side].append(profile_side(step, steps, warmup=2))
+    row = {"width": width, "batch": batch, "activation": act, "bias": bias, "layout": layout,
+           "dtype": dtype, "alone": alone, "profiled_steps": steps}
+    for side, runs in profiles.items():
+        row[side] = {
+            "total_us_per_step": statistics.median(r["total_us_per_step"] for r in runs),
+            "gemm_us_per_step": statistics.median(r["gemm_us_per_step"] for r in runs),
+            "own_us_per_step": statistics.median(r["total_us_per_step"] - r["gemm_us_per_step"]
+                                                 for r in runs),
+            "gemm_calls": runs[0]["gemm_calls"],
+            "ops": runs[len(runs) // 2]["ops"]}
+    row["verdict"] = verdict(alone["median"], row["fused"], row["eager"], below)
+    return row
+
+
+def verdict(alone_median, fused, eager, below):
+    """The module docstring's verdict from a cell's median alone and each side's profile
+    (own_us_per_step, gemm_us_per_step, gemm_calls)."""
+    same_gemms = fused["gemm_calls"] == eager["gemm_calls"]
+    if alone_median >= below:
+        kind = "ahead alone"
+    elif fused["own_us_per_step"] <= eager["own_us_per_step"] and same_gemms:
+        kind = "GEMM-bound"
+    else:
+        kind = "behind"
+    return {"kind": kind, "same_gemm_calls": same_gemms,
+            "own_us": [fused["own_us_per_step"], eager["own_us_per_step"]],
+            "gemm_us": [fused["gemm_us_per_step"], eager["gemm_us_per_step"]]}
+
+
+def cells_below(path, below):
+    """The cells of a sweep JSON whose median eager/fused is below `below`, worst first."""
+    with open(path) as f:
+        rows = json.load(f)["results"]
+    rows = sorted((r for r in rows if r["eager_over_fused"]["median"] < below),
+                  key=lambda r: r["eager_over_fused"]["median"])
+    return [(r["width"], r["batch"], r["activation"], r["bias"], r["layout"], r["dtype"],
+             r["eager_over_fused"]) for r in rows]
 
 
 def main(argv=None):
@@ -86,12 +179,34 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=20, help="(default: %(default)s)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch's intra-op threads (default: torch's own)")
+    parser.add_argument("--from", dest="sweep", default=None, metavar="SWEEP.json",
+                        help="explain the cells of this sweep below --below (the docstring)")
+    parser.add_argument("--below", type=float, default=1.0, help="(default: %(default)s)")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="with --from: profiles per side (default: %(default)s)")
+    parser.add_argument("--alone-repeats", type=int, default=15,
+                        help="with --from: rounds of the timing alone (default: %(default)s)")
+    parser.add_argument("--alone-min-seconds", type=float, default=0.3,
+                        help="with --from: (default: %(default)s)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     if args.steps < 1:
         parser.error("--steps must be at least 1")
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
+    if args.alone_repeats < 1:
+        parser.error("--alone-repeats must be at least 1")
+    if args.sweep and args.cells:
+        parser.error("give cells or --from, not both")
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    if args.sweep:
+        try:
+            cells = cells_below(args.sweep, args.below)
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            parser.error(f"--from: cannot read a sweep's cells from {args.sweep!r}: {e}")
+        explain(cells, args)
+        return
     cells = args.cells or [parse_cell(c) for c in DEFAULT_CELLS]
     rows = []
     for width, batch, act, bias, layout, dtype in cells:
@@ -108,6 +223,32 @@ def main(argv=None):
             print(f"    {side}: {top}")
     write_json(args.json, {"benchmark": "profile_cells", "steps": args.steps,
                            "threads": torch.get_num_threads(),
+                           "environment": environment("cpu"), "results": rows})
+
+
+def explain(cells, args):
+    rows = []
+    for width, batch, act, bias, layout, dtype, grid in cells:
+        row = explain_cell(width, batch, act, bias, layout, dtype, args.steps, args.rounds,
+                           args.alone_repeats, args.alone_min_seconds, args.below)
+        row["grid"] = grid
+        rows.append(row)
+        a, v = row["alone"], row["verdict"]
+        print(f"{width}x{width} batch {batch} {act} bias {'on' if bias else 'off'} {layout} "
+              f"{dtype}: grid {grid['median']:.2f}, alone {a['median']:.2f} "
+              f"[{a['q1']:.2f}, {a['q3']:.2f}]; own us {v['own_us'][0]:.0f} (dpcuda) / "
+              f"{v['own_us'][1]:.0f} (torch), GEMMs {v['gemm_us'][0]:.0f} / "
+              f"{v['gemm_us'][1]:.0f}: {v['kind']}", flush=True)
+    kinds = {}
+    for r in rows:
+        kinds[r["verdict"]["kind"]] = kinds.get(r["verdict"]["kind"], 0) + 1
+    print(f"{len(rows)} cells below {args.below}: " +
+          ", ".join(f"{n} {k}" for k, n in sorted(kinds.items())))
+    write_json(args.json, {"benchmark": "explain_cells", "sweep": args.sweep,
+                           "below": args.below, "steps": args.steps, "rounds": args.rounds,
+                           "alone_repeats": args.alone_repeats,
+                           "alone_min_seconds": args.alone_min_seconds,
+                           "threads": torch.get_num_threads(), "verdicts": kinds,
                            "environment": environment("cpu"), "results": rows})
 
 

@@ -121,3 +121,62 @@ def test_bench_activation_pass_measures_the_bfloat16_routes(tmp_path):
     assert proc.returncode == 2 and "--batches must be integers" in proc.stderr
     proc = run_script("bench_activation_pass", "--activations", "silu,", cwd=tmp_path)
     assert proc.returncode == 2 and "unknown ''" in proc.stderr
+
+
+def test_profile_cells_explains_a_sweeps_cells_below_one(tmp_path):
+    # A sweep's JSON with two cells below 1 and one above: the two are timed alone, profiled
+    # and given a verdict; the one above is left out. Square cells: both sides' GEMM calls are
+    # the same operators on the same shapes.
+    cells = [(16, 8, "relu", True, "dense", 0.95), (8, 4, "none", False, "expanded", 0.90),
+             (16, 8, "tanh", False, "dense", 1.20)]
+    sweep = {"results": [
+        {"width": w, "batch": b, "activation": a, "bias": bi, "layout": lay,
+         "dtype": "float32", "eager_over_fused": {"median": m, "q1": m, "q3": m}}
+        for w, b, a, bi, lay, m in cells]}
+    (tmp_path / "s.json").write_text(json.dumps(sweep))
+    proc = run_profile(tmp_path, "--from", "s.json", "--steps", "2", "--rounds", "2",
+                       "--alone-repeats", "3", "--alone-min-seconds", "0", "--json", "e.json")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = json.loads((tmp_path / "e.json").read_text())
+    rows = out["results"]
+    assert [(r["width"], r["activation"], r["grid"]["median"]) for r in rows] == [
+        (8, "none", 0.90), (16, "relu", 0.95)]
+    for r in rows:
+        assert r["verdict"]["kind"] in ("ahead alone", "GEMM-bound", "behind")
+        assert r["verdict"]["same_gemm_calls"]
+        for side in ("fused", "eager"):
+            s = r[side]
+            assert 0 < s["own_us_per_step"] < s["total_us_per_step"]
+            assert sorted(s["gemm_calls"].values()) == [1.0, 2.0]  # (x's, w's and g's)
+    assert sum(out["verdicts"].values()) == 2
+    assert "2 cells below 1.0" in proc.stdout
+
+
+def test_profile_cells_verdicts():
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        from profile_cells import verdict
+    finally:
+        sys.path.pop(0)
+    calls = {"[8, 8] x [8, 8]": 2.0}
+    side = lambda own, gemm, c=calls: {"own_us_per_step": own, "gemm_us_per_step": gemm,  # noqa
+                                       "gemm_calls": c}
+    assert verdict(1.01, side(50, 100), side(10, 90), 1.0)["kind"] == "ahead alone"
+    v = verdict(0.97, side(40, 110), side(45, 100), 1.0)
+    assert v["kind"] == "GEMM-bound" and v["own_us"] == [40, 45] and v["gemm_us"] == [110, 100]
+    assert verdict(0.97, side(50, 100), side(45, 100), 1.0)["kind"] == "behind"
+    # Other GEMM calls on dpcuda's side: not the same MKL work, so not GEMM-bound.
+    other = side(40, 100, {"[8, 8] x [8, 4]": 2.0})
+    v = verdict(0.97, other, side(45, 100), 1.0)
+    assert v["kind"] == "behind" and not v["same_gemm_calls"]
+
+
+def test_profile_cells_refuses_an_unreadable_sweep(tmp_path):
+    proc = run_script("profile_cells", "--from", "missing.json", cwd=tmp_path)
+    assert proc.returncode == 2 and "--from" in proc.stderr and "missing.json" in proc.stderr
+    (tmp_path / "bad.json").write_text('{"results": [{"width": 8}]}')
+    proc = run_script("profile_cells", "--from", "bad.json", cwd=tmp_path)
+    assert proc.returncode == 2 and "--from" in proc.stderr
+    proc = run_script("profile_cells", "--from", "bad.json", "8x8:relu:on:dense",
+                      cwd=tmp_path)
+    assert proc.returncode == 2 and "not both" in proc.stderr

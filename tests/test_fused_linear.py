@@ -450,3 +450,54 @@ def test_a_sum_of_the_output_trains_as_torch():
     F.gelu(plain(x)).sum().backward()
     torch.testing.assert_close(layer.weight.grad, plain.weight.grad, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(layer.bias.grad, plain.bias.grad, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_bias_sums_over_a_transposed_gradient_follow_their_lane_order(dtype):
+    # The bias sums alone ("none") over a column-major gradient, bit for bit against their
+    # order written out with torch's own elementwise adds (each one IEEE add in the sums'
+    # type: float for bfloat16): row r of a column into lane r % 64, lane j += lane j + 32,
+    # + 16, ..., + 1, then 0 + lane 0 (a column of -0 sums to +0), bfloat16 rounded once. Values
+    # of far-apart sizes, so that another order gives other bits; NaN and +-Inf in some
+    # columns; 1 and 2 threads (columns split between threads) give the same bits. (bfloat16's
+    # result is the float sum rounded to 8 bits, which hides most differences of order: the
+    # chunked order before this one passes its case; tests/cpp/test_fused_linear.cpp checks its
+    # float sums bit for bit. float32 and float64 fail with that order.)
+    acc = torch.float32 if dtype == torch.bfloat16 else dtype
+    gen = torch.Generator().manual_seed(5)
+    for rows in (1, 63, 100, 2049):
+        cols = 37
+        gt = torch.randn(cols, rows, generator=gen, dtype=torch.float64) * \
+            torch.pow(2.0, torch.randint(-12, 24, (cols, rows), generator=gen).double())
+        gt = gt.to(dtype)
+        gt[1] = -0.0
+        gt[2, rows // 2] = float("nan")
+        gt[3, rows // 3] = float("inf")
+        gt[4, rows // 3] = float("-inf")
+        g = gt.t()
+        x = torch.randn(rows, 5, dtype=dtype)
+        w = torch.randn(cols, 5, dtype=dtype)
+        lanes = torch.zeros(cols, 64, dtype=acc)
+        full = rows - rows % 64
+        for r0 in range(0, full, 64):
+            lanes += gt[:, r0:r0 + 64].to(acc)
+        lanes[:, :rows - full] += gt[:, full:].to(acc)
+        width = 32
+        while width:
+            lanes[:, :width] = lanes[:, :width] + lanes[:, width:2 * width]
+            width //= 2
+        want = (torch.zeros((), dtype=acc) + lanes[:, 0]).to(dtype)
+        threads = torch.get_num_threads()
+        try:
+            for n in (1, 2):
+                torch.set_num_threads(n)
+                got = torch.ops.dpcuda.full_backward(g, x, w, x, "none", [False, False, True])[2]
+                assert got.dtype == dtype and got.shape == (cols,)
+                nan = want.isnan()
+                assert torch.equal(got.isnan(), nan), (rows, n)
+                bits = torch.int16 if dtype == torch.bfloat16 else \
+                    {torch.float32: torch.int32, torch.float64: torch.int64}[dtype]
+                assert torch.equal(got[~nan].view(bits), want[~nan].view(bits)), (rows, n)
+                assert not got[1].signbit()
+        finally:
+            torch.set_num_threads(threads)

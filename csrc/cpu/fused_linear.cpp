@@ -50,15 +50,21 @@ using acc_of = typename Compute<S>::type;
 // The bias-only pass ("none"): the column sums of a matrix whose columns are contiguous (a
 // transposed one: row stride 1, column c at g + c * cs), where no pass writes g and the sums
 // are the only reading of it:
-// each column's rows [row_begin, row_end) go to kLanes running sums (row r to sum
-// (r - row_begin) % kLanes, in row order within it), so that the loads are contiguous and the
-// adds a vector's lanes; the kLanes sums are then added in a fixed tree, and the result onto
-// partial[c]. A fixed order, the same for any vector width (the lanes are the source's, not
-// the compiler's), thread count or CPU; not the row-major loop's order, so the sums equal the
-// contiguous gradient's within rounding, as torch's GEMMs over a transposed operand do. Added in
-// row order, the pass cost 594 us against sum(0)'s 202 (256x256, batch 8192, float32).
+// each column's rows [row_begin, row_end) go to kColumnLanes running sums (row r to sum
+// (r - row_begin) % kColumnLanes, in row order within it), so that the loads are contiguous and
+// the adds four independent vectors of lanes; the sums are then added in a fixed tree (lane j +=
+// lane j + 32, + 16, + 8, + 4, + 2, + 1), and the result onto partial[c]. A fixed order, the
+// same for any vector width (the lanes are the source's, not the compiler's), thread count or
+// CPU; not the row-major loop's order, so the sums equal the contiguous gradient's within
+// rounding, as torch's GEMMs over a transposed operand do. Added in row order, the pass cost
+// 594 us against sum(0)'s 202 (256x256, batch 8192, float32). The adapter takes whole columns
+// (column_major_totals), split between threads by column: chunks of rows, each with its tree,
+// read a few cache lines of every column a chunk (a stream per column: more than the
+// prefetcher follows) and spent more on the trees than on the adds (16 lanes, 4096x1024
+// float32, 2 threads: 2.5 ms against torch's sum(0) 0.63).
 // The lanes are GCC vectors of 16 (lowered to each clone's widths: the same adds in any),
 // loaded from 16 consecutive elements, bfloat16 widened.
+constexpr int64_t kColumnLanes = 64;
 typedef float float_lanes __attribute__((vector_size(64)));
 typedef double double_lanes __attribute__((vector_size(128)));
 
@@ -109,27 +115,51 @@ struct LaneTree<Acc, 2> {
   static Acc sum(const Lanes& v) { return v[0] + v[1]; }
 };
 
+// One column's n contiguous elements in the lanes, then the tree. (Inlined into each clone.)
+template <typename S>
+__attribute__((always_inline)) inline acc_of<S> column_sum(const S* __restrict__ column,
+                                                           int64_t n) {
+  using Acc = acc_of<S>;
+  constexpr int64_t kLanes = 16, kVectors = kColumnLanes / kLanes;
+  static_assert(sizeof(lanes_of<S>) == kLanes * sizeof(Acc), "16 lanes");
+  static_assert(kVectors == 4, "the tree below takes 4 vectors");
+  lanes_of<S> v[kVectors] = {};
+  int64_t i = 0;
+  for (; i + kColumnLanes <= n; i += kColumnLanes) {
+    for (int64_t k = 0; k < kVectors; ++k) add_lanes(column + i + k * kLanes, v[k]);
+  }
+  int64_t k = 0;  // (i is a multiple of kColumnLanes here: the rest starts at lane 0)
+  for (; i + kLanes <= n; i += kLanes, ++k) add_lanes(column + i, v[k]);
+  if (i < n) {  // (the last rows into the next vector's first lanes, in row order)
+    Acc lane[kLanes];
+    std::memcpy(lane, &v[k], sizeof lane);
+    for (int64_t j = 0; i + j < n; ++j) lane[j] += Compute<S>::load(column[i + j]);
+    std::memcpy(&v[k], lane, sizeof lane);
+  }
+  // lane j += lane j + 32 (j < 32), then j += j + 16 (j < 16), then the 16 lanes' tree
+  v[0] += v[2];
+  v[1] += v[3];
+  v[0] += v[1];
+  return LaneTree<Acc, kLanes>::sum(v[0]);
+}
+
 template <typename S>
 DPCUDA_CPU_CLONES void column_major_bias(const S* __restrict__ g,
                                          acc_of<S>* __restrict__ partial, int64_t row_begin,
                                          int64_t row_end, int64_t cols, int64_t cs) {
-  using Acc = acc_of<S>;
-  constexpr int64_t kLanes = 16;
-  static_assert(sizeof(lanes_of<S>) == kLanes * sizeof(Acc), "16 lanes");
-  const int64_t n = row_end - row_begin;
   for (int64_t c = 0; c < cols; ++c) {
-    const S* __restrict__ column = g + c * cs + row_begin;
-    lanes_of<S> sums = {};
-    int64_t i = 0;
-    for (; i + kLanes <= n; i += kLanes) add_lanes(column + i, sums);
-    if (i < n) {  // (the rest into the first lanes, in row order)
-      Acc lane[kLanes];
-      std::memcpy(lane, &sums, sizeof lane);
-      for (int64_t j = 0; i + j < n; ++j) lane[j] += Compute<S>::load(column[i + j]);
-      std::memcpy(&sums, lane, sizeof lane);
-    }
-    partial[c] += LaneTree<Acc, kLanes>::sum(sums);
+    partial[c] += column_sum<S>(g + c * cs + row_begin, row_end - row_begin);
   }
+}
+
+// Whole columns: out[c] = 0 + column c's sum over rows [0, rows), the bits of column_major_bias
+// over those rows onto a zeroed partial.
+template <typename S>
+DPCUDA_CPU_CLONES void column_major_totals(const S* __restrict__ g, acc_of<S>* __restrict__ out,
+                                           int64_t rows, int64_t col_begin, int64_t col_end,
+                                           int64_t cs) {
+  using Acc = acc_of<S>;
+  for (int64_t c = col_begin; c < col_end; ++c) out[c] = Acc(0) + column_sum<S>(g + c * cs, rows);
 }
 
 // One instantiation per (bias, pre) combination, so the inner loop has no branch left and
@@ -620,6 +650,18 @@ void bfloat16_activation_backward_rows(const uint16_t* grad_out, const uint16_t*
                           go_row_stride, go_col_stride);
 }
 
+template <typename T>
+void column_major_bias_sums(const T* grad_out, T* out, int64_t rows, int64_t col_begin,
+                            int64_t col_end, int64_t go_col_stride) {
+  column_major_totals<T>(grad_out, out, rows, col_begin, col_end, go_col_stride);
+}
+
+void bfloat16_column_major_bias_sums(const uint16_t* grad_out, float* out, int64_t rows,
+                                     int64_t col_begin, int64_t col_end,
+                                     int64_t go_col_stride) {
+  column_major_totals<uint16_t>(grad_out, out, rows, col_begin, col_end, go_col_stride);
+}
+
 void bfloat16_activation_forward(const uint16_t* z, uint16_t* out, int64_t begin, int64_t end,
                                  Activation act) {
   if (end <= begin) return;
@@ -645,7 +687,8 @@ void reduce_column_partials(const T* partials, int64_t chunks, int64_t cols, T* 
                                           Activation);                                         \
   template void activation_backward_rows<T>(const T*, const T*, T*, T*, int64_t, int64_t,      \
                                             int64_t, Activation, int64_t, int64_t);            \
-  template void reduce_column_partials<T>(const T*, int64_t, int64_t, T*, int64_t, int64_t);
+  template void reduce_column_partials<T>(const T*, int64_t, int64_t, T*, int64_t, int64_t);  \
+  template void column_major_bias_sums<T>(const T*, T*, int64_t, int64_t, int64_t, int64_t);
 
 DPCUDA_INSTANTIATE(float)
 DPCUDA_INSTANTIATE(double)

@@ -66,6 +66,18 @@ void bfloat16_activation_backward_rows(const uint16_t* grad_out, const uint16_t*
                                        Activation act, int64_t go_row_stride,
                                        int64_t go_col_stride);
 
+// The sums alone ("none") over a column-major grad_out (row stride 1, column c at grad_out + c
+// * go_col_stride) of `rows` rows, for columns [col_begin, col_end), whole columns: the bits of
+// activation_backward_rows over rows [0, rows) onto zeroed sums. bfloat16: as
+// bfloat16_activation_backward_rows's, in float.
+template <typename T>
+void column_major_bias_sums(const T* grad_out, T* out, int64_t rows, int64_t col_begin,
+                            int64_t col_end, int64_t go_col_stride);
+
+void bfloat16_column_major_bias_sums(const uint16_t* grad_out, float* out, int64_t rows,
+                                     int64_t col_begin, int64_t col_end,
+                                     int64_t go_col_stride);
+
 // The bias gradient from per-chunk partial sums: out[c] = sum over chunks k, in order, of
 // partials[k * cols + c], for columns [col_begin, col_end). The fixed order keeps it deterministic.
 template <typename T>

@@ -273,6 +273,20 @@ void chunked_rows(int64_t rows, int64_t cols, T* grad_bias, const at::TensorOpti
   }
 }
 
+// The bias sums alone ("none") over a column-major gradient (row stride 1, column stride
+// neither 0 nor 1): whole columns (cpu::column_major_bias_sums: the same bits for any thread
+// count), the columns split between threads. sums(col_begin, col_end).
+inline bool column_major(int64_t row_stride, int64_t col_stride) {
+  return row_stride == 1 && col_stride != 0 && col_stride != 1;
+}
+
+template <typename Sums>
+void column_major_sums(int64_t rows, int64_t cols, Sums&& sums) {
+  // (at least 32K elements a task, as chunked_rows)
+  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, rows));
+  at::parallel_for(0, cols, grain, [&](int64_t begin, int64_t end) { sums(begin, end); });
+}
+
 std::tuple<Tensor, Tensor, Tensor> full_backward_cpu_into(
     const Tensor& grad_output, const Tensor& input, const Tensor& weight, const Tensor& saved,
     c10::string_view activation, std::array<bool, 3> output_mask,
@@ -320,13 +334,20 @@ std::tuple<Tensor, Tensor, Tensor> full_backward_cpu_into(
           own_pass ? reinterpret_cast<uint16_t*>(g.mutable_data_ptr<at::BFloat16>()) : nullptr;
       const int64_t rs = read.stride(0), cs = read.stride(1);
       const Activation pass_act = own_pass ? p.act : Activation::kNone;
-      chunked_rows<float>(rows, out_f, output_mask[2] ? sum.data_ptr<float>() : nullptr,
-                          p.grad_out.options().dtype(at::kFloat),
-                          [&](int64_t r0, int64_t r1, float* partial) {
-                            cpu::bfloat16_activation_backward_rows(go_bits, saved_bits, g_bits,
-                                                                   partial, r0, r1, out_f,
-                                                                   pass_act, rs, cs);
-                          });
+      if (!own_pass && column_major(rs, cs)) {
+        float* out = sum.data_ptr<float>();
+        column_major_sums(rows, out_f, [&](int64_t begin, int64_t end) {
+          cpu::bfloat16_column_major_bias_sums(go_bits, out, rows, begin, end, cs);
+        });
+      } else {
+        chunked_rows<float>(rows, out_f, output_mask[2] ? sum.data_ptr<float>() : nullptr,
+                            p.grad_out.options().dtype(at::kFloat),
+                            [&](int64_t r0, int64_t r1, float* partial) {
+                              cpu::bfloat16_activation_backward_rows(
+                                  go_bits, saved_bits, g_bits, partial, r0, r1, out_f, pass_act,
+                                  rs, cs);
+                            });
+      }
     }
     const Tensor none = empty_like_options(g);
     const Tensor gm = output_mask[0] || output_mask[1] ? gemm_operand(g) : g;
@@ -356,6 +377,13 @@ std::tuple<Tensor, Tensor, Tensor> full_backward_cpu_into(
       const int64_t go_rs = p.grad_out.stride(0), go_cs = p.grad_out.stride(1);
       const scalar_t* saved_ptr = p.fused_pass ? p.saved.data_ptr<scalar_t>() : nullptr;
       scalar_t* g_ptr = p.fused_pass ? p.g.data_ptr<scalar_t>() : nullptr;
+      if (!p.fused_pass && column_major(go_rs, go_cs)) {
+        scalar_t* out = p.grad_bias.data_ptr<scalar_t>();
+        column_major_sums(rows, out_f, [&](int64_t begin, int64_t end) {
+          cpu::column_major_bias_sums<scalar_t>(go_ptr, out, rows, begin, end, go_cs);
+        });
+        return;
+      }
       chunked_rows<scalar_t>(rows, out_f,
                              output_mask[2] ? p.grad_bias.data_ptr<scalar_t>() : nullptr,
                              p.grad_out.options(),

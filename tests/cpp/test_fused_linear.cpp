@@ -127,18 +127,18 @@ void test_column_major(int64_t rows, int64_t cols, Activation act, std::mt19937&
       CHECK(same(g, g_t));
       if (with_bias && act != Activation::kNone) CHECK(same(sum, sum_t));
       if (with_bias && act == Activation::kNone) {
-        // (the sums alone over a column-major gradient: 16 lanes down each column, then a
+        // (the sums alone over a column-major gradient: 64 lanes down each column, then a
         // fixed tree; equal within rounding, the same bits for any clone, and the bits of that
-        // order written out here: row r into lane (r - b) % 16, lane j += lane j + 8, + 4, + 2,
-        // + 1)
+        // order written out here: row r into lane (r - b) % 64, lane j += lane j + 32, + 16,
+        // + 8, + 4, + 2, + 1)
         for (int64_t c = 0; c < cols; ++c) {
           double magnitude = 0;
           for (int64_t r = b; r < e; ++r) magnitude += std::fabs(double(go[r * cols + c]));
           const double tol = (sizeof(T) == 4 ? 0x1p-20 : 0x1p-48) * magnitude;
           CHECK(std::fabs(double(sum_t[c]) - double(sum[c])) <= tol);
-          T lane[16] = {};
-          for (int64_t r = b; r < e; ++r) lane[(r - b) % 16] += go[r * cols + c];
-          for (int width = 8; width > 0; width /= 2) {
+          T lane[64] = {};
+          for (int64_t r = b; r < e; ++r) lane[(r - b) % 64] += go[r * cols + c];
+          for (int width = 32; width > 0; width /= 2) {
             for (int j = 0; j < width; ++j) lane[j] += lane[j + width];
           }
           const T want = T(0) + lane[0];
@@ -216,6 +216,14 @@ uint16_t bf16_round(float f) {
   const bool up = dropped > 0x8000u || (dropped == 0x8000u && (kept & 1u));
   return static_cast<uint16_t>(kept + (up ? 1u : 0u));
 }
+
+// A bfloat16 value for the templated checks: its bits, made from a double rounded once.
+struct Bf16 {
+  uint16_t bits = 0;
+  Bf16() = default;
+  explicit Bf16(double v) : bits(bf16_round(static_cast<float>(v))) {}
+};
+static_assert(sizeof(Bf16) == sizeof(uint16_t), "an array of Bf16 is one of bits");
 
 bool same_bf16(uint16_t a, uint16_t b) {
   const bool nan_a = (a & 0x7fffu) > 0x7f80u, nan_b = (b & 0x7fffu) > 0x7f80u;
@@ -314,13 +322,13 @@ void test_bfloat16(int64_t rows, int64_t cols, Activation act, std::mt19937& rng
 }
 
 // The bfloat16 sums alone over a column-major gradient in their fixed order, bit for bit: row r
-// into lane (r - b) % 16, lane j += lane j + 8, + 4, + 2, + 1 (as test_column_major's for float
-// and double). Values of exponents far apart, so that float sums round and any other order
+// into lane (r - b) % 64, lane j += lane j + 32, + 16, ..., + 1 (as test_column_major's for
+// float and double). Values of exponents far apart, so that float sums round and any other order
 // gives other bits (bfloat16 values of like size add exactly in float).
 void test_bfloat16_column_order(std::mt19937& rng) {
   std::uniform_real_distribution<float> mantissa(1.0f, 2.0f);
   std::uniform_int_distribution<int> exponent(-12, 24);
-  for (const int64_t rows : {int64_t(5), int64_t(16), int64_t(37), int64_t(300)}) {
+  for (const int64_t rows : {int64_t(5), int64_t(16), int64_t(37), int64_t(100), int64_t(300)}) {
     const int64_t cols = 3;
     std::vector<uint16_t> go(rows * cols);  // column-major: (r, c) at go[c * rows + r]
     for (auto& v : go) {
@@ -334,15 +342,84 @@ void test_bfloat16_column_order(std::mt19937& rng) {
     dpcuda::cpu::bfloat16_activation_backward_rows(go.data(), nullptr, nullptr, sums.data(), b,
                                                    rows, cols, Activation::kNone, 1, rows);
     for (int64_t c = 0; c < cols; ++c) {
-      float lane[16] = {};
-      for (int64_t r = b; r < rows; ++r) lane[(r - b) % 16] += bf16_value(go[c * rows + r]);
-      for (int width = 8; width > 0; width /= 2) {
+      float lane[64] = {};
+      for (int64_t r = b; r < rows; ++r) lane[(r - b) % 64] += bf16_value(go[c * rows + r]);
+      for (int width = 32; width > 0; width /= 2) {
         for (int j = 0; j < width; ++j) lane[j] += lane[j + width];
       }
       const float want = 0.0f + lane[0];
       CHECK(std::memcmp(&want, &sums[c], sizeof want) == 0);
     }
   }
+}
+
+// The sums alone over whole columns of a column-major gradient (column_major_bias_sums, the
+// adapter's) against activation_backward_rows over all the rows onto zeroed sums, bit for bit,
+// and against the lanes' order written out: values of exponents far apart (float sums round, so
+// another order gives other bits), a -0 column (its sum +0), NaN and +-Inf in some columns,
+// and column ranges. bfloat16 through its own pair of functions.
+template <typename T, typename Value, typename Whole, typename Rows>
+void check_column_major_totals(std::mt19937& rng, Value value, Whole whole, Rows by_rows) {
+  using Acc = decltype(value(T()));
+  std::uniform_int_distribution<int> exponent(-12, 24);
+  std::uniform_real_distribution<double> mantissa(1.0, 2.0);
+  for (const int64_t rows : {int64_t(0), int64_t(1), int64_t(63), int64_t(100), int64_t(2049)}) {
+    const int64_t cols = 7;
+    std::vector<T> go(rows * cols);  // column-major: (r, c) at go[c * rows + r]
+    for (auto& v : go) v = T(std::ldexp(mantissa(rng), exponent(rng)) * (rng() % 2 ? 1 : -1));
+    for (int64_t r = 0; r < rows; ++r) {
+      go[1 * rows + r] = T(-0.0);
+      if (r == rows / 2) go[2 * rows + r] = T(NAN);
+      if (r == rows / 3) go[3 * rows + r] = T(INFINITY);
+      if (r == rows / 3) go[4 * rows + r] = T(-INFINITY);
+    }
+    std::vector<Acc> want(cols, Acc(-1)), got(cols, Acc(7));
+    by_rows(go.data(), want.data(), rows, cols);
+    whole(go.data(), got.data(), rows, 1, cols - 1, rows);
+    CHECK(got[0] == Acc(7) && got[cols - 1] == Acc(7));  // (only the columns asked for)
+    whole(go.data(), got.data(), rows, 0, 1, rows);
+    whole(go.data(), got.data(), rows, cols - 1, cols, rows);
+    for (int64_t c = 0; c < cols; ++c) {
+      CHECK(std::memcmp(&want[c], &got[c], sizeof(Acc)) == 0);
+      Acc lane[64] = {};
+      for (int64_t r = 0; r < rows; ++r) lane[r % 64] += value(go[c * rows + r]);
+      for (int width = 32; width > 0; width /= 2) {
+        for (int j = 0; j < width; ++j) lane[j] += lane[j + width];
+      }
+      const Acc expect = Acc(0) + lane[0];
+      CHECK(std::memcmp(&expect, &got[c], sizeof(Acc)) == 0);
+    }
+    CHECK(!std::signbit(got[1]));
+    if (rows > 0) CHECK(std::isnan(got[2]) && got[3] == Acc(INFINITY));
+  }
+}
+
+void test_column_major_totals(std::mt19937& rng) {
+  const auto run = [&](auto zero) {
+    using T = decltype(zero);
+    check_column_major_totals<T>(
+        rng, [](T v) { return v; },
+        [](const T* g, T* out, int64_t rows, int64_t b, int64_t e, int64_t cs) {
+          dpcuda::cpu::column_major_bias_sums<T>(g, out, rows, b, e, cs);
+        },
+        [](const T* g, T* out, int64_t rows, int64_t cols) {
+          dpcuda::cpu::activation_backward_rows<T>(g, nullptr, nullptr, out, 0, rows, cols,
+                                                   Activation::kNone, 1, rows);
+        });
+  };
+  run(0.0f);
+  run(0.0);
+  check_column_major_totals<Bf16>(
+      rng, [](Bf16 v) { return bf16_value(v.bits); },
+      [](const Bf16* g, float* out, int64_t rows, int64_t b, int64_t e, int64_t cs) {
+        dpcuda::cpu::bfloat16_column_major_bias_sums(reinterpret_cast<const uint16_t*>(g), out,
+                                                     rows, b, e, cs);
+      },
+      [](const Bf16* g, float* out, int64_t rows, int64_t cols) {
+        dpcuda::cpu::bfloat16_activation_backward_rows(reinterpret_cast<const uint16_t*>(g),
+                                                       nullptr, nullptr, out, 0, rows, cols,
+                                                       Activation::kNone, 1, rows);
+      });
 }
 
 // Ties round to even: tanh's gradient at the output 0.5 is go * 0.75, which for go = 1 + 2^-7
@@ -364,6 +441,7 @@ int main() {
   std::mt19937 rng(1234);
   test_bfloat16_ties();
   test_bfloat16_column_order(rng);
+  test_column_major_totals(rng);
   // (17 and 100: blocks of 16 rows and a rest; 100 columns: the transposed gradient read in
   // blocks but for gelu and gelu_tanh (from 256), fewer columns or rows: row by row)
   const int64_t sizes[] = {1, 3, 17, 100};
