@@ -12,19 +12,26 @@ sweep's JSON.
 
 --from SWEEP.json takes every cell of a sweep whose median eager/fused is below --below, times
 it again alone (bench_sweep's timing, --alone-repeats rounds) and profiles both sides --rounds
-times, alternating (each profile about 0.2 s of steps, at most --steps); each cell then gets a
-verdict:
-- "ahead alone": its median alone is at least --below (the grid's figure was the machine's);
-- "GEMM-bound": behind alone, but dpcuda's own part of the step (everything but the GEMMs:
-  its passes, its autograd node, the copies) is no more than torch's (its activation kernels,
-  the bias sum, its autograd nodes), and both sides make the same GEMM calls (the same ATen
-  products, as many, on the same shapes, through ATen's mm or addmm): what it loses is in the
-  GEMMs' time, which the fusion cannot change (where torch's addmm adds the bias, that add
-  counts in torch's GEMMs and in dpcuda's own part: the verdict leans against dpcuda);
-- "behind": dpcuda's own part costs more than torch's: a loss of dpcuda's to fix.
-The profile's medians over rounds decide; the profiler's per-operator cost (a few us a call)
-weighs on the side with more operators (torch's, usually) at the smallest shapes, so the
-verdict states both sides' figures.
+times, alternating (each profile about 0.2 s of steps, at least 2, at most --steps; one more
+short profile per side records the GEMMs' operand shapes, apart, as recording shapes costs
+time); each cell then gets a verdict from its figure alone and the profiles' medians (dpcuda's
+own part of a step: everything but the GEMMs, its passes, its autograd node, copies, and
+torch's likewise: its activation kernels, the bias sum, its nodes):
+- "ahead alone": its median alone is at least --below, and so is its first quartile;
+- "level alone": its median alone is at least --below, its first quartile not (the grid's
+  figure was the machine's; the band reaches below);
+- "no loss in the profile": behind alone, but the profiles show dpcuda's step no slower than
+  torch's (own part and GEMMs together): the difference is not in them (noise, or what the
+  profiler does not see);
+- "GEMMs": the profiles' difference is mostly in the GEMMs (their difference at least the own
+  parts'), and both sides make the same matrix products (as many, on the same operand shapes,
+  through ATen's mm or addmm: their operands' layouts are not compared): the fusion does not
+  change that time (where torch's addmm adds the bias, that add counts in torch's GEMMs and
+  in dpcuda's own part);
+- "own work": the difference is mostly dpcuda's own part (or its GEMMs are other products):
+  a loss of dpcuda's, to fix or to explain.
+The profiler's per-operator cost (a few us a call) weighs on the side with more operators at
+the smallest shapes; each row states both sides' figures.
 
     python benchmarks/profile_cells.py --from benchmarks/results/sweep-cpu.json \\
         --json benchmarks/results/explain-cpu.json
@@ -61,10 +68,12 @@ DEFAULT_CELLS = (
 )
 
 
-def profile_side(step, steps, warmup=5):
+def profile_side(step, steps, warmup=5, shapes=True):
+    """Self time per operator per step over `steps` steps; shapes: also the GEMMs' products by
+    their operands' shapes (recording shapes costs time: off for the timed profiles)."""
     for _ in range(warmup):
         step()
-    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=shapes) as prof:
         for _ in range(steps):
             step()
     ops_ = []
@@ -76,18 +85,20 @@ def profile_side(step, steps, warmup=5):
     ops_.sort(key=lambda o: -o["self_us_per_step"])
     total = sum(o["self_us_per_step"] for o in ops_)
     gemm = sum(o["self_us_per_step"] for o in ops_ if o["op"] in GEMMS)
-    # The matrix products per step, by their two operands' shapes (addmm's bias left out:
-    # dpcuda's forward adds the bias in its own pass after an mm, torch's in its addmm).
-    calls = {}
-    for event in prof.key_averages(group_by_input_shape=True):
-        if event.key in GEMMS:
-            shapes = event.input_shapes[1:3] if event.key == "aten::addmm" else \
-                event.input_shapes[:2]
-            key = " x ".join(str(list(v)) for v in shapes)
-            calls[key] = calls.get(key, 0) + event.count / steps
-    return {"total_us_per_step": total, "gemm_us_per_step": gemm,
-            "gemm_share": gemm / total if total else 0.0,
-            "gemm_calls": dict(sorted(calls.items())), "ops": ops_}
+    result = {"total_us_per_step": total, "gemm_us_per_step": gemm,
+              "gemm_share": gemm / total if total else 0.0, "ops": ops_}
+    if shapes:
+        # The matrix products per step, by their two operands' shapes (addmm's bias left out:
+        # dpcuda's forward adds the bias in its own pass after an mm, torch's in its addmm).
+        calls = {}
+        for event in prof.key_averages(group_by_input_shape=True):
+            if event.key in GEMMS:
+                operands = event.input_shapes[1:3] if event.key == "aten::addmm" else \
+                    event.input_shapes[:2]
+                key = " x ".join(str(list(v)) for v in operands)
+                calls[key] = calls.get(key, 0) + event.count / steps
+        result["gemm_calls"] = dict(sorted(calls.items()))
+    return result
 
 
 def cell_steps(width, batch, act, bias, layout, dtype):
@@ -127,36 +138,43 @@ def explain_cell(width, batch, act, bias, layout, dtype, steps, rounds, repeats,
     # Each profile covers about 0.2 s of steps (at least 2, at most `steps`): large cells
     # take seconds a step in bfloat16 here.
     fused_ms = statistics.median(samples["fused"])
-    steps = max(2, min(steps, math.ceil(200.0 / max(fused_ms, 1e-3))))
+    steps = min(steps, max(2, math.ceil(200.0 / max(fused_ms, 1e-3))))
     fused, eager = cell_steps(width, batch, act, bias, layout, dtype)
     profiles = {"fused": [], "eager": []}
     for _ in range(rounds):
         for side, step in (("fused", fused), ("eager", eager)):
-            profiles[side].append(profile_side(step, steps, warmup=2))
+            profiles[side].append(profile_side(step, steps, warmup=2, shapes=False))
     row = {"width": width, "batch": batch, "activation": act, "bias": bias, "layout": layout,
            "dtype": dtype, "alone": alone, "profiled_steps": steps}
     for side, runs in profiles.items():
+        step = fused if side == "fused" else eager
         row[side] = {
+            # (medians over the rounds, each figure apart)
             "total_us_per_step": statistics.median(r["total_us_per_step"] for r in runs),
             "gemm_us_per_step": statistics.median(r["gemm_us_per_step"] for r in runs),
             "own_us_per_step": statistics.median(r["total_us_per_step"] - r["gemm_us_per_step"]
                                                  for r in runs),
-            "gemm_calls": runs[0]["gemm_calls"],
-            "ops": runs[len(runs) // 2]["ops"]}
-    row["verdict"] = verdict(alone["median"], row["fused"], row["eager"], below)
+            "gemm_calls": profile_side(step, 1, warmup=0)["gemm_calls"],
+            "ops_of_the_middle_round": sorted(
+                runs, key=lambda r: r["total_us_per_step"])[len(runs) // 2]["ops"]}
+    row["verdict"] = verdict(alone, row["fused"], row["eager"], below)
     return row
 
 
-def verdict(alone_median, fused, eager, below):
-    """The module docstring's verdict from a cell's median alone and each side's profile
-    (own_us_per_step, gemm_us_per_step, gemm_calls)."""
+def verdict(alone, fused, eager, below):
+    """The module docstring's verdict from a cell's figure alone (median, q1) and each side's
+    profile (own_us_per_step, gemm_us_per_step, gemm_calls)."""
     same_gemms = fused["gemm_calls"] == eager["gemm_calls"]
-    if alone_median >= below:
-        kind = "ahead alone"
-    elif fused["own_us_per_step"] <= eager["own_us_per_step"] and same_gemms:
-        kind = "GEMM-bound"
+    own = fused["own_us_per_step"] - eager["own_us_per_step"]
+    gemm = fused["gemm_us_per_step"] - eager["gemm_us_per_step"]
+    if alone["median"] >= below:
+        kind = "ahead alone" if alone["q1"] >= below else "level alone"
+    elif own + gemm <= 0:
+        kind = "no loss in the profile"
+    elif gemm >= own and same_gemms:
+        kind = "GEMMs"
     else:
-        kind = "behind"
+        kind = "own work"
     return {"kind": kind, "same_gemm_calls": same_gemms,
             "own_us": [fused["own_us_per_step"], eager["own_us_per_step"]],
             "gemm_us": [fused["gemm_us_per_step"], eager["gemm_us_per_step"]]}
@@ -168,8 +186,10 @@ def cells_below(path, below):
         rows = json.load(f)["results"]
     rows = sorted((r for r in rows if r["eager_over_fused"]["median"] < below),
                   key=lambda r: r["eager_over_fused"]["median"])
-    return [(r["width"], r["batch"], r["activation"], r["bias"], r["layout"], r["dtype"],
-             r["eager_over_fused"]) for r in rows]
+    # (each cell as a cell's text, checked as the command line's are)
+    return [parse_cell(f"{r['width']}x{r['batch']}:{r['activation']}:"
+                       f"{'on' if r['bias'] else 'off'}:{r['layout']}:{r['dtype']}") +
+            (r["eager_over_fused"],) for r in rows]
 
 
 def main(argv=None):
@@ -203,7 +223,7 @@ def main(argv=None):
     if args.sweep:
         try:
             cells = cells_below(args.sweep, args.below)
-        except (OSError, ValueError, KeyError, TypeError) as e:
+        except (OSError, ValueError, KeyError, TypeError, argparse.ArgumentTypeError) as e:
             parser.error(f"--from: cannot read a sweep's cells from {args.sweep!r}: {e}")
         explain(cells, args)
         return
@@ -245,7 +265,7 @@ def explain(cells, args):
     print(f"{len(rows)} cells below {args.below}: " +
           ", ".join(f"{n} {k}" for k, n in sorted(kinds.items())))
     write_json(args.json, {"benchmark": "explain_cells", "sweep": args.sweep,
-                           "below": args.below, "steps": args.steps, "rounds": args.rounds,
+                           "below": args.below, "max_steps": args.steps, "rounds": args.rounds,
                            "alone_repeats": args.alone_repeats,
                            "alone_min_seconds": args.alone_min_seconds,
                            "threads": torch.get_num_threads(), "verdicts": kinds,

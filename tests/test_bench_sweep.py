@@ -142,8 +142,11 @@ def test_profile_cells_explains_a_sweeps_cells_below_one(tmp_path):
     assert [(r["width"], r["activation"], r["grid"]["median"]) for r in rows] == [
         (8, "none", 0.90), (16, "relu", 0.95)]
     for r in rows:
-        assert r["verdict"]["kind"] in ("ahead alone", "GEMM-bound", "behind")
+        behind = r["alone"]["median"] < 1.0
+        assert (r["verdict"]["kind"] in ("no loss in the profile", "GEMMs", "own work")) == \
+            behind, r["verdict"]
         assert r["verdict"]["same_gemm_calls"]
+        assert 2 <= r["profiled_steps"] <= 2
         for side in ("fused", "eager"):
             s = r[side]
             assert 0 < s["own_us_per_step"] < s["total_us_per_step"]
@@ -161,14 +164,24 @@ def test_profile_cells_verdicts():
     calls = {"[8, 8] x [8, 8]": 2.0}
     side = lambda own, gemm, c=calls: {"own_us_per_step": own, "gemm_us_per_step": gemm,  # noqa
                                        "gemm_calls": c}
-    assert verdict(1.01, side(50, 100), side(10, 90), 1.0)["kind"] == "ahead alone"
-    v = verdict(0.97, side(40, 110), side(45, 100), 1.0)
-    assert v["kind"] == "GEMM-bound" and v["own_us"] == [40, 45] and v["gemm_us"] == [110, 100]
-    assert verdict(0.97, side(50, 100), side(45, 100), 1.0)["kind"] == "behind"
-    # Other GEMM calls on dpcuda's side: not the same MKL work, so not GEMM-bound.
-    other = side(40, 100, {"[8, 8] x [8, 4]": 2.0})
-    v = verdict(0.97, other, side(45, 100), 1.0)
-    assert v["kind"] == "behind" and not v["same_gemm_calls"]
+    alone = lambda median, q1: {"median": median, "q1": q1}  # noqa: E731
+    assert verdict(alone(1.03, 1.01), side(50, 100), side(10, 90), 1.0)["kind"] == "ahead alone"
+    assert verdict(alone(1.01, 0.97), side(50, 100), side(10, 90), 1.0)["kind"] == "level alone"
+    # Behind alone: where the profiles' difference lies.
+    v = verdict(alone(0.97, 0.95), side(40, 110), side(45, 100), 1.0)
+    assert v["kind"] == "GEMMs" and v["own_us"] == [40, 45] and v["gemm_us"] == [110, 100]
+    # (dpcuda's own part costs more, but its GEMMs' extra time is the larger)
+    assert verdict(alone(0.97, 0.95), side(50, 110), side(45, 100), 1.0)["kind"] == "GEMMs"
+    assert verdict(alone(0.97, 0.95), side(60, 100), side(45, 100), 1.0)["kind"] == "own work"
+    # dpcuda's GEMMs faster and its own part slower by more: its own work.
+    assert verdict(alone(0.97, 0.95), side(60, 95), side(45, 100), 1.0)["kind"] == "own work"
+    # The profiles show dpcuda no slower: not GEMMs, not its own work.
+    assert verdict(alone(0.97, 0.95), side(40, 99), side(45, 100), 1.0)["kind"] == \
+        "no loss in the profile"
+    # Other matrix products on dpcuda's side: not the same GEMMs, so its own work.
+    other = side(40, 110, {"[8, 8] x [8, 4]": 2.0})
+    v = verdict(alone(0.97, 0.95), other, side(45, 100), 1.0)
+    assert v["kind"] == "own work" and not v["same_gemm_calls"]
 
 
 def test_profile_cells_refuses_an_unreadable_sweep(tmp_path):
@@ -177,6 +190,12 @@ def test_profile_cells_refuses_an_unreadable_sweep(tmp_path):
     (tmp_path / "bad.json").write_text('{"results": [{"width": 8}]}')
     proc = run_script("profile_cells", "--from", "bad.json", cwd=tmp_path)
     assert proc.returncode == 2 and "--from" in proc.stderr
+    # (a cell's values are checked before any is measured)
+    (tmp_path / "bad2.json").write_text(json.dumps({"results": [
+        {"width": 8, "batch": 4, "activation": "swish", "bias": True, "layout": "dense",
+         "dtype": "float32", "eager_over_fused": {"median": 0.9}}]}))
+    proc = run_script("profile_cells", "--from", "bad2.json", cwd=tmp_path)
+    assert proc.returncode == 2 and "activation must be one of" in proc.stderr
     proc = run_script("profile_cells", "--from", "bad.json", "8x8:relu:on:dense",
                       cwd=tmp_path)
     assert proc.returncode == 2 and "not both" in proc.stderr

@@ -499,5 +499,12 @@ def test_bias_sums_over_a_transposed_gradient_follow_their_lane_order(dtype):
                     {torch.float32: torch.int32, torch.float64: torch.int64}[dtype]
                 assert torch.equal(got[~nan].view(bits), want[~nan].view(bits)), (rows, n)
                 assert not got[1].signbit()
+                # (into a given bias gradient, as DataParallel's flat buffer takes it)
+                gw = torch.empty(cols, 5, dtype=dtype)
+                gb = torch.full((cols,), 7.0, dtype=dtype)
+                torch.ops.dpcuda.full_backward_into(g, x, w, x, "none", [False, True, True], gw,
+                                                    gb)
+                assert torch.equal(gb[~nan].view(bits), want[~nan].view(bits)), (rows, n)
+                assert torch.equal(gb.isnan(), nan)
         finally:
             torch.set_num_threads(threads)

@@ -61,7 +61,8 @@ using acc_of = typename Compute<S>::type;
 // (column_major_totals), split between threads by column: chunks of rows, each with its tree,
 // read a few cache lines of every column a chunk (a stream per column: more than the
 // prefetcher follows) and spent more on the trees than on the adds (16 lanes, 4096x1024
-// float32, 2 threads: 2.5 ms against torch's sum(0) 0.63).
+// float32, 2 threads, through full_backward: 2.5 ms against torch's sum(0) 0.63 in one run;
+// whole columns in 64 lanes: 0.76 against 0.99 in another).
 // The lanes are GCC vectors of 16 (lowered to each clone's widths: the same adds in any),
 // loaded from 16 consecutive elements, bfloat16 widened.
 constexpr int64_t kColumnLanes = 64;

@@ -59,7 +59,8 @@ void bfloat16_activation_forward(const uint16_t* z, uint16_t* out, int64_t begin
 // activation_backward_rows for bfloat16: g = grad_out * act'(saved) rounded once (written to
 // grad_pre unless it is null), and the column sums, in float and in row order, of g as stored
 // (each rounded value widened back exactly; of grad_out itself where grad_pre is null, for
-// "none"). grad_out is read where it lies, as in activation_backward_rows.
+// "none", in the lanes' order over a column-major grad_out, as activation_backward_rows's).
+// grad_out is read where it lies, as in activation_backward_rows.
 void bfloat16_activation_backward_rows(const uint16_t* grad_out, const uint16_t* saved,
                                        uint16_t* grad_pre, float* bias_partial,
                                        int64_t row_begin, int64_t row_end, int64_t cols,
