@@ -2,7 +2,9 @@
 // rule that a case passes only if the emulator reported nothing it did not expect.
 #pragma once
 
+#include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <memory>
 #include <string>
 #include <vector>
@@ -96,6 +98,40 @@ inline void expect_report(const char* text, const char* where) {
   std::printf("%s: expected an emulator report containing \"%s\"; got %zu reports\n", where, text,
               dpcuda::emu::reports().size());
   dpcuda_test::fail();
+}
+
+// The replica counts a test runs: all of `all`, or with `--replicas LIST` (comma-separated,
+// each one of `all`) those alone (the sanitizer builds run a few, CMakeLists.txt). Bad
+// arguments print the usage and exit 2.
+inline std::vector<int> replicas(int argc, char** argv, const std::vector<int>& all) {
+  if (argc == 1) return all;
+  const auto usage = [&] {
+    std::string counts;
+    for (int r : all) counts += (counts.empty() ? "" : ",") + std::to_string(r);
+    std::fprintf(stderr, "usage: %s [--replicas LIST]: LIST, comma-separated, of %s\n", argv[0],
+                 counts.c_str());
+    std::exit(2);
+  };
+  if (argc != 3 || std::string(argv[1]) != "--replicas") usage();
+  std::vector<int> wanted;
+  const std::string list = argv[2];
+  for (size_t at = 0; at <= list.size();) {
+    const size_t end = std::min(list.find(',', at), list.size());
+    const std::string item = list.substr(at, end - at);
+    int r = 0;
+    if (item.empty() || item.size() > 3 ||
+        item.find_first_not_of("0123456789") != std::string::npos ||
+        std::find(all.begin(), all.end(), r = std::stoi(item)) == all.end()) {
+      usage();
+    }
+    wanted.push_back(r);
+    at = end + 1;
+  }
+  return wanted;
+}
+
+inline bool has(const std::vector<int>& counts, int r) {
+  return std::find(counts.begin(), counts.end(), r) != counts.end();
 }
 
 inline int finish(const char* name) {

@@ -104,8 +104,13 @@ void fail(const char* what, const Case& c, int r, int64_t i) {
   dpcuda_test::fail();
 }
 
+// The replica counts this run takes (--replicas); a case of another count is passed over (its
+// seed still taken: each case has the same seed whichever counts run).
+std::vector<int> g_counts;
+
 template <typename T>
 void run_case(const Case& c, uint64_t seed) {
+  if (!emu_test::has(g_counts, c.replicas)) return;
   const int R = c.replicas, D = c.devices;
   dpcuda::emu::Config cfg = emu_test::config(D, seed, 50);
   std::mt19937 rng(static_cast<unsigned>(seed));
@@ -336,7 +341,10 @@ void run_case(const Case& c, uint64_t seed) {
 
 }  // namespace
 
-int main() {
+// test_emulation_reduce_update [--replicas LIST] (default: 1, 2, 3, 5 and 8; the sanitizer
+// builds run a few, CMakeLists.txt)
+int main(int argc, char** argv) {
+  g_counts = emu_test::replicas(argc, argv, {1, 2, 3, 5, 8});
   uint64_t seed = 500;
   const AllReduceAlgorithm kAlgorithms[] = {
       AllReduceAlgorithm::kOneShot, AllReduceAlgorithm::kTwoShot, AllReduceAlgorithm::kRing};

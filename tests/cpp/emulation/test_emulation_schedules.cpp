@@ -42,8 +42,13 @@ struct Case {
   enum { kNone, kClear, kSkip, kTriple } records = kNone;
 };
 
+// The replica counts this run takes (--replicas); a case of another count is passed over (its
+// seed still taken: each case has the same seed whichever counts run).
+std::vector<int> g_counts;
+
 template <typename T>
 void run_case(const Case& c, uint64_t seed) {
+  if (!emu_test::has(g_counts, c.replicas)) return;
   using Acc = dpcuda::cuda::acc_t<T>;
   const int R = c.replicas, D = c.devices;
   dpcuda::emu::Config cfg = emu_test::config(D, seed, 50);
@@ -177,7 +182,10 @@ void run_case(const Case& c, uint64_t seed) {
 
 }  // namespace
 
-int main() {
+// test_emulation_schedules [--replicas LIST] (default: 1-8 and 16; the sanitizer builds run a
+// few, CMakeLists.txt)
+int main(int argc, char** argv) {
+  g_counts = emu_test::replicas(argc, argv, {1, 2, 3, 4, 5, 6, 7, 8, 16});
   uint64_t seed = 100;
   const AllReduceAlgorithm kAlgorithms[] = {
       AllReduceAlgorithm::kOneShot, AllReduceAlgorithm::kTwoShot, AllReduceAlgorithm::kRing};
