@@ -65,7 +65,7 @@ struct LinearShape {
   int64_t rows;
   int64_t in_features;
   int64_t out_features;
-  std::vector<int64_t> out_sizes;
+  at::DimVector out_sizes;  // (no heap allocation up to 5 dimensions)
 };
 
 inline LinearShape check_linear(const at::Tensor& input, const at::Tensor& weight,
@@ -91,7 +91,7 @@ inline LinearShape check_linear(const at::Tensor& input, const at::Tensor& weigh
   }
   s.rows = 1;
   for (int64_t d = 0; d + 1 < input.dim(); ++d) s.rows *= input.size(d);
-  s.out_sizes = input.sizes().vec();
+  s.out_sizes = at::DimVector(input.sizes());
   s.out_sizes.back() = s.out_features;
   return s;
 }
@@ -100,8 +100,9 @@ inline LinearShape check_linear(const at::Tensor& input, const at::Tensor& weigh
 // shape (the saved tensor is unused, and may be empty, for activation "none").
 inline void check_backward(const at::Tensor& grad_output, const at::Tensor& saved,
                            const LinearShape& s, Activation act) {
-  TORCH_CHECK_VALUE(grad_output.sizes().vec() == s.out_sizes, "grad_output must have shape ",
-                    at::IntArrayRef(s.out_sizes), ", got ", grad_output.sizes());
+  TORCH_CHECK_VALUE(grad_output.sizes() == at::IntArrayRef(s.out_sizes),
+                    "grad_output must have shape ", at::IntArrayRef(s.out_sizes), ", got ",
+                    grad_output.sizes());
   if (act != Activation::kNone) {
     TORCH_CHECK_VALUE(saved.numel() == s.rows * s.out_features, "saved must have ",
                       s.rows * s.out_features, " elements (the forward's output or ",

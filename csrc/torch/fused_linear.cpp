@@ -29,9 +29,16 @@ using at::Tensor;
 
 Tensor empty_like_options(const Tensor& t) { return at::empty({0}, t.options()); }
 
-// The flattened (rows, in) view of the input that the GEMMs read.
+// The flattened (rows, in) view of the input that the GEMMs read. A matrix is taken as it is,
+// and a matrix result is returned as it is (in_shape), not through reshape or view: in a small
+// layer's step each such call is a measurable share (issue #27: the op's fixed cost).
 Tensor as_matrix(const Tensor& input, const LinearShape& s) {
-  return input.reshape({s.rows, s.in_features});
+  return input.dim() == 2 ? input : input.reshape({s.rows, s.in_features});
+}
+
+// A (rows, features) result in the shape `sizes` of the layer's input or output.
+Tensor in_shape(const Tensor& t, at::IntArrayRef sizes) {
+  return sizes.size() == 2 ? t : t.view(sizes);
 }
 
 // What both backends' full_backward share: the checks, the flattened gradient, and the
@@ -65,9 +72,12 @@ BackwardPlan plan_backward(const Tensor& grad_output, const Tensor& input, const
   // sum() or mean(), a transposed one): no copy of it first; without an activation the GEMMs
   // read it as torch's linear backward does (a transposed one as BLAS's transposed operand).
   // Elsewhere it is made contiguous.
-  p.grad_out = grad_output.reshape({rows, out_f});
+  p.grad_out = grad_output.dim() == 2 ? grad_output : grad_output.reshape({rows, out_f});
   if (!strided_ok) p.grad_out = p.grad_out.contiguous();
-  p.saved = p.fused_pass ? saved.reshape({rows, out_f}).contiguous() : Tensor();
+  const bool saved_matrix = saved.dim() == 2 && saved.size(0) == rows;  // (its numel checked)
+  p.saved = !p.fused_pass  ? Tensor()
+            : saved_matrix ? saved.contiguous()
+                           : saved.reshape({rows, out_f}).contiguous();
   p.g = !p.fused_pass ? p.grad_out
         : g_buffer    ? at::empty({rows, out_f}, p.grad_out.options())
                       : Tensor();
@@ -96,7 +106,7 @@ std::tuple<Tensor, Tensor, Tensor> finish_backward(const BackwardPlan& p, const 
                                                    std::array<bool, 3> output_mask,
                                                    const Tensor& grad_weight_into = Tensor()) {
   const Tensor g = output_mask[0] || output_mask[1] ? gemm_operand(p.g) : p.g;
-  Tensor grad_input = output_mask[0] ? at::mm(g, weight).view(input.sizes())
+  Tensor grad_input = output_mask[0] ? in_shape(at::mm(g, weight), input.sizes())
                                      : empty_like_options(p.grad_out);
   Tensor grad_weight;
   if (output_mask[1] && grad_weight_into.defined()) {
@@ -108,6 +118,17 @@ std::tuple<Tensor, Tensor, Tensor> finish_backward(const BackwardPlan& p, const 
                                  : empty_like_options(p.grad_out);
   }
   return {grad_input, grad_weight, p.grad_bias};
+}
+
+// Float sums rounded to bfloat16 (to nearest even, as Tensor.to rounds), by a plain loop: a
+// bias's few hundred values, where `to` takes four dispatcher calls and a TensorIterator, a
+// share of a small layer's step (issue #27). (A NaN becomes c10's quiet NaN, 0x7fc0.)
+Tensor rounded_to_bfloat16(const Tensor& sums) {
+  Tensor out = at::empty(sums.sizes(), sums.options().dtype(at::kBFloat16));
+  const float* src = sums.const_data_ptr<float>();
+  at::BFloat16* dst = out.mutable_data_ptr<at::BFloat16>();
+  for (int64_t i = 0, n = sums.numel(); i < n; ++i) dst[i] = at::BFloat16(src[i]);
+  return out;
 }
 
 // The destinations of full_backward_into: contiguous tensors of the gradient's shape, dtype and
@@ -189,8 +210,8 @@ std::tuple<Tensor, Tensor> full_forward_cpu(const Tensor& input, const Tensor& w
     const Tensor z = has_b ? at::addmm(*bias, x, weight.t()) : at::mm(x, weight.t());
     const bool keep_pre = saved_for_backward(act) == Saved::kPreActivation;
     if (input.scalar_type() != at::kBFloat16 || !bfloat16_forward_pass_wins(act)) {
-      return {aten_activation(z, act).view(s.out_sizes),
-              keep_pre ? z.view(s.out_sizes) : empty_like_options(z)};
+      return {in_shape(aten_activation(z, act), s.out_sizes),
+              keep_pre ? in_shape(z, s.out_sizes) : empty_like_options(z)};
     }
     Tensor out = keep_pre ? at::empty_like(z) : z;
     const auto* z_bits = reinterpret_cast<const uint16_t*>(z.const_data_ptr<at::BFloat16>());
@@ -199,7 +220,8 @@ std::tuple<Tensor, Tensor> full_forward_cpu(const Tensor& input, const Tensor& w
     at::parallel_for(0, z.numel(), grain, [&](int64_t begin, int64_t end) {
       cpu::bfloat16_activation_forward(z_bits, out_bits, begin, end, act);
     });
-    return {out.view(s.out_sizes), keep_pre ? z.view(s.out_sizes) : empty_like_options(z)};
+    return {in_shape(out, s.out_sizes),
+            keep_pre ? in_shape(z, s.out_sizes) : empty_like_options(z)};
   }
   // With an activation, the GEMM writes x @ W^T alone and our pass adds the bias as it applies
   // the activation (keeping the pre-activation when the backward needs it): that saves addmm's
@@ -238,7 +260,7 @@ std::tuple<Tensor, Tensor> full_forward_cpu(const Tensor& input, const Tensor& w
       });
     });
   }
-  return {out.view(s.out_sizes), keep_pre ? pre.view(s.out_sizes) : pre};
+  return {in_shape(out, s.out_sizes), keep_pre ? in_shape(pre, s.out_sizes) : pre};
 }
 
 // The CPU backward's row pass and the bias gradient's fixed-order sum: rows in chunks of
@@ -351,7 +373,7 @@ std::tuple<Tensor, Tensor, Tensor> full_backward_cpu_into(
     }
     const Tensor none = empty_like_options(g);
     const Tensor gm = output_mask[0] || output_mask[1] ? gemm_operand(g) : g;
-    Tensor gi = output_mask[0] ? at::mm(gm, weight).view(input.sizes()) : none;
+    Tensor gi = output_mask[0] ? in_shape(at::mm(gm, weight), input.sizes()) : none;
     Tensor gw = output_mask[1] ? at::mm(gm.t(), as_matrix(input, p.shape)) : none;
     Tensor gb = none;
     if (output_mask[2]) {
@@ -366,7 +388,7 @@ std::tuple<Tensor, Tensor, Tensor> full_backward_cpu_into(
                                   Activation::kNone);
                             });
       }
-      gb = sum.to(dtype);
+      gb = bf16 ? rounded_to_bfloat16(sum) : sum.to(dtype);
     }
     return {gi, gw, gb};
   }
@@ -450,7 +472,7 @@ std::tuple<Tensor, Tensor> full_forward_cuda(const Tensor& input, const Tensor& 
   if (!linear_lt(x, weight, has_bias ? *bias : Tensor(), z)) {
     z = has_bias ? at::addmm(*bias, x, weight.t()) : at::mm(x, weight.t());
   }
-  if (act == Activation::kNone) return {z.view(s.out_sizes), empty_like_options(z)};
+  if (act == Activation::kNone) return {in_shape(z, s.out_sizes), empty_like_options(z)};
   const Tensor out = keep_pre ? at::empty_like(z) : z;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, z.scalar_type(), "full_forward_cuda",
                                   [&] {
@@ -461,15 +483,16 @@ std::tuple<Tensor, Tensor> full_forward_cuda(const Tensor& input, const Tensor& 
                    at::cuda::getCurrentCUDAStream()),
                "activation_forward launch");
   });
-  return {out.view(s.out_sizes), keep_pre ? z.view(s.out_sizes) : empty_like_options(z)};
+  return {in_shape(out, s.out_sizes),
+          keep_pre ? in_shape(z, s.out_sizes) : empty_like_options(z)};
 }
 
 // grad_input = g @ weight in the input's shape: a small GEMM by cuBLASLt with one kernel
 // (cublaslt.cpp), where cuBLAS may split K; else ATen's.
 Tensor input_grad_cuda(const Tensor& g, const Tensor& weight, const Tensor& input) {
   Tensor out = at::empty({g.size(0), weight.size(1)}, g.options());
-  if (input_grad_lt(g, weight, out)) return out.view(input.sizes());
-  return at::mm(g, weight).view(input.sizes());
+  if (input_grad_lt(g, weight, out)) return in_shape(out, input.sizes());
+  return in_shape(at::mm(g, weight), input.sizes());
 }
 
 // dpcuda's backward pass over (rows, out) grad_out: g = grad_out * act'(saved) (where g is
