@@ -324,6 +324,40 @@ def test_bfloat16_passes_read_strided_gradients_and_keep_nan_and_inf_as_torch(ac
         assert torch.equal(ours.isinf() & (ours < 0), theirs.isinf() & (theirs < 0))
 
 
+@pytest.mark.parametrize("rows", [3, 33, 300])
+@pytest.mark.parametrize("layout", ["dense", "transposed"])
+def test_bfloat16_bias_gradient_rounds_its_float_sums_to_nearest_even(rows, layout):
+    # The bfloat16 bias gradient is the float sum over the rows rounded once to bfloat16, to
+    # nearest with ties to even, as Tensor.to rounds (the CPU adapter rounds it by a loop of
+    # its own). Columns whose float sums are exact in any order (three bfloat16 values, the
+    # other rows 0) and fall on halfway points, just past them, on bfloat16's largest value,
+    # past it (Inf), on NaN and +-Inf, -0: the bits of go.float().sum(0).bfloat16().
+    big = 3.3895313892515355e38  # bfloat16's largest finite value
+    h = 2.0 ** -8  # half a bfloat16 ulp of 1
+    terms = [(1.0, h, 0.0), (1.0, 3 * h, 0.0), (-1.0, -h, 0.0), (256.0, 1.0, 0.0),
+             (258.0, 1.0, 0.0), (1.0, h, 2.0 ** -20), (-1.0, -h, -(2.0 ** -20)),
+             (1.0, h, -(2.0 ** -20)), (big, 0.0, 0.0), (big, big * 2.0 ** -9, 0.0), (big, big, 0.0),
+             (float("nan"), 1.0, 0.0), (float("inf"), 1.0, 0.0), (-float("inf"), 2.0, 0.0),
+             (float("inf"), -float("inf"), 0.0), (-0.0, -0.0, -0.0), (0.0, -0.0, -0.0),
+             (2.0 ** -133, 0.0, 0.0)]
+    go = torch.zeros(rows, len(terms))
+    for row, k in ((0, 0), (1, 1), (rows - 1, 2)):
+        go[row] = torch.tensor([t[k] for t in terms])
+    go = go.bfloat16()
+    torch.testing.assert_close(go.float()[[0, 1, rows - 1]], torch.tensor(terms).t(), rtol=0,
+                               atol=0, equal_nan=True)  # (each term is a bfloat16 value)
+    if layout == "transposed":
+        go = go.t().contiguous().t()
+    x = torch.randn(rows, 3).bfloat16()
+    w = torch.randn(len(terms), 3).bfloat16()
+    _, _, gb = torch.ops.dpcuda.full_backward(go, x, w, torch.empty(0).bfloat16(), "none",
+                                              [False, False, True])
+    want = go.float().sum(0).bfloat16()
+    assert torch.equal(gb.isnan(), want.isnan())
+    same = gb.view(torch.int16) == want.view(torch.int16)
+    assert bool((same | want.isnan()).all()), (gb, want)
+
+
 @pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "bias"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("activation", ["sigmoid", "silu"])
