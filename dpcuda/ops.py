@@ -116,10 +116,11 @@ def full_forward(x, weight, bias=None, activation="relu", *, _grads_into=None):
 
 @torch.library.register_fake("dpcuda::full_backward")
 def _full_backward_fake(grad_output, input, weight, saved, activation, output_mask):
-    empty = grad_output.new_empty((0,))
-    return (input.new_empty(input.shape) if output_mask[0] else empty,
-            weight.new_empty(weight.shape) if output_mask[1] else empty,
-            weight.new_empty((weight.shape[0],)) if output_mask[2] else empty)
+    # (each gradient left out an empty tensor of its own, as the kernels return: no aliasing)
+    return (input.new_empty(input.shape) if output_mask[0] else grad_output.new_empty((0,)),
+            weight.new_empty(weight.shape) if output_mask[1] else grad_output.new_empty((0,)),
+            weight.new_empty((weight.shape[0],)) if output_mask[2]
+            else grad_output.new_empty((0,)))
 
 
 @torch.library.register_fake("dpcuda::full_backward_into")

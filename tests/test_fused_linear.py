@@ -293,6 +293,27 @@ def test_opcheck(device, activation):
                            [True, True, True]))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("shape", [(5,), (2, 3, 5)], ids=["1d", "3d"])
+def test_opcheck_half_types_other_ranks_and_masks(dtype, shape):
+    # torch.library.opcheck (schema, fake kernel, autograd registration, no aliasing between
+    # outputs or with the inputs) on the CPU's half-type paths, inputs of one and three
+    # dimensions (the adapters take a matrix as it is and reshape the others), and masks that
+    # leave gradients out (each an empty tensor of its own).
+    torch.manual_seed(0)
+    x = torch.randn(*shape).to(dtype)
+    w = torch.randn(4, 5).to(dtype)
+    b = torch.randn(4).to(dtype)
+    for activation in ("none", "relu", "silu"):
+        torch.library.opcheck(torch.ops.dpcuda.full_forward.default, (x, w, b, activation))
+        out, pre = torch.ops.dpcuda.full_forward(x, w, b, activation)
+        saved = out if ops.saved_for_backward(activation) == "output" else pre
+        for mask in ([True, True, True], [True, False, False], [False, True, False],
+                     [False, False, True], [False, False, False]):
+            torch.library.opcheck(torch.ops.dpcuda.full_backward.default,
+                                  (torch.randn_like(out), x, w, saved, activation, mask))
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_bad_inputs_raise_named_errors(device):
     x, w, b = torch.randn(4, 5, device=device), torch.randn(3, 5, device=device), \

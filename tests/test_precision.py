@@ -337,6 +337,7 @@ def test_bfloat16_bias_gradient_rounds_its_float_sums_to_nearest_even(rows, layo
     terms = [(1.0, h, 0.0), (1.0, 3 * h, 0.0), (-1.0, -h, 0.0), (256.0, 1.0, 0.0),
              (258.0, 1.0, 0.0), (1.0, h, 2.0 ** -20), (-1.0, -h, -(2.0 ** -20)),
              (1.0, h, -(2.0 ** -20)), (big, 0.0, 0.0), (big, big * 2.0 ** -9, 0.0), (big, big, 0.0),
+             (big, 2.0 ** 119, 0.0), (-big, -(2.0 ** 119), 0.0),  # (halfway to Inf: Inf)
              (float("nan"), 1.0, 0.0), (float("inf"), 1.0, 0.0), (-float("inf"), 2.0, 0.0),
              (float("inf"), -float("inf"), 0.0), (-0.0, -0.0, -0.0), (0.0, -0.0, -0.0),
              (2.0 ** -133, 0.0, 0.0)]

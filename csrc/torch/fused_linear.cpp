@@ -74,7 +74,7 @@ BackwardPlan plan_backward(const Tensor& grad_output, const Tensor& input, const
   // Elsewhere it is made contiguous.
   p.grad_out = grad_output.dim() == 2 ? grad_output : grad_output.reshape({rows, out_f});
   if (!strided_ok) p.grad_out = p.grad_out.contiguous();
-  const bool saved_matrix = saved.dim() == 2 && saved.size(0) == rows;  // (its numel checked)
+  const bool saved_matrix = saved.dim() == 2 && saved.size(0) == rows && saved.size(1) == out_f;
   p.saved = !p.fused_pass  ? Tensor()
             : saved_matrix ? saved.contiguous()
                            : saved.reshape({rows, out_f}).contiguous();
@@ -120,9 +120,10 @@ std::tuple<Tensor, Tensor, Tensor> finish_backward(const BackwardPlan& p, const 
   return {grad_input, grad_weight, p.grad_bias};
 }
 
-// Float sums rounded to bfloat16 (to nearest even, as Tensor.to rounds), by a plain loop: a
-// bias's few hundred values, where `to` takes four dispatcher calls and a TensorIterator, a
-// share of a small layer's step (issue #27). (A NaN becomes c10's quiet NaN, 0x7fc0.)
+// Float sums rounded to bfloat16 (to nearest even, as Tensor.to rounds every value but NaN), by
+// a plain loop: a bias's few hundred values, where `to` takes four dispatcher calls and a
+// TensorIterator, a share of a small layer's step (issue #27). A NaN becomes c10's quiet NaN,
+// 0x7fc0, where ATen's vectorised conversion gives 0xffff in its full vectors (both NaN).
 Tensor rounded_to_bfloat16(const Tensor& sums) {
   Tensor out = at::empty(sums.sizes(), sums.options().dtype(at::kBFloat16));
   const float* src = sums.const_data_ptr<float>();
@@ -371,11 +372,12 @@ std::tuple<Tensor, Tensor, Tensor> full_backward_cpu_into(
                             });
       }
     }
-    const Tensor none = empty_like_options(g);
+    // (each gradient left out an empty tensor of its own: an op's outputs must not alias)
+    const auto none = [&] { return empty_like_options(g); };
     const Tensor gm = output_mask[0] || output_mask[1] ? gemm_operand(g) : g;
-    Tensor gi = output_mask[0] ? in_shape(at::mm(gm, weight), input.sizes()) : none;
-    Tensor gw = output_mask[1] ? at::mm(gm.t(), as_matrix(input, p.shape)) : none;
-    Tensor gb = none;
+    Tensor gi = output_mask[0] ? in_shape(at::mm(gm, weight), input.sizes()) : none();
+    Tensor gw = output_mask[1] ? at::mm(gm.t(), as_matrix(input, p.shape)) : none();
+    Tensor gb;
     if (output_mask[2]) {
       if (!bf16) {
         // The float path's fixed-order sum over g widened to float (exactly), rounded once.
@@ -390,7 +392,7 @@ std::tuple<Tensor, Tensor, Tensor> full_backward_cpu_into(
       }
       gb = bf16 ? rounded_to_bfloat16(sum) : sum.to(dtype);
     }
-    return {gi, gw, gb};
+    return {gi, gw, output_mask[2] ? gb : none()};
   }
   const int64_t rows = p.shape.rows, out_f = p.shape.out_features;
   if (p.fused_pass || output_mask[2]) {
