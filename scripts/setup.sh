@@ -42,7 +42,8 @@ build_key=$({
   find csrc setup.py -type f \( -name '*.cpp' -o -name '*.cu' -o -name '*.h' -o -name '*.cuh' \
     -o -name '*.py' \) -print0 | LC_ALL=C sort -z | xargs -0 sha256sum
   echo "$(cd "$venv" && pwd -P) $("$py" -c 'import sys; print(sys.version)') torch $torch_version"
-  echo "${DPCUDA_FORCE_CPU:-} ${TORCH_CUDA_ARCH_LIST:-} ${CUDA_HOME:-} ${CUDA_PATH:-}"
+  echo "${DPCUDA_FORCE_CPU:-} ${DPCUDA_DEBUG_INFO:-} ${TORCH_CUDA_ARCH_LIST:-}"
+  echo "${CUDA_HOME:-} ${CUDA_PATH:-}"
   echo "${nvcc_on_path:+$(readlink -f "$nvcc_on_path")}"
   ls -d /usr/local/cuda/bin/nvcc /usr/local/cuda/include/cuda_runtime.h 2>/dev/null || true
 } | sha256sum | cut -d' ' -f1)
