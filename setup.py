@@ -98,7 +98,7 @@ def extension():
     if os.environ.get("DPCUDA_DEBUG_INFO", "0") != "1":
         # Without the debug information Python's flags ask for (-g): the adapters, each a
         # translation unit of ATen's headers, compile in about 60% of the time (csrc/torch/
-        # module.cpp: 151 s -> 87 s on the 2-core machine) into a library 50x smaller.
+        # module.cpp: 151 s -> 87 s on the 2-core machine), its object file 48x smaller.
         # DPCUDA_DEBUG_INFO=1 keeps it (for gdb, perf's line numbers).
         cxx_flags.append("-g0")
     if torch._C.has_openmp:
