@@ -2,7 +2,10 @@
 (issue #27: where the float32 exp-based activations trail). For a square layer of --width at
 each batch: dpcuda's forward with the activation minus its forward without ("none": the same
 GEMM), against torch's activation applied to the same pre-activation, each as ns per element,
-on --threads threads; medians over rounds, dpcuda and torch round-robin.
+on --threads threads; medians over rounds, dpcuda and torch round-robin. --in-features narrows
+the layer's input (default: --width): the pass's size is batch x width whatever the input, and a
+narrow input keeps the GEMM, identical on both sides, from drowning the pass in its noise (a
+1024-wide layer's GEMM at batch 4096 takes 45 ms here, the pass 1 ms).
 
     python benchmarks/bench_activation_pass.py --json benchmarks/results/activation-pass-cpu.json
 
@@ -42,10 +45,11 @@ def timed(fn, calls):
     return (time.perf_counter() - start) / calls
 
 
-def measure(width, batch, activation, rounds):
+def measure(width, batch, activation, rounds, in_features=None):
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(batch, width, generator=gen)
-    w = torch.randn(width, width, generator=gen) / width ** 0.5
+    inputs = in_features or width
+    x = torch.randn(batch, inputs, generator=gen)
+    w = torch.randn(width, inputs, generator=gen) / inputs ** 0.5
     z = x @ w.t()
     op = torch.ops.dpcuda.full_forward
     calls = max(5, 2_000_000 // (batch * width))
@@ -60,7 +64,7 @@ def measure(width, batch, activation, rounds):
             samples[k].append(timed(fn, calls))
     med = {k: statistics.median(v) for k, v in samples.items()}
     n = batch * width
-    return {"width": width, "batch": batch, "activation": activation,
+    return {"width": width, "in_features": inputs, "batch": batch, "activation": activation,
             "dpcuda_ns_per_element": 1e9 * (med["fused_act"] - med["fused_none"]) / n,
             "torch_ns_per_element": 1e9 * med["torch_act"] / n}
 
@@ -96,6 +100,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--width", default="64", help="one or more, separated by commas")
+    parser.add_argument("--in-features", type=int, default=None,
+                        help="the layer's input width (default: --width; not with --routes)")
     parser.add_argument("--batches", default="256,2048,8192")
     parser.add_argument("--activations", default=None,
                         help="(default: tanh,silu,gelu,sigmoid,relu; with --routes silu,sigmoid)")
@@ -124,6 +130,8 @@ def main(argv=None):
     widths, batches = lists["width"], lists["batches"]
     if min(widths) < 1 or args.threads < 1 or args.rounds < 1 or min(batches) < 1:
         parser.error("--width, --batches, --threads and --rounds must be at least 1")
+    if args.in_features is not None and (args.in_features < 1 or args.routes):
+        parser.error("--in-features must be at least 1, and not with --routes")
     torch.set_num_threads(args.threads)
     rows = []
     for width, batch, activation in itertools.product(widths, batches, activations):
@@ -137,7 +145,7 @@ def main(argv=None):
                       f"aten/pass {band['median']:.3f} [{band['q1']:.3f}, "
                       f"{band['q3']:.3f}]", flush=True)
             continue
-        row = measure(width, batch, activation, args.rounds)
+        row = measure(width, batch, activation, args.rounds, args.in_features)
         rows.append(row)
         print(f"{width:5d} {batch:6d} {activation:10s} dpcuda "
               f"{row['dpcuda_ns_per_element']:.3f} ns  torch "

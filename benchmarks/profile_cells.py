@@ -20,6 +20,10 @@ torch's likewise: its activation kernels, the bias sum, its nodes):
 - "ahead alone": its median alone is at least --below, and so is its first quartile;
 - "level alone": its median alone is at least --below, its first quartile not (the grid's
   figure was the machine's; the band reaches below);
+- "own work": dpcuda's own part is the larger by more than its noise (the difference of the
+  two sides' medians over the rounds exceeds the larger of the two sides' own spreads, max
+  minus min): a loss of dpcuda's, to fix or to explain, whatever the GEMMs did (their time
+  moves by up to 3x between profiles here and could hide it);
 - "no loss in the profile": behind alone, but the profiles show dpcuda's step no slower than
   torch's (own part and GEMMs together): the difference is not in them (noise, or what the
   profiler does not see);
@@ -28,8 +32,11 @@ torch's likewise: its activation kernels, the bias sum, its nodes):
   through ATen's mm or addmm: their operands' layouts are not compared): the fusion does not
   change that time (where torch's addmm adds the bias, that add counts in torch's GEMMs and
   in dpcuda's own part);
-- "own work": the difference is mostly dpcuda's own part (or its GEMMs are other products):
-  a loss of dpcuda's, to fix or to explain.
+- "own work" too where neither holds (the own parts' difference the larger, or other products).
+Each profile also counts the process's minor page faults per step (getrusage): a fresh
+allocation's first touch costs a fault a page, which lands in whichever operator writes it
+first, and how often the allocator hands back fresh pages depends on the step's allocation
+history, not on the arithmetic.
 The profiler's per-operator cost (a few us a call) weighs on the side with more operators at
 the smallest shapes; each row states both sides' figures.
 
@@ -41,6 +48,7 @@ import argparse
 import json
 import math
 import os
+import resource
 import statistics
 import sys
 
@@ -73,9 +81,11 @@ def profile_side(step, steps, warmup=5, shapes=True):
     their operands' shapes (recording shapes costs time: off for the timed profiles)."""
     for _ in range(warmup):
         step()
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     with profile(activities=[ProfilerActivity.CPU], record_shapes=shapes) as prof:
         for _ in range(steps):
             step()
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
     ops_ = []
     for event in prof.key_averages():
         if event.self_cpu_time_total <= 0:
@@ -86,7 +96,8 @@ def profile_side(step, steps, warmup=5, shapes=True):
     total = sum(o["self_us_per_step"] for o in ops_)
     gemm = sum(o["self_us_per_step"] for o in ops_ if o["op"] in GEMMS)
     result = {"total_us_per_step": total, "gemm_us_per_step": gemm,
-              "gemm_share": gemm / total if total else 0.0, "ops": ops_}
+              "gemm_share": gemm / total if total else 0.0,
+              "minor_faults_per_step": faults / steps, "ops": ops_}
     if shapes:
         # The matrix products per step, by their two operands' shapes (addmm's bias left out:
         # dpcuda's forward adds the bias in its own pass after an mm, torch's in its addmm).
@@ -148,12 +159,14 @@ def explain_cell(width, batch, act, bias, layout, dtype, steps, rounds, repeats,
            "dtype": dtype, "alone": alone, "profiled_steps": steps}
     for side, runs in profiles.items():
         step = fused if side == "fused" else eager
+        own = [r["total_us_per_step"] - r["gemm_us_per_step"] for r in runs]
         row[side] = {
             # (medians over the rounds, each figure apart)
             "total_us_per_step": statistics.median(r["total_us_per_step"] for r in runs),
             "gemm_us_per_step": statistics.median(r["gemm_us_per_step"] for r in runs),
-            "own_us_per_step": statistics.median(r["total_us_per_step"] - r["gemm_us_per_step"]
-                                                 for r in runs),
+            "own_us_per_step": statistics.median(own),
+            "own_us_spread": max(own) - min(own),
+            "minor_faults_per_step": statistics.median(r["minor_faults_per_step"] for r in runs),
             "gemm_calls": profile_side(step, 1, warmup=0)["gemm_calls"],
             "ops_of_the_middle_round": sorted(
                 runs, key=lambda r: r["total_us_per_step"])[len(runs) // 2]["ops"]}
@@ -163,12 +176,15 @@ def explain_cell(width, batch, act, bias, layout, dtype, steps, rounds, repeats,
 
 def verdict(alone, fused, eager, below):
     """The module docstring's verdict from a cell's figure alone (median, q1) and each side's
-    profile (own_us_per_step, gemm_us_per_step, gemm_calls)."""
+    profile (own_us_per_step, own_us_spread, gemm_us_per_step, gemm_calls)."""
     same_gemms = fused["gemm_calls"] == eager["gemm_calls"]
     own = fused["own_us_per_step"] - eager["own_us_per_step"]
     gemm = fused["gemm_us_per_step"] - eager["gemm_us_per_step"]
+    own_noise = max(fused["own_us_spread"], eager["own_us_spread"])
     if alone["median"] >= below:
         kind = "ahead alone" if alone["q1"] >= below else "level alone"
+    elif own > own_noise:
+        kind = "own work"
     elif own + gemm <= 0:
         kind = "no loss in the profile"
     elif gemm >= own and same_gemms:
@@ -177,6 +193,7 @@ def verdict(alone, fused, eager, below):
         kind = "own work"
     return {"kind": kind, "same_gemm_calls": same_gemms,
             "own_us": [fused["own_us_per_step"], eager["own_us_per_step"]],
+            "own_us_noise": own_noise,
             "gemm_us": [fused["gemm_us_per_step"], eager["gemm_us_per_step"]]}
 
 
@@ -257,7 +274,9 @@ def explain(cells, args):
         print(f"{width}x{width} batch {batch} {act} bias {'on' if bias else 'off'} {layout} "
               f"{dtype}: grid {grid['median']:.2f}, alone {a['median']:.2f} "
               f"[{a['q1']:.2f}, {a['q3']:.2f}]; own us {v['own_us'][0]:.0f} (dpcuda) / "
-              f"{v['own_us'][1]:.0f} (torch), GEMMs {v['gemm_us'][0]:.0f} / "
+              f"{v['own_us'][1]:.0f} (torch) +-{v['own_us_noise']:.0f}, faults/step "
+              f"{row['fused']['minor_faults_per_step']:.0f} / "
+              f"{row['eager']['minor_faults_per_step']:.0f}, GEMMs {v['gemm_us'][0]:.0f} / "
               f"{v['gemm_us'][1]:.0f}: {v['kind']}", flush=True)
     kinds = {}
     for r in rows:

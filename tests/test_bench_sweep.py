@@ -92,6 +92,24 @@ def test_profile_cells_refuses_a_malformed_cell(tmp_path):
     assert proc.returncode == 2 and "layout must be one of" in proc.stderr
 
 
+def test_bench_activation_pass_times_the_pass_behind_a_narrow_input(tmp_path):
+    # --in-features narrows the layer's input, the pass's size (batch x width) unchanged.
+    script = os.path.join(ROOT, "benchmarks", "bench_activation_pass.py")
+    proc = subprocess.run([sys.executable, script, "--width", "16", "--in-features", "4",
+                           "--batches", "8", "--activations", "gelu,relu", "--rounds", "2",
+                           "--json", "p.json"], capture_output=True, text=True, timeout=300,
+                          cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    payload = json.loads((tmp_path / "p.json").read_text())
+    assert payload["benchmark"] == "activation_pass"
+    assert [(r["width"], r["in_features"], r["batch"], r["activation"])
+            for r in payload["results"]] == [(16, 4, 8, "gelu"), (16, 4, 8, "relu")]
+    assert all(r["torch_ns_per_element"] > 0 for r in payload["results"])
+    for bad in (("--in-features", "0"), ("--in-features", "4", "--routes")):
+        proc = run_script("bench_activation_pass", *bad, cwd=tmp_path)
+        assert proc.returncode == 2 and "--in-features" in proc.stderr
+
+
 def test_bench_activation_pass_measures_the_bfloat16_routes(tmp_path):
     # --routes: the bfloat16 layer's forward with its activation by dpcuda's pass and by ATen's
     # kernel (silu and sigmoid by default), with and without bias; "none" has no activation,
@@ -150,6 +168,7 @@ def test_profile_cells_explains_a_sweeps_cells_below_one(tmp_path):
         for side in ("fused", "eager"):
             s = r[side]
             assert 0 < s["own_us_per_step"] < s["total_us_per_step"]
+            assert s["own_us_spread"] >= 0 and s["minor_faults_per_step"] >= 0
             assert sorted(s["gemm_calls"].values()) == [1.0, 2.0]  # (x's, w's and g's)
     assert sum(out["verdicts"].values()) == 2
     assert "2 cells below 1.0" in proc.stdout
@@ -162,22 +181,34 @@ def test_profile_cells_verdicts():
     finally:
         sys.path.pop(0)
     calls = {"[8, 8] x [8, 8]": 2.0}
-    side = lambda own, gemm, c=calls: {"own_us_per_step": own, "gemm_us_per_step": gemm,  # noqa
-                                       "gemm_calls": c}
+    side = lambda own, gemm, c=calls, spread=20: {  # noqa: E731
+        "own_us_per_step": own, "own_us_spread": spread, "gemm_us_per_step": gemm,
+        "gemm_calls": c}
     alone = lambda median, q1: {"median": median, "q1": q1}  # noqa: E731
     assert verdict(alone(1.03, 1.01), side(50, 100), side(10, 90), 1.0)["kind"] == "ahead alone"
     assert verdict(alone(1.01, 0.97), side(50, 100), side(10, 90), 1.0)["kind"] == "level alone"
     # Behind alone: where the profiles' difference lies.
     v = verdict(alone(0.97, 0.95), side(40, 110), side(45, 100), 1.0)
     assert v["kind"] == "GEMMs" and v["own_us"] == [40, 45] and v["gemm_us"] == [110, 100]
-    # (dpcuda's own part costs more, but its GEMMs' extra time is the larger)
-    assert verdict(alone(0.97, 0.95), side(50, 110), side(45, 100), 1.0)["kind"] == "GEMMs"
+    # (dpcuda's own part costs more, within its noise, and its GEMMs' extra time is the larger)
+    v = verdict(alone(0.97, 0.95), side(50, 110), side(45, 100), 1.0)
+    assert v["kind"] == "GEMMs" and v["own_us_noise"] == 20
+    # The same with the own parts steadier than their difference: a loss of dpcuda's own that
+    # the GEMMs' difference would hide (the float32 gelu cell of session 29's profile).
+    assert verdict(alone(0.97, 0.95), side(50, 110, spread=3), side(45, 100, spread=4),
+                   1.0)["kind"] == "own work"
+    assert verdict(alone(0.97, 0.95), side(50, 300, spread=3), side(45, 100), 1.0)["kind"] == \
+        "GEMMs"  # (torch's own spread, 20, is the noise)
     assert verdict(alone(0.97, 0.95), side(60, 100), side(45, 100), 1.0)["kind"] == "own work"
     # dpcuda's GEMMs faster and its own part slower by more: its own work.
     assert verdict(alone(0.97, 0.95), side(60, 95), side(45, 100), 1.0)["kind"] == "own work"
+    # ... also where the GEMMs' gain outweighs it, once the own parts' difference stands out.
+    assert verdict(alone(0.97, 0.95), side(70, 50), side(45, 100), 1.0)["kind"] == "own work"
     # The profiles show dpcuda no slower: not GEMMs, not its own work.
     assert verdict(alone(0.97, 0.95), side(40, 99), side(45, 100), 1.0)["kind"] == \
         "no loss in the profile"
+    assert verdict(alone(0.97, 0.95), side(60, 50), side(45, 100), 1.0)["kind"] == \
+        "no loss in the profile"  # (+15 within the noise of 20)
     # Other matrix products on dpcuda's side: not the same GEMMs, so its own work.
     other = side(40, 110, {"[8, 8] x [8, 4]": 2.0})
     v = verdict(alone(0.97, 0.95), other, side(45, 100), 1.0)
