@@ -5,7 +5,10 @@ GEMM), against torch's activation applied to the same pre-activation, each as ns
 on --threads threads; medians over rounds, dpcuda and torch round-robin. --in-features narrows
 the layer's input (default: --width): the pass's size is batch x width whatever the input, and a
 narrow input keeps the GEMM, identical on both sides, from drowning the pass in its noise (a
-1024-wide layer's GEMM at batch 4096 takes 45 ms here, the pass 1 ms).
+1024-wide layer's GEMM at batch 4096 takes 45 ms on 2 threads of the AVX-512 machines of
+issue #27, the pass 1 ms). Both figures include a fresh output's allocation: past about 32 MB
+(glibc's largest mmap threshold) each call's output is new pages, a page fault per 4 KB, which
+then outweighs the arithmetic.
 
     python benchmarks/bench_activation_pass.py --json benchmarks/results/activation-pass-cpu.json
 
@@ -47,7 +50,7 @@ def timed(fn, calls):
 
 def measure(width, batch, activation, rounds, in_features=None):
     gen = torch.Generator().manual_seed(0)
-    inputs = in_features or width
+    inputs = width if in_features is None else in_features
     x = torch.randn(batch, inputs, generator=gen)
     w = torch.randn(width, inputs, generator=gen) / inputs ** 0.5
     z = x @ w.t()
@@ -64,7 +67,7 @@ def measure(width, batch, activation, rounds, in_features=None):
             samples[k].append(timed(fn, calls))
     med = {k: statistics.median(v) for k, v in samples.items()}
     n = batch * width
-    return {"width": width, "in_features": inputs, "batch": batch, "activation": activation,
+    return {"width": width, "in_features": x.shape[1], "batch": batch, "activation": activation,
             "dpcuda_ns_per_element": 1e9 * (med["fused_act"] - med["fused_none"]) / n,
             "torch_ns_per_element": 1e9 * med["torch_act"] / n}
 

@@ -22,21 +22,30 @@ torch's likewise: its activation kernels, the bias sum, its nodes):
   figure was the machine's; the band reaches below);
 - "own work": dpcuda's own part is the larger by more than its noise (the difference of the
   two sides' medians over the rounds exceeds the larger of the two sides' own spreads, max
-  minus min): a loss of dpcuda's, to fix or to explain, whatever the GEMMs did (their time
-  moves by up to 3x between profiles here and could hide it);
+  minus min, over at least 3 rounds; with --from, --rounds must be at least 3): a loss of
+  dpcuda's, to fix or to explain, whatever the GEMMs did (their time moves by up to 3x
+  between profiles here and could hide it);
 - "no loss in the profile": behind alone, but the profiles show dpcuda's step no slower than
   torch's (own part and GEMMs together): the difference is not in them (noise, or what the
   profiler does not see);
+- "other products": the difference is not in the own part beyond its noise, and dpcuda's
+  matrix products are not torch's (other counts or operand shapes): dpcuda's choice, to fix
+  or to explain;
 - "GEMMs": the profiles' difference is mostly in the GEMMs (their difference at least the own
   parts'), and both sides make the same matrix products (as many, on the same operand shapes,
-  through ATen's mm or addmm: their operands' layouts are not compared): the fusion does not
-  change that time (where torch's addmm adds the bias, that add counts in torch's GEMMs and
-  in dpcuda's own part);
-- "own work" too where neither holds (the own parts' difference the larger, or other products).
-Each profile also counts the process's minor page faults per step (getrusage): a fresh
-allocation's first touch costs a fault a page, which lands in whichever operator writes it
-first, and how often the allocator hands back fresh pages depends on the step's allocation
-history, not on the arithmetic.
+  through ATen's mm or addmm: their operands' layouts are not compared): where their time
+  differs, the cause is outside the arithmetic the fusion changes (where torch's addmm adds
+  the bias, that add counts in torch's GEMMs and in dpcuda's own part);
+- "within the noise": none of these: the own parts' difference is the larger but within its
+  noise.
+Every verdict also says whether dpcuda's own part is the larger beyond its noise
+(own_beyond_noise), ahead or level alone too: a loss of its own the GEMMs' time made up for.
+Each profile also counts the process's minor page faults per step (getrusage, all threads): a
+fresh allocation's first touch costs a fault a page (about 1 us here), which lands in whichever
+operator writes it first, most often a GEMM writing a new gradient; whether the allocator hands
+back fresh pages (a 64 MB weight gradient: 16384 faults, or none) depends on the addresses and
+the history of the process's allocations, and differs between profiles of one side. The
+verdict records both sides' counts.
 The profiler's per-operator cost (a few us a call) weighs on the side with more operators at
 the smallest shapes; each row states both sides' figures.
 
@@ -81,11 +90,12 @@ def profile_side(step, steps, warmup=5, shapes=True):
     their operands' shapes (recording shapes costs time: off for the timed profiles)."""
     for _ in range(warmup):
         step()
-    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     with profile(activities=[ProfilerActivity.CPU], record_shapes=shapes) as prof:
+        # (the steps' faults alone, not the profiler's start and stop)
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         for _ in range(steps):
             step()
-    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
     ops_ = []
     for event in prof.key_averages():
         if event.self_cpu_time_total <= 0:
@@ -187,13 +197,18 @@ def verdict(alone, fused, eager, below):
         kind = "own work"
     elif own + gemm <= 0:
         kind = "no loss in the profile"
-    elif gemm >= own and same_gemms:
+    elif not same_gemms:
+        kind = "other products"
+    elif gemm >= own:
         kind = "GEMMs"
     else:
-        kind = "own work"
-    return {"kind": kind, "same_gemm_calls": same_gemms,
+        kind = "within the noise"
+    # (also where the cell is ahead or level alone: a loss of dpcuda's own the GEMMs made up for)
+    return {"kind": kind, "same_gemm_calls": same_gemms, "own_beyond_noise": own > own_noise,
             "own_us": [fused["own_us_per_step"], eager["own_us_per_step"]],
             "own_us_noise": own_noise,
+            "minor_faults_per_step": [fused.get("minor_faults_per_step"),
+                                      eager.get("minor_faults_per_step")],
             "gemm_us": [fused["gemm_us_per_step"], eager["gemm_us_per_step"]]}
 
 
@@ -231,6 +246,9 @@ def main(argv=None):
         parser.error("--steps must be at least 1")
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
+    if args.sweep and args.rounds < 3:
+        parser.error("--rounds must be at least 3 with --from (the own parts' noise is their "
+                     "spread over the rounds)")
     if args.alone_repeats < 1:
         parser.error("--alone-repeats must be at least 1")
     if args.sweep and args.cells:
