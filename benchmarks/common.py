@@ -73,12 +73,13 @@ def compare_ms(fns, device, warmup=2, repeats=10):
 
 def paired_ratio(baseline, ours):
     """The median over rounds of baseline / ours, each ratio taken within one round (adjacent
-    runs), with its quartiles and the fraction of rounds where ours was faster: a ratio that
-    moves less with the machine's drift than a ratio of medians."""
+    runs), with its quartiles, the fraction of rounds where ours was faster and the number of
+    rounds (with the fraction, a sign test's input): a ratio that moves less with the machine's
+    drift than a ratio of medians."""
     ratios = sorted(b / o for b, o in zip(baseline, ours))
     q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
     return {"median": statistics.median(ratios), "q1": q[0], "q3": q[2],
-            "faster_rounds": sum(r > 1 for r in ratios) / len(ratios)}
+            "faster_rounds": sum(r > 1 for r in ratios) / len(ratios), "rounds": len(ratios)}
 
 
 def environment(device):

@@ -32,6 +32,7 @@ def test_bench_sweep_runs_a_small_grid(tmp_path):
         # (the quartiles of 2 rounds extrapolate: only their order is certain)
         band = r["eager_over_fused"]
         assert band["q1"] <= band["median"] <= band["q3"] and band["median"] > 0
+        assert band["rounds"] >= 2 and 0 <= band["faster_rounds"] <= 1
         assert r["fused_ms"] > 0
     assert payload["geomean_eager_over_fused"] > 0
     assert (tmp_path / "s.png").stat().st_size > 1000
