@@ -34,8 +34,10 @@ torch's likewise: its activation kernels, the bias sum, its nodes):
 - "GEMMs": the profiles' difference is mostly in the GEMMs (their difference at least the own
   parts'), and both sides make the same matrix products (as many, on the same operand shapes,
   through ATen's mm or addmm: their operands' layouts are not compared): where their time
-  differs, the cause is outside the arithmetic the fusion changes (where torch's addmm adds
-  the bias, that add counts in torch's GEMMs and in dpcuda's own part);
+  differs, it is the GEMMs' own time, not dpcuda's passes: the machine's noise (page faults
+  first) or the calls' form, which the fusion can change (dpcuda's forward makes an mm where
+  torch's makes an addmm with the bias; that add counts in torch's GEMMs and in dpcuda's own
+  part; issue #27's A/B of the two forms);
 - "within the noise": none of these: the own parts' difference is the larger but within its
   noise.
 Every verdict also says whether dpcuda's own part is the larger beyond its noise
