@@ -35,9 +35,9 @@ torch's likewise: its activation kernels, the bias sum, its nodes):
   parts'), and both sides make the same matrix products (as many, on the same operand shapes,
   through ATen's mm or addmm: their operands' layouts are not compared): where their time
   differs, it is the GEMMs' own time, not dpcuda's passes: the machine's noise (page faults
-  first) or the calls' form, which the fusion can change (dpcuda's forward makes an mm where
-  torch's makes an addmm with the bias; that add counts in torch's GEMMs and in dpcuda's own
-  part; issue #27's A/B of the two forms);
+  first) or the calls' form, which the fusion can change (a float32 layer with a bias and an
+  activation: dpcuda's forward makes an mm where torch's makes an addmm with the bias; that
+  add counts in torch's GEMMs and in dpcuda's own part; issue #27's A/B of the two forms);
 - "within the noise": none of these: the own parts' difference is the larger but within its
   noise.
 Every verdict also says whether dpcuda's own part is the larger beyond its noise
