@@ -193,9 +193,10 @@ def verdict(alone, fused, eager, below):
     own = fused["own_us_per_step"] - eager["own_us_per_step"]
     gemm = fused["gemm_us_per_step"] - eager["gemm_us_per_step"]
     own_noise = max(fused["own_us_spread"], eager["own_us_spread"])
+    beyond = own > own_noise
     if alone["median"] >= below:
         kind = "ahead alone" if alone["q1"] >= below else "level alone"
-    elif own > own_noise:
+    elif beyond:
         kind = "own work"
     elif own + gemm <= 0:
         kind = "no loss in the profile"
@@ -206,7 +207,7 @@ def verdict(alone, fused, eager, below):
     else:
         kind = "within the noise"
     # (also where the cell is ahead or level alone: a loss of dpcuda's own the GEMMs made up for)
-    return {"kind": kind, "same_gemm_calls": same_gemms, "own_beyond_noise": own > own_noise,
+    return {"kind": kind, "same_gemm_calls": same_gemms, "own_beyond_noise": beyond,
             "own_us": [fused["own_us_per_step"], eager["own_us_per_step"]],
             "own_us_noise": own_noise,
             "minor_faults_per_step": [fused.get("minor_faults_per_step"),
@@ -295,8 +296,7 @@ def explain(cells, args):
               f"{dtype}: grid {grid['median']:.2f}, alone {a['median']:.2f} "
               f"[{a['q1']:.2f}, {a['q3']:.2f}]; own us {v['own_us'][0]:.0f} (dpcuda) / "
               f"{v['own_us'][1]:.0f} (torch) +-{v['own_us_noise']:.0f}, faults/step "
-              f"{row['fused']['minor_faults_per_step']:.0f} / "
-              f"{row['eager']['minor_faults_per_step']:.0f}, GEMMs {v['gemm_us'][0]:.0f} / "
+              f"{v['minor_faults_per_step'][0]:.0f} / {v['minor_faults_per_step'][1]:.0f}, GEMMs {v['gemm_us'][0]:.0f} / "
               f"{v['gemm_us'][1]:.0f}: {v['kind']}", flush=True)
     kinds = {}
     for r in rows:
