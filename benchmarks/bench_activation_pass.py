@@ -20,6 +20,13 @@ faster), with its quartiles. Default activations silu and sigmoid, the closest c
 whose forward is ATen's on either route.
 
     python benchmarks/bench_activation_pass.py --routes --threads 2 --batches 4096,16384
+
+--bias-routes measures the same for the float32 layer with a bias: its bias added by dpcuda's
+pass after the GEMM (at::mm) against in the GEMM (at::addmm, torch's own call for F.linear);
+each row's figure is the pass route's time over addmm's (above 1: addmm is the faster). Default
+activations silu, gelu and relu.
+
+    python benchmarks/bench_activation_pass.py --bias-routes --threads 2 --width 16,128,1024
 """
 
 import argparse
@@ -72,31 +79,41 @@ def measure(width, batch, activation, rounds, in_features=None):
             "torch_ns_per_element": 1e9 * med["torch_act"] / n}
 
 
-def measure_routes(width, batch, activation, bias, rounds):
+# What --routes and --bias-routes switch: the dtype, the setter, and each route's name (the
+# setter's 0 and 1) as the JSON names its time.
+ROUTES = {
+    "activation": (torch.bfloat16, "_set_bfloat16_forward_route", ("aten", "pass")),
+    "bias": (torch.float32, "_set_float_bias_route", ("pass", "addmm")),
+}
+
+
+def measure_routes(width, batch, activation, bias, rounds, kind="activation"):
+    dtype, setter_name, names = ROUTES[kind]
+    setter = getattr(_C, setter_name)
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(batch, width, generator=gen).bfloat16()
-    w = (torch.randn(width, width, generator=gen) / width ** 0.5).bfloat16()
-    b = torch.randn(width, generator=gen).bfloat16() if bias else None
+    x = torch.randn(batch, width, generator=gen).to(dtype)
+    w = (torch.randn(width, width, generator=gen) / width ** 0.5).to(dtype)
+    b = torch.randn(width, generator=gen).to(dtype) if bias else None
 
     def layer():
         return torch.ops.dpcuda.full_forward(x, w, b, activation)
     calls = max(3, min(2000, 1_000_000 // (batch * width)))
-    samples = {0: [], 1: []}  # the route: 0 ATen's kernel, 1 dpcuda's pass
-    previous = _C._set_bfloat16_forward_route(1)
+    samples = {0: [], 1: []}
+    previous = setter(1)
     try:
         for route in (0, 1):
-            _C._set_bfloat16_forward_route(route)
+            setter(route)
             timed(layer, calls)
         for r in range(rounds):
             for route in ((0, 1) if r % 2 else (1, 0)):
-                _C._set_bfloat16_forward_route(route)
+                setter(route)
                 samples[route].append(timed(layer, calls))
     finally:
-        _C._set_bfloat16_forward_route(previous)
+        setter(previous)
     return {"width": width, "batch": batch, "activation": activation, "bias": bias,
-            "pass_us": 1e6 * statistics.median(samples[1]),
-            "aten_us": 1e6 * statistics.median(samples[0]),
-            "aten_over_pass": paired_ratio(samples[0], samples[1])}
+            f"{names[1]}_us": 1e6 * statistics.median(samples[1]),
+            f"{names[0]}_us": 1e6 * statistics.median(samples[0]),
+            f"{names[0]}_over_{names[1]}": paired_ratio(samples[0], samples[1])}
 
 
 def main(argv=None):
@@ -112,12 +129,19 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--routes", action="store_true",
                         help="bfloat16: the layer by dpcuda's pass against by ATen's kernel")
+    parser.add_argument("--bias-routes", action="store_true",
+                        help="float32 with a bias: the layer's bias added by dpcuda's pass after "
+                             "mm against in the GEMM (addmm)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
+    if args.routes and args.bias_routes:
+        parser.error("--routes and --bias-routes: one at a time")
+    kind = "activation" if args.routes else "bias" if args.bias_routes else None
     # (gelu's bfloat16 forward is ATen's on either route: csrc/torch/fused_linear.cpp)
     known = tuple(a for a in TORCH if a != "gelu") if args.routes else tuple(TORCH)
     if args.activations is None:
-        args.activations = "silu,sigmoid" if args.routes else "tanh,silu,gelu,sigmoid,relu"
+        args.activations = ("silu,sigmoid" if args.routes else "silu,gelu,relu"
+                            if args.bias_routes else "tanh,silu,gelu,sigmoid,relu")
     activations = args.activations.split(",")
     unknown = [a for a in activations if a not in known]
     if unknown:
@@ -133,27 +157,29 @@ def main(argv=None):
     widths, batches = lists["width"], lists["batches"]
     if min(widths) < 1 or args.threads < 1 or args.rounds < 1 or min(batches) < 1:
         parser.error("--width, --batches, --threads and --rounds must be at least 1")
-    if args.in_features is not None and (args.in_features < 1 or args.routes):
-        parser.error("--in-features must be at least 1, and not with --routes")
+    if args.in_features is not None and (args.in_features < 1 or kind):
+        parser.error("--in-features must be at least 1, and not with --routes or --bias-routes")
     torch.set_num_threads(args.threads)
     rows = []
     for width, batch, activation in itertools.product(widths, batches, activations):
-        if args.routes:
-            for bias in (False, True):
-                row = measure_routes(width, batch, activation, bias, args.rounds)
+        if kind:
+            first, second = ROUTES[kind][2]
+            for bias in (False, True) if kind == "activation" else (True,):
+                row = measure_routes(width, batch, activation, bias, args.rounds, kind)
                 rows.append(row)
-                band = row["aten_over_pass"]
+                band = row[f"{first}_over_{second}"]
                 print(f"{width:5d} {batch:6d} {activation:10s} bias {int(bias)} "
-                      f"pass {row['pass_us']:9.1f} us  aten {row['aten_us']:9.1f} us  "
-                      f"aten/pass {band['median']:.3f} [{band['q1']:.3f}, "
-                      f"{band['q3']:.3f}]", flush=True)
+                      f"{second} {row[f'{second}_us']:9.1f} us  {first} "
+                      f"{row[f'{first}_us']:9.1f} us  {first}/{second} {band['median']:.3f} "
+                      f"[{band['q1']:.3f}, {band['q3']:.3f}]", flush=True)
             continue
         row = measure(width, batch, activation, args.rounds, args.in_features)
         rows.append(row)
         print(f"{width:5d} {batch:6d} {activation:10s} dpcuda "
               f"{row['dpcuda_ns_per_element']:.3f} ns  torch "
               f"{row['torch_ns_per_element']:.3f} ns per element", flush=True)
-    write_json(args.json, {"benchmark": "activation_routes" if args.routes else "activation_pass",
+    write_json(args.json, {"benchmark": {"activation": "activation_routes",
+                                         "bias": "bias_routes"}.get(kind, "activation_pass"),
                            "threads": args.threads, "rounds": args.rounds,
                            "environment": environment("cpu"), "results": rows})
 

@@ -60,6 +60,72 @@ def test_relu_and_none_propagate_nan_and_inf_as_torch(device, dtype, activation)
     torch.testing.assert_close(bo.grad, bt.grad, rtol=0, atol=0, equal_nan=True)
 
 
+def forward_gemm_calls(x, w, b, activation):
+    """The ATen GEMMs (mm, addmm) that the CPU layer's forward ran, and its output."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                acc_events=True) as prof:
+        out, pre = torch.ops.dpcuda.full_forward(x, w, b, activation)
+    calls = sorted(e.name for e in prof.events() if e.name in ("aten::mm", "aten::addmm"))
+    return calls, out, pre
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("activation", ref.ACTIVATIONS)
+def test_cpu_float_bias_routes_match_torch(dtype, activation):
+    # The CPU float forward adds its bias in the GEMM (addmm, torch's own call) from 64K output
+    # elements, else in dpcuda's pass after mm, or as _set_float_bias_route says: either way
+    # within torch's error of float64, with NaN and +-Inf biases where torch's are (x = W = 0 on
+    # those units: the output is act(bias)), and its backward from the pre-activation it kept;
+    # without a bias, mm alone.
+    from dpcuda import _C
+    torch.manual_seed(0)
+    rows, inf, outf = 37, 19, 16
+    x, w, b = make((rows, inf), "cpu", dtype), make((outf, inf), "cpu", dtype, 0.3), \
+        make((outf,), "cpu", dtype)
+    special = b.clone()
+    special[:4] = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0], dtype=dtype)
+    w_special = w.clone()
+    w_special[:4] = 0
+    want = ref.full_forward(x.double(), w.double(), b.double(), activation)
+    go = make((rows, outf), "cpu", dtype)
+    want_grads = ref.full_backward(go.double(), x.double(), w.double(), b.double(), activation)
+    previous = _C._set_float_bias_route(-1)
+    try:
+        for route, gemm in ((-1, "aten::mm"), (1, "aten::addmm"), (0, "aten::mm")):
+            _C._set_float_bias_route(route)
+            calls, out, pre = forward_gemm_calls(x, w, b, activation)
+            assert calls == [gemm if activation != "none" else "aten::addmm"], (route, calls)
+            assert_within_torch_error(out, ref.full_forward(x, w, b, activation), want,
+                                      ATOL[dtype])
+            kind = ops.saved_for_backward(activation)
+            saved = out if kind == "output" else pre if kind == "pre" else None
+            got = ops.full_backward(go, x, w, saved, activation)
+            for g, pl, wt in zip(got, ref.full_backward(go, x, w, b, activation), want_grads):
+                assert_within_torch_error(g, pl, wt, ATOL[dtype] * rows)
+            odd = forward_gemm_calls(x, w_special, special, activation)[1][:, :4]
+            torchs = ref.full_forward(x, w_special, special, activation)[:, :4]
+            if activation == "gelu":
+                # (ATen's vectorised gelu gives NaN for +Inf, dpcuda's the limit, +Inf)
+                assert bool((odd[:, 1] == float("inf")).all())
+                odd, torchs = odd[:, [0, 2, 3]], torchs[:, [0, 2, 3]]
+            torch.testing.assert_close(odd, torchs, rtol=0, atol=0, equal_nan=True)
+            assert forward_gemm_calls(x, w, None, activation)[0] == ["aten::mm"]
+        # By the layer's size (-1): addmm from 64K output elements.
+        _C._set_float_bias_route(-1)
+        for rows, gemm in ((4096, "aten::addmm"), (4095, "aten::mm")):
+            xs = make((rows, 3), "cpu", dtype)
+            calls, out, _ = forward_gemm_calls(xs, w[:16, :3], b[:16], activation)
+            assert calls == [gemm if activation != "none" else "aten::addmm"], (rows, calls)
+            assert_within_torch_error(out, ref.full_forward(xs, w[:16, :3], b[:16], activation),
+                                      ref.full_forward(xs.double(), w[:16, :3].double(),
+                                                       b[:16].double(), activation),
+                                      ATOL[dtype])
+    finally:
+        _C._set_float_bias_route(previous)
+    with pytest.raises(ValueError, match="route must be"):
+        _C._set_float_bias_route(2)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("activation", ref.ACTIVATIONS)
 def test_no_input_features_gives_the_activation_of_the_bias(device, activation):

@@ -56,6 +56,11 @@ int64_t step_status_workspace_ints();
 // fused_linear.cpp). Returns the previous setting.
 int set_bfloat16_forward_route(int route);
 
+// The CPU float full_forward's bias, with an activation: in the GEMM (at::addmm, 1), added by
+// dpcuda's pass after at::mm (0), or by the layer's size as measured (-1) (csrc/torch/
+// fused_linear.cpp). Returns the previous setting.
+int set_float_bias_route(int route);
+
 // While one is alive on a thread, a full_forward that builds an autograd node there hands the
 // node these destinations for its weight and bias gradients (csrc/torch/autograd.cpp).
 class GradientsInto {

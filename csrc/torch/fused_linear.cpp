@@ -179,6 +179,26 @@ std::atomic<int> bfloat16_forward_route{-1};
 // stay the same on both CPUs: silu's edge there is under 1% of the layer.
 // gelu's is ATen's whatever is set: ATen's gelu gives NaN for +Inf in its vectorised loop (Inf
 // in its scalar tail; float32 too), which dpcuda's bfloat16 pass, not used, does not follow.
+// Where the float forward with an activation adds its bias: -1 by the layer's size (below), 0 in
+// dpcuda's pass after at::mm, 1 in the GEMM (at::addmm, torch's own call for F.linear).
+// Measured on the 2-core AVX-512 "AMD EPYC" machine, 2026-11-29 (benchmarks/
+// bench_activation_pass.py --bias-routes, bias-routes-cpu-2026-11-29.json: the layer's forward
+// by each route, alternating, 31 rounds, 2 threads; widths 16-1024, batches 32-8192; silu,
+// gelu, relu, tanh), the pass route's time over addmm's: from 64K output elements 0.98-1.30
+// (16x8192 tanh 118 / 91 us, silu 128x8192 about 3.4 / 3.2 ms; where the pre-activation is
+// kept, the pass that adds the bias writes it back, a stream more than one that only reads it),
+// level where the GEMM dominates (1024 wide); below, the pass route level or ahead, 0.87-1.04
+// (128x256: 0.87-0.97, 4-13 us; the fixed cost of addmm's bias copy). From 64K elements the
+// forward's GEMM is torch's own call, the same MKL call as torch's (issue #27: where dpcuda's
+// mm trailed torch's addmm by 40-60 us a step).
+std::atomic<int> float_bias_route{-1};
+
+bool float_bias_in_gemm(int64_t rows, int64_t out_features) {
+  const int forced = float_bias_route.load(std::memory_order_relaxed);
+  if (forced >= 0) return forced == 1;
+  return rows * out_features >= 65536;
+}
+
 bool bfloat16_forward_pass_wins(Activation act) {
   if (act == Activation::kNone || act == Activation::kGelu) return false;  // ("none": no pass)
   const int forced = bfloat16_forward_route.load(std::memory_order_relaxed);
@@ -224,21 +244,21 @@ std::tuple<Tensor, Tensor> full_forward_cpu(const Tensor& input, const Tensor& w
     return {in_shape(out, s.out_sizes),
             keep_pre ? in_shape(z, s.out_sizes) : empty_like_options(z)};
   }
-  // With an activation, the GEMM writes x @ W^T alone and our pass adds the bias as it applies
-  // the activation (keeping the pre-activation when the backward needs it): that saves addmm's
-  // broadcast copy of the bias into the output and its beta = 1 read. The GEMM writes into the
-  // output, which the pass rewrites in place; or, where the pre-activation is kept, into the
-  // pre-activation, which the pass reads (and adds the bias to), so that no pass copies it.
-  // Without an activation, the bias goes into the GEMM, as nn.Linear does.
+  // The bias goes into the GEMM, as nn.Linear's (at::addmm), or, in a small layer (above), the
+  // GEMM writes x @ W^T alone and our pass adds the bias as it applies the activation.
+  // The GEMM writes into the output, which the pass rewrites in place; or, where the
+  // pre-activation is kept, into the pre-activation, which the pass reads (adding the bias to
+  // it on the pass route), so that no pass copies it.
   const bool has_bias = bias.has_value() && bias->defined();
   const Tensor x = as_matrix(input, s);
   const bool pass = act != Activation::kNone;
   const bool keep_pre = saved_for_backward(act) == Saved::kPreActivation;
-  Tensor gemm = has_bias && !pass ? at::addmm(*bias, x, weight.t()) : at::mm(x, weight.t());
+  const bool bias_in_gemm = has_bias && (!pass || float_bias_in_gemm(s.rows, s.out_features));
+  Tensor gemm = bias_in_gemm ? at::addmm(*bias, x, weight.t()) : at::mm(x, weight.t());
   Tensor out = keep_pre ? at::empty_like(gemm) : gemm;
   Tensor pre = keep_pre ? gemm : empty_like_options(gemm);
   if (pass) {
-    const Tensor b = has_bias ? bias->contiguous() : Tensor();
+    const Tensor b = has_bias && !bias_in_gemm ? bias->contiguous() : Tensor();
     // Elements per task: ATen's 32K for relu, a memory-bound pass; 8K for the activations
     // computed from exp or tanh (about 0.5 ns an element on one core). Measured on the 2-core
     // machine: run on one thread after MKL's two-thread GEMM, such a pass ran at about half its
@@ -249,7 +269,7 @@ std::tuple<Tensor, Tensor> full_forward_cpu(const Tensor& input, const Tensor& w
     AT_DISPATCH_FLOATING_TYPES(out.scalar_type(), "full_forward_cpu", [&] {
       scalar_t* out_ptr = out.data_ptr<scalar_t>();
       scalar_t* pre_ptr = keep_pre ? pre.data_ptr<scalar_t>() : nullptr;
-      const scalar_t* bias_ptr = has_bias ? b.data_ptr<scalar_t>() : nullptr;
+      const scalar_t* bias_ptr = b.defined() ? b.data_ptr<scalar_t>() : nullptr;
       at::parallel_for(0, s.rows, grain, [&](int64_t begin, int64_t end) {
         if (keep_pre) {
           cpu::pre_activation_forward<scalar_t>(out_ptr, pre_ptr, bias_ptr, begin, end,
@@ -568,6 +588,13 @@ int set_bfloat16_forward_route(int route) {
                     "route must be -1 (the measured choice), 0 (ATen's) or 1 (dpcuda's), got ",
                     route);
   return bfloat16_forward_route.exchange(route);
+}
+
+int set_float_bias_route(int route) {
+  TORCH_CHECK_VALUE(route >= -1 && route <= 1,
+                    "route must be -1 (by the layer's size), 0 (dpcuda's pass) or 1 (addmm), "
+                    "got ", route);
+  return float_bias_route.exchange(route);
 }
 
 TORCH_LIBRARY_IMPL(dpcuda, CPU, m) {

@@ -129,6 +129,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Tests and benchmarks: the CPU bfloat16 full_forward computes its activation by "
         "dpcuda's pass (1), by ATen's kernel (0), or as measured best per activation (-1); "
         "gelu's is ATen's whatever is set; returns the previous setting");
+  m.def("_set_float_bias_route", &dpcuda::set_float_bias_route,
+        "Tests and benchmarks: the CPU float full_forward with an activation adds its bias in "
+        "the GEMM (addmm, 1), in dpcuda's pass after mm (0), or by the layer's size as "
+        "measured (-1: addmm from 64K output elements); returns the previous setting");
   m.def("_read_cpu_labels_for_tests", &dpcuda::read_cpu_labels_for_tests,
         "Tests only: the loss's autograd node reads CPU labels as it reads labels on a GPU "
         "(a copy in host memory, checked there); returns the previous setting");
