@@ -112,6 +112,28 @@ def test_bench_activation_pass_times_the_pass_behind_a_narrow_input(tmp_path):
             "--routes" in proc.stderr
 
 
+def test_bench_activation_pass_measures_the_float_bias_routes(tmp_path):
+    # --bias-routes: the float32 layer's forward with a bias, its bias added by dpcuda's pass
+    # after mm against in the GEMM (addmm); silu, gelu and relu by default; not with --routes.
+    script = os.path.join(ROOT, "benchmarks", "bench_activation_pass.py")
+    proc = subprocess.run([sys.executable, script, "--bias-routes", "--width", "8", "--batches",
+                           "4,16", "--rounds", "2", "--json", "b.json"], capture_output=True,
+                          text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    payload = json.loads((tmp_path / "b.json").read_text())
+    assert payload["benchmark"] == "bias_routes"
+    assert [(r["width"], r["batch"], r["activation"], r["bias"]) for r in payload["results"]] == [
+        (8, b, a, True) for b in (4, 16) for a in ("silu", "gelu", "relu")]
+    for r in payload["results"]:
+        band = r["pass_over_addmm"]
+        assert r["pass_us"] > 0 and r["addmm_us"] > 0 and band["q1"] <= band["q3"]
+    proc = run_script("bench_activation_pass", "--bias-routes", "--routes", cwd=tmp_path)
+    assert proc.returncode == 2 and "one at a time" in proc.stderr
+    proc = run_script("bench_activation_pass", "--bias-routes", "--activations", "none",
+                      cwd=tmp_path)
+    assert proc.returncode == 2 and "unknown 'none'" in proc.stderr
+
+
 def test_bench_activation_pass_measures_the_bfloat16_routes(tmp_path):
     # --routes: the bfloat16 layer's forward with its activation by dpcuda's pass and by ATen's
     # kernel (silu and sigmoid by default), with and without bias; "none" has no activation,
