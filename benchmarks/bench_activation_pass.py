@@ -121,10 +121,12 @@ def main(argv=None):
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--width", default="64", help="one or more, separated by commas")
     parser.add_argument("--in-features", type=int, default=None,
-                        help="the layer's input width (default: --width; not with --routes)")
+                        help="the layer's input width (default: --width; not with --routes or "
+                             "--bias-routes)")
     parser.add_argument("--batches", default="256,2048,8192")
     parser.add_argument("--activations", default=None,
-                        help="(default: tanh,silu,gelu,sigmoid,relu; with --routes silu,sigmoid)")
+                        help="(default: tanh,silu,gelu,sigmoid,relu; with --routes silu,sigmoid; with "
+                             "--bias-routes silu,gelu,relu)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--routes", action="store_true",

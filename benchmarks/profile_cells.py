@@ -36,8 +36,9 @@ torch's likewise: its activation kernels, the bias sum, its nodes):
   through ATen's mm or addmm: their operands' layouts are not compared): where their time
   differs, it is the GEMMs' own time, not dpcuda's passes: the machine's noise (page faults
   first) or the calls' form, which the fusion can change (a float32 layer with a bias and an
-  activation: dpcuda's forward makes an mm where torch's makes an addmm with the bias; that
-  add counts in torch's GEMMs and in dpcuda's own part; issue #27's A/B of the two forms);
+  activation under 64K output elements: dpcuda's forward makes an mm where torch's makes an
+  addmm with the bias; that add counts in torch's GEMMs and in dpcuda's own part; issue #27's
+  A/Bs of the two forms);
 - "within the noise": none of these: the own parts' difference is the larger but within its
   noise.
 Every verdict also says whether dpcuda's own part is the larger beyond its noise
@@ -112,7 +113,8 @@ def profile_side(step, steps, warmup=5, shapes=True):
               "minor_faults_per_step": faults / steps, "ops": ops_}
     if shapes:
         # The matrix products per step, by their two operands' shapes (addmm's bias left out:
-        # dpcuda's forward adds the bias in its own pass after an mm, torch's in its addmm).
+        # dpcuda's float forward adds the bias in its own pass after an mm in a small layer,
+        # torch's in its addmm).
         calls = {}
         for event in prof.key_averages(group_by_input_shape=True):
             if event.key in GEMMS:

@@ -98,6 +98,10 @@ def test_cpu_float_bias_routes_match_torch(dtype, activation):
             assert_within_torch_error(out, ref.full_forward(x, w, b, activation), want,
                                       ATOL[dtype])
             kind = ops.saved_for_backward(activation)
+            if kind == "pre":
+                # (the pre-activation kept for the backward holds the bias on either route)
+                assert_within_torch_error(pre, F.linear(x, w, b), F.linear(
+                    x.double(), w.double(), b.double()), ATOL[dtype])
             saved = out if kind == "output" else pre if kind == "pre" else None
             got = ops.full_backward(go, x, w, saved, activation)
             for g, pl, wt in zip(got, ref.full_backward(go, x, w, b, activation), want_grads):
@@ -109,13 +113,18 @@ def test_cpu_float_bias_routes_match_torch(dtype, activation):
                 assert bool((odd[:, 1] == float("inf")).all())
                 odd, torchs = odd[:, [0, 2, 3]], torchs[:, [0, 2, 3]]
             torch.testing.assert_close(odd, torchs, rtol=0, atol=0, equal_nan=True)
+            real = ~torch.isnan(torchs)  # (and -0.0's sign where torch keeps it; a NaN's none)
+            assert torch.equal(torch.signbit(odd[real]), torch.signbit(torchs[real]))
             assert forward_gemm_calls(x, w, None, activation)[0] == ["aten::mm"]
-        # By the layer's size (-1): addmm from 64K output elements.
-        _C._set_float_bias_route(-1)
-        for rows, gemm in ((4096, "aten::addmm"), (4095, "aten::mm")):
-            xs = make((rows, 3), "cpu", dtype)
+        # By the layer's size (-1): addmm from 64K output elements (here 2 x 2048 rows of a
+        # 3-D input), whatever the size where a route is forced.
+        for route, rows, gemm in ((-1, 2048, "aten::addmm"), (-1, 2047, "aten::mm"),
+                                  (0, 2048, "aten::mm"), (1, 2047, "aten::addmm")):
+            _C._set_float_bias_route(route)
+            xs = make((2, rows, 3), "cpu", dtype)
             calls, out, _ = forward_gemm_calls(xs, w[:16, :3], b[:16], activation)
-            assert calls == [gemm if activation != "none" else "aten::addmm"], (rows, calls)
+            assert calls == [gemm if activation != "none" else "aten::addmm"], (route, rows)
+            assert out.shape == (2, rows, 16)
             assert_within_torch_error(out, ref.full_forward(xs, w[:16, :3], b[:16], activation),
                                       ref.full_forward(xs.double(), w[:16, :3].double(),
                                                        b[:16].double(), activation),

@@ -146,6 +146,30 @@ void check_into(const Tensor& into, const char* name, bool wanted, const Tensor&
   TORCH_CHECK_VALUE(into.is_contiguous(), name, " must be contiguous");
 }
 
+// Where the float forward with an activation adds its bias: -1 by the layer's size (below), 0 in
+// dpcuda's pass after at::mm, 1 in the GEMM (at::addmm, torch's own call for F.linear).
+// Measured on the 2-core AVX-512 "AMD EPYC" machine, 2026-11-29 (benchmarks/
+// bench_activation_pass.py --bias-routes, bias-routes-cpu-2026-11-29.json: the layer's forward
+// by each route, alternating, 31 rounds, 2 threads; widths 16-1024, batches 32-8192; silu,
+// gelu, relu, tanh), the pass route's time over addmm's:
+// - from 64K output elements: 1.005-1.30 up to 256 wide but for relu (16x8192 tanh 118 / 91 us,
+//   128x8192 silu 1724 / 1709 us: where the pre-activation is kept, the pass that adds the bias
+//   writes it back, a stream more than one that reads it), relu 0.98-1.08 (its pass is in
+//   place either way), 0.99-1.03 at 1024 wide from batch 1024 (the GEMM's time);
+// - below: 0.87-1.12; the pass route level or ahead for relu (0.92-1.04), ahead at 128x256
+//   (0.87-0.97: 4-13 us, addmm's bias copy), addmm ahead in 16-wide layers from batch 256
+//   (1.03-1.12, 0.4-1.7 us: the pass's loop over rows of 16 with a bias).
+// From 64K elements the forward's GEMM is torch's own call, the same MKL call as torch's
+// (issue #27: where dpcuda's mm trailed torch's addmm by 40-60 us a step). Not yet measured on
+// another CPU.
+std::atomic<int> float_bias_route{-1};
+
+bool float_bias_in_gemm(int64_t rows, int64_t out_features) {
+  const int forced = float_bias_route.load(std::memory_order_relaxed);
+  if (forced >= 0) return forced == 1;
+  return rows * out_features >= 65536;
+}
+
 // The bfloat16 forward's route where tests and benchmarks set it (set_bfloat16_forward_route):
 // -1 the measured choice below, 0 ATen's kernel, 1 dpcuda's pass (every activation but gelu).
 std::atomic<int> bfloat16_forward_route{-1};
@@ -179,26 +203,6 @@ std::atomic<int> bfloat16_forward_route{-1};
 // stay the same on both CPUs: silu's edge there is under 1% of the layer.
 // gelu's is ATen's whatever is set: ATen's gelu gives NaN for +Inf in its vectorised loop (Inf
 // in its scalar tail; float32 too), which dpcuda's bfloat16 pass, not used, does not follow.
-// Where the float forward with an activation adds its bias: -1 by the layer's size (below), 0 in
-// dpcuda's pass after at::mm, 1 in the GEMM (at::addmm, torch's own call for F.linear).
-// Measured on the 2-core AVX-512 "AMD EPYC" machine, 2026-11-29 (benchmarks/
-// bench_activation_pass.py --bias-routes, bias-routes-cpu-2026-11-29.json: the layer's forward
-// by each route, alternating, 31 rounds, 2 threads; widths 16-1024, batches 32-8192; silu,
-// gelu, relu, tanh), the pass route's time over addmm's: from 64K output elements 0.98-1.30
-// (16x8192 tanh 118 / 91 us, silu 128x8192 about 3.4 / 3.2 ms; where the pre-activation is
-// kept, the pass that adds the bias writes it back, a stream more than one that only reads it),
-// level where the GEMM dominates (1024 wide); below, the pass route level or ahead, 0.87-1.04
-// (128x256: 0.87-0.97, 4-13 us; the fixed cost of addmm's bias copy). From 64K elements the
-// forward's GEMM is torch's own call, the same MKL call as torch's (issue #27: where dpcuda's
-// mm trailed torch's addmm by 40-60 us a step).
-std::atomic<int> float_bias_route{-1};
-
-bool float_bias_in_gemm(int64_t rows, int64_t out_features) {
-  const int forced = float_bias_route.load(std::memory_order_relaxed);
-  if (forced >= 0) return forced == 1;
-  return rows * out_features >= 65536;
-}
-
 bool bfloat16_forward_pass_wins(Activation act) {
   if (act == Activation::kNone || act == Activation::kGelu) return false;  // ("none": no pass)
   const int forced = bfloat16_forward_route.load(std::memory_order_relaxed);
