@@ -12,18 +12,27 @@ activation) and prints the worst cells and the geometric mean.
 Upstream-gradient layouts: dense (a contiguous tensor), expanded (what y.sum() hands back: one
 value broadcast), transposed (a (out, batch) tensor's transpose). Cells whose work exceeds
 --max-gflop (forward and backward: 6 * batch * width^2 flops) are skipped and listed. --cells
-measures named cells alone, whatever their size (a cell's time in the whole grid can depend on
-what ran before it):
+measures named cells alone, whatever their size, each in a new interpreter (a cell's time in the
+whole grid, or after other cells in one process, can depend on what ran before it: the
+allocator's history places its tensors; --same-process runs them one after another in this
+one):
 
     python benchmarks/bench_sweep.py --cells 256x4096:gelu:on:transposed:bfloat16 \\
         64x8192:silu:off:expanded
+
+--control adds torch eager a second time as a contender (eager_over_eager_again in the JSON):
+the method's null, what a layer identical to torch's scores, against which a cell's eager/fused
+band is read.
 """
 
 import argparse
 import itertools
+import json
 import math
 import os
+import subprocess
 import sys
+import tempfile
 
 import torch
 import torch.nn.functional as F
@@ -74,7 +83,7 @@ def upstream(layout, batch, width, dtype):
     return torch.randn(width, batch, dtype=dtype).t()
 
 
-def cell(width, batch, act, bias, layout, dtype, compile_, repeats, min_seconds):
+def cell(width, batch, act, bias, layout, dtype, compile_, repeats, min_seconds, control=False):
     x = torch.randn(batch, width, dtype=dtype, requires_grad=True)
     w = (torch.randn(width, width, dtype=dtype) * width ** -0.5).requires_grad_()
     b = torch.randn(width, dtype=dtype, requires_grad=True) if bias else None
@@ -94,6 +103,10 @@ def cell(width, batch, act, bias, layout, dtype, compile_, repeats, min_seconds)
     fns = {"fused": run(lambda x, w, b: ops.full_forward(x, w, b, act)), "eager": run(eager_fn)}
     if compile_:
         fns["compile"] = run(torch.compile(eager_fn))
+    if control:
+        # torch eager again, a closure of its own: eager / eager_again is the harness's null,
+        # what a contender identical to torch's scores (its band is the noise of the method).
+        fns["eager_again"] = run(lambda x, w, b: eager_fn(x, w, b))
     return compare_samples(fns, "cpu", warmup=3, repeats=repeats, min_seconds=min_seconds,
                            shuffle=True)
 
@@ -152,6 +165,9 @@ def main(argv=None):
     parser.add_argument("--dtypes", default="float32,bfloat16", help="(default: %(default)s)")
     parser.add_argument("--compile", action="store_true",
                         help="add torch.compile as a contender (a compile per cell)")
+    parser.add_argument("--control", action="store_true",
+                        help="add torch eager again as a contender: eager/eager_again, the "
+                             "method's null (what torch scores against itself)")
     parser.add_argument("--max-gflop", type=float, default=60.0,
                         help="skip cells of more work (default: %(default)s)")
     parser.add_argument("--repeats", type=int, default=15, help="(default: %(default)s)")
@@ -163,6 +179,9 @@ def main(argv=None):
                         metavar="CELL",
                         help="measure these cells alone instead of the grid: "
                              "WIDTHxBATCH:activation:on|off:layout[:dtype]")
+    parser.add_argument("--same-process", action="store_true",
+                        help="with --cells: all in this process, one after another (default: "
+                             "each in a new interpreter)")
     parser.add_argument("--json", default=None)
     parser.add_argument("--png", default=None, help="the heat map (dense, float32, bias on)")
     args = parser.parse_args(argv)
@@ -179,6 +198,31 @@ def main(argv=None):
             parser.error(f"--dtypes: float32 or bfloat16, got {name!r}")
         dtypes.append(name)
     biases = [{"on": True, "off": False}[v] for v in args.bias.split(",")]
+    if args.cells and len(args.cells) > 1 and not args.same_process:
+        # (each cell by this script in a new interpreter, with this run's options)
+        options = [f"--repeats={args.repeats}", f"--min-seconds={args.min_seconds}"]
+        options += [f"--threads={args.threads}"] if args.threads else []
+        options += ["--compile"] if args.compile else []
+        options += ["--control"] if args.control else []
+        cell_rows = []
+        with tempfile.TemporaryDirectory() as folder:
+            for k, (w, b, a, bi, lay, dt) in enumerate(args.cells):
+                out = os.path.join(folder, f"{k}.json")
+                name = f"{w}x{b}:{a}:{'on' if bi else 'off'}:{lay}:{dt}"
+                proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--cells",
+                                       name, *options, "--json", out], capture_output=True,
+                                      text=True)
+                lines = proc.stdout.splitlines()
+                if proc.returncode != 0 or not os.path.exists(out):
+                    raise SystemExit(f"bench_sweep.py: the cell {name} failed in its own "
+                                     f"process (exit status {proc.returncode}):\n"
+                                     f"{proc.stdout}{proc.stderr}")
+                if k == 0:
+                    print(lines[0])
+                print(lines[1], flush=True)
+                with open(out) as f:
+                    cell_rows += json.load(f)["results"]
+        return report(cell_rows, [], args)
     if args.cells:
         grid = [(dt, w, b, a, bi, lay) for w, b, a, bi, lay, dt in args.cells]
     else:
@@ -195,19 +239,28 @@ def main(argv=None):
             skipped.append({"width": width, "batch": batch, "gflop": gflop})
             continue
         samples = cell(width, batch, act, bias, layout, getattr(torch, dtype), args.compile,
-                       args.repeats, args.min_seconds)
+                       args.repeats, args.min_seconds, args.control)
         row = {"width": width, "batch": batch, "activation": act, "bias": bias,
                "layout": layout, "dtype": dtype,
                "fused_ms": sorted(samples["fused"])[len(samples["fused"]) // 2],
                "eager_over_fused": paired_ratio(samples["eager"], samples["fused"])}
         if "compile" in samples:
             row["compile_over_fused"] = paired_ratio(samples["compile"], samples["fused"])
+        if "eager_again" in samples:
+            row["eager_over_eager_again"] = paired_ratio(samples["eager"], samples["eager_again"])
         rows.append(row)
         e = row["eager_over_fused"]
         c = row.get("compile_over_fused", {}).get("median", math.nan)
+        null = row.get("eager_over_eager_again")
         print(f"{width:>6}{batch:>6}{act:>11}{'on' if bias else 'off':>5}{layout:>11}"
-              f"{dtype:>9}{e['median']:>12.2f}{e['q1']:>6.2f}{e['q3']:>6.2f}{c:>14.2f}",
-              flush=True)
+              f"{dtype:>9}{e['median']:>12.2f}{e['q1']:>6.2f}{e['q3']:>6.2f}{c:>14.2f}"
+              + (f"  eager/eager_again {null['median']:.3f} [{null['q1']:.3f}, "
+                 f"{null['q3']:.3f}]" if null else ""), flush=True)
+    return report(rows, skipped, args)
+
+
+def report(rows, skipped, args):
+    """The geometric mean, the worst cells and the JSON and heat map of a run's rows."""
     ratios = [r["eager_over_fused"]["median"] for r in rows]
     geomean = math.exp(sum(math.log(v) for v in ratios) / len(ratios)) if ratios else math.nan
     worst = sorted(rows, key=lambda r: r["eager_over_fused"]["median"])[:10]
@@ -219,6 +272,8 @@ def main(argv=None):
               f"[{r['eager_over_fused']['q1']:.2f}, {r['eager_over_fused']['q3']:.2f}]")
     write_json(args.json, {"benchmark": "sweep", "environment": environment("cpu"),
                            "repeats": args.repeats, "min_seconds": args.min_seconds,
+                           "cells_each_in_a_new_process": bool(
+                               args.cells and len(args.cells) > 1 and not args.same_process),
                            "geomean_eager_over_fused": geomean, "results": rows,
                            "skipped": skipped})
     if args.png and rows:

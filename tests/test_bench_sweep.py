@@ -43,12 +43,31 @@ def test_bench_sweep_measures_named_cells_alone(tmp_path):
     proc = run(tmp_path, "--cells", "8x4:gelu:on:transposed:bfloat16", "16x1:none:off:expanded",
                "--repeats", "2", "--min-seconds", "0", "--json", "c.json")
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    rows = json.loads((tmp_path / "c.json").read_text())["results"]
+    payload = json.loads((tmp_path / "c.json").read_text())
+    rows = payload["results"]
     assert [(r["width"], r["batch"], r["activation"], r["bias"], r["layout"], r["dtype"])
             for r in rows] == [(8, 4, "gelu", True, "transposed", "bfloat16"),
                                (16, 1, "none", False, "expanded", "float32")]
+    # (each cell in a new interpreter, unless --same-process: the same rows either way)
+    assert payload["cells_each_in_a_new_process"] is True
+    proc = run(tmp_path, "--cells", "8x4:gelu:on:transposed:bfloat16", "16x1:none:off:expanded",
+               "--repeats", "2", "--min-seconds", "0", "--same-process", "--json", "s.json")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    payload = json.loads((tmp_path / "s.json").read_text())
+    assert payload["cells_each_in_a_new_process"] is False
+    assert [(r["width"], r["activation"]) for r in payload["results"]] == [(8, "gelu"),
+                                                                           (16, "none")]
     proc = run_script("bench_sweep", "--cells", "8x4:gelu:on:dense:float16", cwd=tmp_path)
     assert proc.returncode == 2 and "dtype must be one of" in proc.stderr
+    # --control: torch eager against itself in the same rounds (the method's null)
+    proc = run(tmp_path, "--cells", "8x4:relu:on:dense", "--control", "--repeats", "3",
+               "--min-seconds", "0", "--json", "n.json")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (row,) = json.loads((tmp_path / "n.json").read_text())["results"]
+    null = row["eager_over_eager_again"]
+    assert null["rounds"] == row["eager_over_fused"]["rounds"] >= 3
+    assert 0 < null["q1"] <= null["median"] <= null["q3"]
+    assert "eager/eager_again" in proc.stdout
 
 
 def test_bench_sweep_refuses_unknown_names(tmp_path):
@@ -274,3 +293,26 @@ def test_profile_cells_refuses_an_unreadable_sweep(tmp_path):
     proc = run_script("profile_cells", "--from", "bad.json", "8x8:relu:on:dense",
                       cwd=tmp_path)
     assert proc.returncode == 2 and "not both" in proc.stderr
+
+
+def test_bench_after_gemm_splits_steps_into_gemms_and_the_rest(tmp_path):
+    # The probes (warm and after a GEMM) and a cell's steps cut into the GEMMs and the rest.
+    script = os.path.join(ROOT, "benchmarks", "bench_after_gemm.py")
+    proc = subprocess.run([sys.executable, script, "--width", "16", "--batch", "64", "--rounds",
+                           "3", "--cells", "16x32:none:off:dense",
+                           "8x4:silu:on:expanded:bfloat16", "--steps", "3", "--threads", "1",
+                           "--json", "g.json"], capture_output=True, text=True, timeout=300,
+                          cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    payload = json.loads((tmp_path / "g.json").read_text())
+    assert payload["benchmark"] == "after_gemm" and len(payload["probes"]) == 5
+    assert all(r["warm_us"] > 0 and r["after_gemm_us"] > 0 for r in payload["probes"])
+    assert [(c["width"], c["batch"], c["activation"], c["dtype"]) for c in payload["cells"]] == [
+        (16, 32, "none", "float32"), (8, 4, "silu", "bfloat16")]
+    for c in payload["cells"]:
+        for side in ("fused_us", "eager_us"):
+            parts = c[side]
+            # (each a median over the steps: the parts' medians need not add up exactly)
+            assert parts["step"] > 0 and parts["gemms"] > 0 and parts["rest"] > 0
+    proc = run_script("bench_after_gemm", "--steps", "0", cwd=tmp_path)
+    assert proc.returncode == 2 and "at least 1" in proc.stderr
