@@ -8,6 +8,7 @@ The rule for half types: dpcuda's error against a float64 reference computed fro
 import copy
 
 import pytest
+import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -322,6 +323,31 @@ def test_bfloat16_passes_read_strided_gradients_and_keep_nan_and_inf_as_torch(ac
         assert torch.equal(ours.isnan(), theirs.isnan())
         assert torch.equal(ours.isinf() & (ours > 0), theirs.isinf() & (theirs > 0))
         assert torch.equal(ours.isinf() & (ours < 0), theirs.isinf() & (theirs < 0))
+
+
+@pytest.mark.parametrize("rows,cols", [(8192, 16), (4101, 5), (300, 64), (37, 127), (2051, 128)])
+def test_bfloat16_bias_sums_alone_add_in_their_fixed_order(rows, cols):
+    # A "none" layer's bfloat16 bias gradient: float sums of the rows in row order within
+    # chunks of max(32, ceil(rows / 64)) rows, the chunks' sums added in order onto 0, rounded
+    # once (the same bits for any thread count and any CPU, narrow rows taken several at a
+    # time included); random values of many magnitudes, so that another order shows.
+    gen = torch.Generator().manual_seed(rows * 1000 + cols)
+    go = (torch.randn(rows, cols, generator=gen) *
+          torch.exp2(torch.randint(-12, 12, (rows, cols), generator=gen).float())).bfloat16()
+    x = torch.randn(rows, 3).bfloat16()
+    w = torch.randn(cols, 3).bfloat16()
+    _, _, gb = torch.ops.dpcuda.full_backward(go, x, w, torch.empty(0).bfloat16(), "none",
+                                              [False, False, True])
+    values = go.float().numpy()
+    chunk = max(32, -(-rows // 64))
+    total = np.zeros(cols, dtype=np.float32)
+    for r0 in range(0, rows, chunk):
+        partial = np.zeros(cols, dtype=np.float32)
+        for r in range(r0, min(rows, r0 + chunk)):
+            partial += values[r]
+        total += partial
+    want = torch.from_numpy(total).bfloat16()
+    assert torch.equal(gb.view(torch.int16), want.view(torch.int16))
 
 
 @pytest.mark.parametrize("rows", [3, 33, 300])

@@ -503,6 +503,36 @@ void narrow_rows_then_sums(const S* grad_out, const S* saved, S* grad_pre,
   }
 }
 
+// bfloat16's column sums alone (a "none" layer's bias gradient) over a contiguous gradient of
+// rows narrower than kFloatBlockMinCols: kSumRows rows at a time, each column's partial sum in a
+// register over them, loaded and stored once (the same additions in row order as row by row,
+// which loads and stores the partials for every row of a vector or two: 16 wide at batch 8192,
+// 21 us against torch's sum's 9).
+template <typename S>
+DPCUDA_CPU_CLONES void narrow_sums(const S* __restrict__ grad_out,
+                                   acc_of<S>* __restrict__ bias_partial, int64_t row_begin,
+                                   int64_t row_end, int64_t cols, int64_t rs) {
+  using T = acc_of<S>;
+  using C = Compute<S>;
+  constexpr int64_t kSumRows = 8;
+  int64_t r = row_begin;
+  for (; r + kSumRows <= row_end; r += kSumRows) {
+    const S* __restrict__ go = grad_out + r * rs;
+#pragma GCC ivdep
+    for (int64_t c = 0; c < cols; ++c) {
+      T sum = bias_partial[c];
+#pragma GCC unroll 8
+      for (int64_t k = 0; k < kSumRows; ++k) sum += C::load(go[k * rs + c]);
+      bias_partial[c] = sum;
+    }
+  }
+  for (; r < row_end; ++r) {
+    const S* __restrict__ go = grad_out + r * rs;
+#pragma GCC ivdep
+    for (int64_t c = 0; c < cols; ++c) bias_partial[c] += C::load(go[c]);
+  }
+}
+
 // Rows [row_begin, row_end) of an expanded gradient (row r's one value at grad_out[r * rs]):
 // the values copied into rows of a buffer of kWidth elements, which the unit-stride loop reads
 // (as many whole rows as it holds, or a wider row's columns kWidth at a time).
@@ -571,6 +601,10 @@ void backward_pass(const S* grad_out, const S* saved, S* grad_pre, acc_of<S>* bi
     const int64_t n = (row_end - row_begin) * cols, offset = row_begin * cols;
     const bool flat = (cs == 1 && rs == cols) || (cs == 0 && rs == 0);
     if constexpr (sizeof(S) == 2) {
+      if (!grad_pre && bias_partial && cs == 1 && cols < kFloatBlockMinCols) {
+        narrow_sums<S>(grad_out, bias_partial, row_begin, row_end, cols, rs);
+        return;
+      }
       if (grad_pre && bias_partial && cs == 1 && rs == cols && cols < kFloatBlockMinCols) {
         // bfloat16 rows narrower than kFloatBlockMinCols over a contiguous gradient, with the
         // bias sums: a group of rows at a time (blocked where the activation is) through
