@@ -12,7 +12,8 @@ Two measurements, 2 threads by default, microseconds, medians over rounds:
 2. --cells WIDTHxBATCH:activation:on|off:layout[:dtype] (bench_sweep.py's cells): the fused
    and the eager step, alternating in a shuffled order under torch's profiler, each step cut
    into its GEMMs (aten::mm, aten::addmm) and the rest (all else, the Python between the ops
-   included), so that a difference in the step shows where it lies.
+   included), so that a difference in the step shows where it lies. The profiler's own cost per
+   recorded op falls in the rest, the more for the side with more ops (torch's).
 
     python benchmarks/bench_after_gemm.py --cells 128x8192:none:off:dense --json \\
         benchmarks/results/after-gemm-cpu.json
@@ -98,7 +99,13 @@ def step_parts(spec, steps):
                 with torch.profiler.record_function("step:" + name):
                     fns[name]()
     events = prof.events()
-    gemms = sorted((e for e in events if e.name in GEMMS), key=lambda e: e.time_range.start)
+    # (the GEMMs this thread ran, each once: one inside another is not counted again)
+    thread = next(e.thread for e in events if e.name.startswith("step:"))
+    gemms = []
+    for e in sorted((e for e in events if e.name in GEMMS and e.thread == thread),
+                    key=lambda e: e.time_range.start):
+        if not gemms or e.time_range.start >= gemms[-1].time_range.end:
+            gemms.append(e)
     starts = [e.time_range.start for e in gemms]
     parts = {name: {"step": [], "gemms": [], "rest": []} for name in fns}
     for e in events:

@@ -15,7 +15,7 @@ value broadcast), transposed (a (out, batch) tensor's transpose). Cells whose wo
 measures named cells alone, whatever their size, each in a new interpreter (a cell's time in the
 whole grid, or after other cells in one process, can depend on what ran before it: the
 allocator's history places its tensors; --same-process runs them one after another in this
-one):
+one; a single named cell runs in this process):
 
     python benchmarks/bench_sweep.py --cells 256x4096:gelu:on:transposed:bfloat16 \\
         64x8192:silu:off:expanded
@@ -198,6 +198,8 @@ def main(argv=None):
             parser.error(f"--dtypes: float32 or bfloat16, got {name!r}")
         dtypes.append(name)
     biases = [{"on": True, "off": False}[v] for v in args.bias.split(",")]
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.cells and len(args.cells) > 1 and not args.same_process:
         # (each cell by this script in a new interpreter, with this run's options)
         options = [f"--repeats={args.repeats}", f"--min-seconds={args.min_seconds}"]
@@ -214,12 +216,14 @@ def main(argv=None):
                                       text=True)
                 lines = proc.stdout.splitlines()
                 if proc.returncode != 0 or not os.path.exists(out):
+                    # (the cells measured so far are written before the run stops)
+                    report(cell_rows, [], args)
                     raise SystemExit(f"bench_sweep.py: the cell {name} failed in its own "
                                      f"process (exit status {proc.returncode}):\n"
                                      f"{proc.stdout}{proc.stderr}")
                 if k == 0:
                     print(lines[0])
-                print(lines[1], flush=True)
+                print(lines[1], flush=True)  # (the child's header, then its one row)
                 with open(out) as f:
                     cell_rows += json.load(f)["results"]
         return report(cell_rows, [], args)
@@ -227,8 +231,6 @@ def main(argv=None):
         grid = [(dt, w, b, a, bi, lay) for w, b, a, bi, lay, dt in args.cells]
     else:
         grid = itertools.product(dtypes, args.widths, args.batches, acts, biases, layouts)
-    if args.threads:
-        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     rows, skipped = [], []
     print(f"{'width':>6}{'batch':>6}{'activation':>11}{'bias':>5}{'layout':>11}{'dtype':>9}"

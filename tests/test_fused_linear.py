@@ -136,6 +136,34 @@ def test_cpu_float_bias_routes_match_torch(dtype, activation):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_backward_into_refuses_destinations_that_share_its_inputs(device):
+    # The backward writes grad_weight and grad_bias before it has read everything (the
+    # weight's gradient before the input's GEMM; the bias sums in the activation pass): a
+    # destination sharing memory with what it reads is refused, naming both.
+    x, w = make((6, 4), device, torch.float32), make((3, 4), device, torch.float32)
+    go = make((6, 3), device, torch.float32)
+    out, pre = torch.ops.dpcuda.full_forward(x, w, None, "silu")
+    gw, gb = torch.empty_like(w), torch.empty(3, device=device)
+    buffer = torch.zeros(6 * 4, device=device)
+    cases = [((go, x, w, pre, w, gb), "grad_weight shares memory with weight"),
+             ((go, x, w, pre, gw, go[0]), "grad_bias shares memory with grad_output"),
+             ((go, buffer.view(6, 4), w, pre, buffer[:12].view(3, 4), gb),
+              "grad_weight shares memory with input"),
+             ((go, x, w, pre, gw, pre[1]), "grad_bias shares memory with saved"),
+             ((go, x, w, pre, buffer[:12].view(3, 4), buffer[10:13]),
+              "grad_weight and grad_bias share memory")]
+    for (g, xi, wi, saved, dw, db), message in cases:
+        with pytest.raises(ValueError, match=message):
+            torch.ops.dpcuda.full_backward_into(g, xi, wi, saved, "silu", [True, True, True], dw,
+                                                db)
+    # ("none" never reads saved: any tensor will do, the destinations included)
+    torch.ops.dpcuda.full_backward_into(go, x, w, gw, "none", [True, True, True], gw, gb)
+    want = ops.full_backward(go, x, w, None, "none")
+    torch.testing.assert_close(gw, want[1])
+    torch.testing.assert_close(gb, want[2])
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("activation", ref.ACTIVATIONS)
 def test_no_input_features_gives_the_activation_of_the_bias(device, activation):
     # in_features == 0: x @ W.T is all zeros, so the output is act(bias) on every row (cuBLASLt's

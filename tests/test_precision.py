@@ -325,29 +325,49 @@ def test_bfloat16_passes_read_strided_gradients_and_keep_nan_and_inf_as_torch(ac
         assert torch.equal(ours.isinf() & (ours < 0), theirs.isinf() & (theirs < 0))
 
 
-@pytest.mark.parametrize("rows,cols", [(8192, 16), (4101, 5), (300, 64), (37, 127), (2051, 128)])
-def test_bfloat16_bias_sums_alone_add_in_their_fixed_order(rows, cols):
+def fixed_order_bias_sums(values, chunk):
+    """The CPU bias sums' order in float32: rows in order within chunks of `chunk` rows, each
+    chunk's sum from 0, the chunks' sums added in order onto 0; rounded once to bfloat16."""
+    total = np.zeros(values.shape[1], dtype=np.float32)
+    for r0 in range(0, values.shape[0], chunk):
+        partial = np.zeros(values.shape[1], dtype=np.float32)
+        for r in range(r0, min(values.shape[0], r0 + chunk)):
+            partial += values[r]
+        total += partial
+    return torch.from_numpy(total).bfloat16()
+
+
+@pytest.mark.parametrize("rows,cols", [(8192, 16), (4101, 5), (300, 64), (37, 127), (2051, 128),
+                                       (20, 16)])
+@pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "row_stride"])
+def test_bfloat16_bias_sums_alone_add_in_their_fixed_order(rows, cols, strided):
     # A "none" layer's bfloat16 bias gradient: float sums of the rows in row order within
-    # chunks of max(32, ceil(rows / 64)) rows, the chunks' sums added in order onto 0, rounded
-    # once (the same bits for any thread count and any CPU, narrow rows taken several at a
-    # time included); random values of many magnitudes, so that another order shows.
+    # chunks of max(32, ceil(rows / 64)) rows (one chunk at 32 rows or fewer), the chunks' sums
+    # added in order onto 0, rounded once: the same bits for any thread count and CPU, narrow
+    # rows taken several at a time included. Ones after a first row of 2^24 (and a last of
+    # -2^24): float32 drops each one added to 2^24, so any other grouping of the additions
+    # (another chunk size, rows summed before their partial) keeps a different count of them;
+    # the test checks that of its own data. Also over a gradient whose rows are further apart
+    # than its width (a slice of a wider one).
     gen = torch.Generator().manual_seed(rows * 1000 + cols)
-    go = (torch.randn(rows, cols, generator=gen) *
-          torch.exp2(torch.randint(-12, 12, (rows, cols), generator=gen).float())).bfloat16()
+    go = torch.ones(rows, cols)
+    go[0], go[-1] = 2.0 ** 24, -(2.0 ** 24)
+    go = (go * torch.exp2(torch.randint(0, 3, (1, cols), generator=gen).float())).bfloat16()
+    if strided:
+        go = torch.cat([go, torch.full_like(go, float("nan"))], 1)[:, :cols]
     x = torch.randn(rows, 3).bfloat16()
     w = torch.randn(cols, 3).bfloat16()
     _, _, gb = torch.ops.dpcuda.full_backward(go, x, w, torch.empty(0).bfloat16(), "none",
                                               [False, False, True])
     values = go.float().numpy()
     chunk = max(32, -(-rows // 64))
-    total = np.zeros(cols, dtype=np.float32)
-    for r0 in range(0, rows, chunk):
-        partial = np.zeros(cols, dtype=np.float32)
-        for r in range(r0, min(rows, r0 + chunk)):
-            partial += values[r]
-        total += partial
-    want = torch.from_numpy(total).bfloat16()
-    assert torch.equal(gb.view(torch.int16), want.view(torch.int16))
+    want = fixed_order_bias_sums(values, chunk)
+    assert torch.equal(gb.view(torch.int16), want.view(torch.int16)), (gb[:4], want[:4])
+    others = [torch.from_numpy(values.astype(np.float64).sum(0)).bfloat16()]
+    if rows > 32:
+        others += [fixed_order_bias_sums(values, chunk + 1), fixed_order_bias_sums(values, rows)]
+    for other in others:  # (the data tells these orders apart)
+        assert not torch.equal(other.view(torch.int16), want.view(torch.int16))
 
 
 @pytest.mark.parametrize("rows", [3, 33, 300])

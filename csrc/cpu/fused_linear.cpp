@@ -503,8 +503,9 @@ void narrow_rows_then_sums(const S* grad_out, const S* saved, S* grad_pre,
   }
 }
 
-// bfloat16's column sums alone (a "none" layer's bias gradient) over a contiguous gradient of
-// rows narrower than kFloatBlockMinCols: kSumRows rows at a time, each column's partial sum in a
+// bfloat16's column sums alone (a "none" layer's bias gradient, or the sums over ATen's g where
+// ATen's kernel made it) over a gradient of unit column stride, rows narrower than
+// kFloatBlockMinCols: kSumRows rows at a time, each column's partial sum in a
 // register over them, loaded and stored once (the same additions in row order as row by row,
 // which loads and stores the partials for every row of a vector or two: 16 wide at batch 8192,
 // 21 us against torch's sum's 9).

@@ -2,6 +2,8 @@
 // expected; TORCH_CHECK_VALUE and TORCH_CHECK_TYPE surface in Python as ValueError and TypeError.
 #pragma once
 
+#include <cstdlib>
+
 #include <ATen/ATen.h>
 
 #include <string>
@@ -140,6 +142,20 @@ inline bool overlap(const at::Tensor& a, const at::Tensor& b) {
   const auto* pa = static_cast<const char*>(a.data_ptr());
   const auto* pb = static_cast<const char*>(b.data_ptr());
   return pa < pb + b.numel() * b.element_size() && pb < pa + a.numel() * a.element_size();
+}
+
+// Whether the byte ranges two tensors span (from their first element to their last, any
+// strides) meet: conservative for views interleaved in one storage, exact otherwise.
+inline bool spans_overlap(const at::Tensor& a, const at::Tensor& b) {
+  if (a.device() != b.device() || a.numel() == 0 || b.numel() == 0) return false;
+  const auto span = [](const at::Tensor& t) {
+    int64_t last = 0;
+    for (int64_t d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * std::abs(t.stride(d));
+    return (last + 1) * static_cast<int64_t>(t.element_size());
+  };
+  const auto* pa = static_cast<const char*>(a.data_ptr());
+  const auto* pb = static_cast<const char*>(b.data_ptr());
+  return pa < pb + span(b) && pb < pa + span(a);
 }
 
 // No two tensors of the named lists share memory (a kernel that reads one and writes another

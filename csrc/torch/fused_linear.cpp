@@ -473,6 +473,25 @@ Tensor full_backward_into(const Tensor& grad_output, const Tensor& input, const 
   TORCH_CHECK_VALUE(weight.dim() == 2, "weight must have shape (out_features, in_features)");
   check_into(grad_weight, "grad_weight", output_mask[1], weight, weight.sizes());
   check_into(grad_bias, "grad_bias", output_mask[2], weight, {weight.size(0)});
+  // The backward reads its inputs after it has written into the destinations (the weight's
+  // gradient before the input's; the bias sums in the activation pass): none may share them.
+  // (saved: unread for "none", which may be given anything)
+  const bool reads_saved = check_activation(activation) != Activation::kNone;
+  const std::pair<const Tensor*, const char*> reads[] = {
+      {&grad_output, "grad_output"}, {&input, "input"}, {&weight, "weight"},
+      {reads_saved ? &saved : nullptr, "saved"}};
+  const std::pair<const Tensor*, const char*> writes[] = {
+      {output_mask[1] ? &grad_weight : nullptr, "grad_weight"},
+      {output_mask[2] ? &grad_bias : nullptr, "grad_bias"}};
+  for (const auto& [into, into_name] : writes) {
+    if (!into) continue;
+    for (const auto& [read, read_name] : reads) {
+      TORCH_CHECK_VALUE(!read || !read->defined() || !spans_overlap(*into, *read), into_name,
+                        " shares memory with ", read_name, ", which the backward reads");
+    }
+  }
+  TORCH_CHECK_VALUE(!(output_mask[1] && output_mask[2] && spans_overlap(grad_weight, grad_bias)),
+                    "grad_weight and grad_bias share memory");
   return std::get<0>(Impl(grad_output, input, weight, saved, activation, output_mask,
                           output_mask[1] ? grad_weight : Tensor(),
                           output_mask[2] ? grad_bias : Tensor()));
