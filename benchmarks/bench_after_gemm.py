@@ -32,7 +32,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import environment, write_json  # noqa: E402
-from bench_sweep import parse_cell, upstream, torch_activation  # noqa: E402
+from bench_sweep import parse_cell  # noqa: E402
+from profile_cells import cell_steps  # noqa: E402
 
 from dpcuda import ops  # noqa: E402
 
@@ -72,22 +73,8 @@ def probes(width, batch, rounds):
 
 def step_parts(spec, steps):
     width, batch, act, bias, layout, dtype = spec
-    dt = getattr(torch, dtype)
-    torch.manual_seed(0)
-    x = torch.randn(batch, width, dtype=dt, requires_grad=True)
-    w = (torch.randn(width, width, dtype=dt) * width ** -0.5).requires_grad_()
-    b = torch.randn(width, dtype=dt, requires_grad=True) if bias else None
-    go = upstream(layout, batch, width, dt)
-    leaves = [t for t in (x, w, b) if t is not None]
-
-    def run(layer):
-        def step():
-            for t in leaves:
-                t.grad = None
-            layer().backward(go)
-        return step
-    fns = {"fused": run(lambda: ops.full_forward(x, w, b, act)),
-           "eager": run(lambda: torch_activation(F.linear(x, w, b), act))}
+    fused, eager = cell_steps(width, batch, act, bias, layout, dtype)
+    fns = {"fused": fused, "eager": eager}
     for fn in fns.values():
         for _ in range(3):
             fn()
