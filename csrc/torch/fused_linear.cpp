@@ -160,9 +160,9 @@ void check_into(const Tensor& into, const char* name, bool wanted, const Tensor&
 //   128x8192 silu 1724 / 1709 us: where the pre-activation is kept, the pass that adds the bias
 //   writes it back, a stream more than one that reads it), relu 0.98-1.08 (its pass is in
 //   place either way), 0.99-1.03 at 1024 wide from batch 1024 (the GEMM's time);
-// - below: 0.87-1.12; the pass route level or ahead for relu (0.92-1.04), ahead at 128x256
-//   (0.87-0.97: 4-13 us, addmm's bias copy), addmm ahead in 16-wide layers from batch 256
-//   (1.03-1.12, 0.4-1.7 us: the pass's loop over rows of 16 with a bias).
+// - below: 0.87-1.12; the pass route ahead at 128x256 (0.87-0.97: 2-12 us, addmm's bias copy)
+//   and for relu mostly (0.92-1.04), addmm ahead in 16-wide layers from batch 256 (1.03-1.12,
+//   0.4-1.7 us: the pass's loop over rows of 16 with a bias).
 // From 64K elements the forward's GEMM is torch's own call, the same MKL call as torch's
 // (issue #27: where dpcuda's mm trailed torch's addmm by 40-60 us a step). Not yet measured on
 // another CPU.
