@@ -106,11 +106,16 @@ std::tuple<Tensor, Tensor, Tensor> finish_backward(const BackwardPlan& p, const 
                                                    std::array<bool, 3> output_mask,
                                                    const Tensor& grad_weight_into = Tensor()) {
   const Tensor g = output_mask[0] || output_mask[1] ? gemm_operand(p.g) : p.g;
-  // The weight's gradient first, then the input's, in the order of torch's MmBackward0 and
-  // AddmmBackward0: the two GEMMs' times depend on what the one before left in the caches
-  // (issue #27: in a "none" layer, 128x128 at batch 8192, the same three GEMMs took 5268 us a
-  // step in the other order against torch's 5090).
-  Tensor grad_weight;
+  // The two GEMMs in the order of torch's node for the layer: MmBackward0 (no bias) computes
+  // the weight's gradient first, AddmmBackward0 (a bias) the input's. Their times depend on
+  // what the one before left in the caches (issue #27: in a "none" layer, 128x128 at batch
+  // 8192, the same three GEMMs took 5268 us a step in the other order against torch's 5090).
+  Tensor grad_input, grad_weight;
+  const auto input_gradient = [&] {
+    grad_input = output_mask[0] ? in_shape(at::mm(g, weight), input.sizes())
+                                : empty_like_options(p.grad_out);
+  };
+  if (output_mask[2]) input_gradient();
   if (output_mask[1] && grad_weight_into.defined()) {
     Tensor out = grad_weight_into;
     at::mm_out(out, g.t(), as_matrix(input, p.shape));
@@ -119,8 +124,7 @@ std::tuple<Tensor, Tensor, Tensor> finish_backward(const BackwardPlan& p, const 
     grad_weight = output_mask[1] ? at::mm(g.t(), as_matrix(input, p.shape))
                                  : empty_like_options(p.grad_out);
   }
-  Tensor grad_input = output_mask[0] ? in_shape(at::mm(g, weight), input.sizes())
-                                     : empty_like_options(p.grad_out);
+  if (!output_mask[2]) input_gradient();
   return {grad_input, grad_weight, p.grad_bias};
 }
 
@@ -403,9 +407,11 @@ std::tuple<Tensor, Tensor, Tensor> full_backward_cpu_into(
     // (each gradient left out an empty tensor of its own: an op's outputs must not alias)
     const auto none = [&] { return empty_like_options(g); };
     const Tensor gm = output_mask[0] || output_mask[1] ? gemm_operand(g) : g;
-    // (the weight's gradient first, as finish_backward's)
-    Tensor gw = output_mask[1] ? at::mm(gm.t(), as_matrix(input, p.shape)) : none();
-    Tensor gi = output_mask[0] ? in_shape(at::mm(gm, weight), input.sizes()) : none();
+    // (in finish_backward's order: the input's gradient first with a bias, else the weight's)
+    Tensor gi, gw;
+    if (output_mask[2]) gi = output_mask[0] ? in_shape(at::mm(gm, weight), input.sizes()) : none();
+    gw = output_mask[1] ? at::mm(gm.t(), as_matrix(input, p.shape)) : none();
+    if (!output_mask[2]) gi = output_mask[0] ? in_shape(at::mm(gm, weight), input.sizes()) : none();
     Tensor gb;
     if (output_mask[2]) {
       if (!bf16) {
@@ -474,7 +480,8 @@ Tensor full_backward_into(const Tensor& grad_output, const Tensor& input, const 
   check_into(grad_weight, "grad_weight", output_mask[1], weight, weight.sizes());
   check_into(grad_bias, "grad_bias", output_mask[2], weight, {weight.size(0)});
   // The backward reads its inputs after it has written into the destinations (the weight's
-  // gradient before the input's; the bias sums in the activation pass): none may share them.
+  // gradient before the input's in a layer without bias; the bias sums in the activation
+  // pass): none may share them.
   // (saved: unread for "none", which may be given anything)
   const bool reads_saved = check_activation(activation) != Activation::kNone;
   const std::pair<const Tensor*, const char*> reads[] = {
