@@ -150,6 +150,36 @@ def heat_map(rows, path, layout, dtype, bias):
     print(f"wrote {path}")
 
 
+def cells_in_new_processes(args):
+    """--cells, each cell by this script in a new interpreter with this run's options; the rows
+    reported together."""
+    options = [f"--repeats={args.repeats}", f"--min-seconds={args.min_seconds}"]
+    options += [f"--threads={args.threads}"] if args.threads else []
+    options += ["--compile"] if args.compile else []
+    options += ["--control"] if args.control else []
+    cell_rows = []
+    with tempfile.TemporaryDirectory() as folder:
+        for k, (w, b, a, bi, lay, dt) in enumerate(args.cells):
+            out = os.path.join(folder, f"{k}.json")
+            name = f"{w}x{b}:{a}:{'on' if bi else 'off'}:{lay}:{dt}"
+            proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--cells",
+                                   name, *options, "--json", out], capture_output=True,
+                                  text=True)
+            lines = proc.stdout.splitlines()
+            if proc.returncode != 0 or not os.path.exists(out):
+                # (the cells measured so far are written before the run stops)
+                report(cell_rows, [], args)
+                raise SystemExit(f"bench_sweep.py: the cell {name} failed in its own "
+                                 f"process (exit status {proc.returncode}):\n"
+                                 f"{proc.stdout}{proc.stderr}")
+            if k == 0:
+                print(lines[0])
+            print(lines[1], flush=True)  # (the child's header, then its one row)
+            with open(out) as f:
+                cell_rows += json.load(f)["results"]
+    return report(cell_rows, [], args)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -201,32 +231,7 @@ def main(argv=None):
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.cells and len(args.cells) > 1 and not args.same_process:
-        # (each cell by this script in a new interpreter, with this run's options)
-        options = [f"--repeats={args.repeats}", f"--min-seconds={args.min_seconds}"]
-        options += [f"--threads={args.threads}"] if args.threads else []
-        options += ["--compile"] if args.compile else []
-        options += ["--control"] if args.control else []
-        cell_rows = []
-        with tempfile.TemporaryDirectory() as folder:
-            for k, (w, b, a, bi, lay, dt) in enumerate(args.cells):
-                out = os.path.join(folder, f"{k}.json")
-                name = f"{w}x{b}:{a}:{'on' if bi else 'off'}:{lay}:{dt}"
-                proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--cells",
-                                       name, *options, "--json", out], capture_output=True,
-                                      text=True)
-                lines = proc.stdout.splitlines()
-                if proc.returncode != 0 or not os.path.exists(out):
-                    # (the cells measured so far are written before the run stops)
-                    report(cell_rows, [], args)
-                    raise SystemExit(f"bench_sweep.py: the cell {name} failed in its own "
-                                     f"process (exit status {proc.returncode}):\n"
-                                     f"{proc.stdout}{proc.stderr}")
-                if k == 0:
-                    print(lines[0])
-                print(lines[1], flush=True)  # (the child's header, then its one row)
-                with open(out) as f:
-                    cell_rows += json.load(f)["results"]
-        return report(cell_rows, [], args)
+        return cells_in_new_processes(args)
     if args.cells:
         grid = [(dt, w, b, a, bi, lay) for w, b, a, bi, lay, dt in args.cells]
     else:

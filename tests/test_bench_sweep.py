@@ -131,15 +131,20 @@ def test_bench_activation_pass_times_the_pass_behind_a_narrow_input(tmp_path):
             "--routes" in proc.stderr
 
 
+def run_activation_pass(tmp_path, *args):
+    """bench_activation_pass.py with args in a new interpreter: its JSON (it must succeed)."""
+    script = os.path.join(ROOT, "benchmarks", "bench_activation_pass.py")
+    proc = subprocess.run([sys.executable, script, *args, "--json", "out.json"],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return json.loads((tmp_path / "out.json").read_text())
+
+
 def test_bench_activation_pass_measures_the_float_bias_routes(tmp_path):
     # --bias-routes: the float32 layer's forward with a bias, its bias added by dpcuda's pass
     # after mm against in the GEMM (addmm); silu, gelu and relu by default; not with --routes.
-    script = os.path.join(ROOT, "benchmarks", "bench_activation_pass.py")
-    proc = subprocess.run([sys.executable, script, "--bias-routes", "--width", "8", "--batches",
-                           "4,16", "--rounds", "2", "--json", "b.json"], capture_output=True,
-                          text=True, timeout=300, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    payload = json.loads((tmp_path / "b.json").read_text())
+    payload = run_activation_pass(tmp_path, "--bias-routes", "--width", "8", "--batches", "4,16",
+                                  "--rounds", "2")
     assert payload["benchmark"] == "bias_routes"
     assert [(r["width"], r["batch"], r["activation"], r["bias"]) for r in payload["results"]] == [
         (8, b, a, True) for b in (4, 16) for a in ("silu", "gelu", "relu")]
@@ -157,12 +162,8 @@ def test_bench_activation_pass_measures_the_bfloat16_routes(tmp_path):
     # --routes: the bfloat16 layer's forward with its activation by dpcuda's pass and by ATen's
     # kernel (silu and sigmoid by default), with and without bias; "none" has no activation,
     # gelu's is ATen's on either route.
-    script = os.path.join(ROOT, "benchmarks", "bench_activation_pass.py")
-    proc = subprocess.run([sys.executable, script, "--routes", "--width", "8,4", "--batches",
-                           "4,16", "--rounds", "2", "--json", "a.json"], capture_output=True,
-                          text=True, timeout=300, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    payload = json.loads((tmp_path / "a.json").read_text())
+    payload = run_activation_pass(tmp_path, "--routes", "--width", "8,4", "--batches", "4,16",
+                                  "--rounds", "2")
     assert payload["benchmark"] == "activation_routes" and "cpu_isa" in payload["environment"]
     assert [(r["width"], r["batch"], r["activation"], r["bias"]) for r in payload["results"]] == [
         (w, b, a, bias) for w in (8, 4) for b in (4, 16) for a in ("silu", "sigmoid")

@@ -136,17 +136,9 @@ inline LossShape check_loss(const at::Tensor& logits, const at::Tensor& labels,
   return {logits.size(0), logits.size(1)};
 }
 
-// Whether two contiguous tensors share bytes.
-inline bool overlap(const at::Tensor& a, const at::Tensor& b) {
-  if (a.device() != b.device() || a.numel() == 0 || b.numel() == 0) return false;
-  const auto* pa = static_cast<const char*>(a.data_ptr());
-  const auto* pb = static_cast<const char*>(b.data_ptr());
-  return pa < pb + b.numel() * b.element_size() && pb < pa + a.numel() * a.element_size();
-}
-
 // Whether the byte ranges two tensors span (from their first element to their last, any
-// strides) meet: conservative for views interleaved in one storage, exact otherwise.
-inline bool spans_overlap(const at::Tensor& a, const at::Tensor& b) {
+// strides) meet: exact for contiguous tensors, conservative for views interleaved in one storage.
+inline bool overlap(const at::Tensor& a, const at::Tensor& b) {
   if (a.device() != b.device() || a.numel() == 0 || b.numel() == 0) return false;
   const auto span = [](const at::Tensor& t) {
     int64_t last = 0;

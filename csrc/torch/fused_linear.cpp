@@ -100,31 +100,42 @@ Tensor gemm_operand(const Tensor& g) {
   return blas ? g : g.contiguous();
 }
 
+// The two GEMMs of the CPU backward over g (as gemm_operand reads it): the input's gradient and
+// the weight's (into grad_weight_into where it is given), each an empty tensor where the mask
+// leaves it out. In the order of torch's node for the layer: MmBackward0 (no bias) computes the
+// weight's gradient first, AddmmBackward0 (a bias) the input's. Their times depend on what the
+// one before left in the caches (issue #27: in a "none" layer, 128x128 at batch 8192, the same
+// three GEMMs took 5268 us a step in the other order against torch's 5090).
+std::pair<Tensor, Tensor> backward_gemms(const Tensor& g_in, const Tensor& input,
+                                         const Tensor& weight, const LinearShape& shape,
+                                         std::array<bool, 3> output_mask,
+                                         const Tensor& grad_weight_into = Tensor()) {
+  const Tensor g = output_mask[0] || output_mask[1] ? gemm_operand(g_in) : g_in;
+  Tensor grad_input, grad_weight;
+  const auto input_gradient = [&] {
+    grad_input = output_mask[0] ? in_shape(at::mm(g, weight), input.sizes())
+                                : empty_like_options(g);
+  };
+  if (output_mask[2]) input_gradient();
+  if (output_mask[1] && grad_weight_into.defined()) {
+    Tensor out = grad_weight_into;
+    at::mm_out(out, g.t(), as_matrix(input, shape));
+    grad_weight = grad_weight_into;
+  } else {
+    grad_weight = output_mask[1] ? at::mm(g.t(), as_matrix(input, shape))
+                                 : empty_like_options(g);
+  }
+  if (!output_mask[2]) input_gradient();
+  return {grad_input, grad_weight};
+}
+
 // The two GEMMs that follow the CPU's activation pass.
 std::tuple<Tensor, Tensor, Tensor> finish_backward(const BackwardPlan& p, const Tensor& input,
                                                    const Tensor& weight,
                                                    std::array<bool, 3> output_mask,
                                                    const Tensor& grad_weight_into = Tensor()) {
-  const Tensor g = output_mask[0] || output_mask[1] ? gemm_operand(p.g) : p.g;
-  // The two GEMMs in the order of torch's node for the layer: MmBackward0 (no bias) computes
-  // the weight's gradient first, AddmmBackward0 (a bias) the input's. Their times depend on
-  // what the one before left in the caches (issue #27: in a "none" layer, 128x128 at batch
-  // 8192, the same three GEMMs took 5268 us a step in the other order against torch's 5090).
-  Tensor grad_input, grad_weight;
-  const auto input_gradient = [&] {
-    grad_input = output_mask[0] ? in_shape(at::mm(g, weight), input.sizes())
-                                : empty_like_options(p.grad_out);
-  };
-  if (output_mask[2]) input_gradient();
-  if (output_mask[1] && grad_weight_into.defined()) {
-    Tensor out = grad_weight_into;
-    at::mm_out(out, g.t(), as_matrix(input, p.shape));
-    grad_weight = grad_weight_into;
-  } else {
-    grad_weight = output_mask[1] ? at::mm(g.t(), as_matrix(input, p.shape))
-                                 : empty_like_options(p.grad_out);
-  }
-  if (!output_mask[2]) input_gradient();
+  auto [grad_input, grad_weight] =
+      backward_gemms(p.g, input, weight, p.shape, output_mask, grad_weight_into);
   return {grad_input, grad_weight, p.grad_bias};
 }
 
@@ -406,12 +417,7 @@ std::tuple<Tensor, Tensor, Tensor> full_backward_cpu_into(
     }
     // (each gradient left out an empty tensor of its own: an op's outputs must not alias)
     const auto none = [&] { return empty_like_options(g); };
-    const Tensor gm = output_mask[0] || output_mask[1] ? gemm_operand(g) : g;
-    // (in finish_backward's order: the input's gradient first with a bias, else the weight's)
-    Tensor gi, gw;
-    if (output_mask[2]) gi = output_mask[0] ? in_shape(at::mm(gm, weight), input.sizes()) : none();
-    gw = output_mask[1] ? at::mm(gm.t(), as_matrix(input, p.shape)) : none();
-    if (!output_mask[2]) gi = output_mask[0] ? in_shape(at::mm(gm, weight), input.sizes()) : none();
+    auto [gi, gw] = backward_gemms(g, input, weight, p.shape, output_mask);
     Tensor gb;
     if (output_mask[2]) {
       if (!bf16) {
@@ -493,11 +499,11 @@ Tensor full_backward_into(const Tensor& grad_output, const Tensor& input, const 
   for (const auto& [into, into_name] : writes) {
     if (!into) continue;
     for (const auto& [read, read_name] : reads) {
-      TORCH_CHECK_VALUE(!read || !read->defined() || !spans_overlap(*into, *read), into_name,
+      TORCH_CHECK_VALUE(!read || !read->defined() || !overlap(*into, *read), into_name,
                         " shares memory with ", read_name, ", which the backward reads");
     }
   }
-  TORCH_CHECK_VALUE(!(output_mask[1] && output_mask[2] && spans_overlap(grad_weight, grad_bias)),
+  TORCH_CHECK_VALUE(!(output_mask[1] && output_mask[2] && overlap(grad_weight, grad_bias)),
                     "grad_weight and grad_bias share memory");
   return std::get<0>(Impl(grad_output, input, weight, saved, activation, output_mask,
                           output_mask[1] ? grad_weight : Tensor(),
