@@ -325,6 +325,55 @@ def test_bfloat16_passes_read_strided_gradients_and_keep_nan_and_inf_as_torch(ac
         assert torch.equal(ours.isinf() & (ours < 0), theirs.isinf() & (theirs < 0))
 
 
+@pytest.mark.parametrize("rows,outf", [(32, 2048), (16, 2048), (33, 2050), (64, 2048), (12, 2048),
+                                       (65, 2048), (32, 2047)])
+@pytest.mark.parametrize("activation", [a for a in ACTS if a != "none"])
+def test_bfloat16_g_over_a_transposed_gradient_takes_its_layout_where_its_gemm_is_faster(
+        rows, outf, activation):
+    # Over a column-major (transposed) upstream gradient, up to 64 rows and from 2048 columns,
+    # dpcuda's bfloat16 pass writes g column-major, as torch's activation backward does: the
+    # input's GEMM over it was the faster (csrc/torch/fused_linear.cpp, bfloat16_g_by_columns).
+    # g's values and the bias sums are those of the row-major pass over the contiguous copy
+    # (33 rows: two chunks of the bias sums, the second of one row; 12 rows: a column stride
+    # under a transposed block's); the GEMMs are torch's over g in its layout, which their
+    # bits tell apart here. 65 rows and 2047 columns keep g row-major.
+    torch.manual_seed(3)
+    x = torch.randn(rows, outf).bfloat16()
+    saved = torch.randn(rows, outf).bfloat16()  # (the pass's other operand; any values do)
+    go = torch.randn(outf, rows).bfloat16().t()
+    mask = [True, True, True]
+    # g itself, exactly: the input's gradient through an identity weight (one product each)
+    identity = torch.eye(outf).bfloat16()
+    g, _, sums = torch.ops.dpcuda.full_backward(go, x, identity, saved, activation, mask)
+    g_dense, _, sums_dense = torch.ops.dpcuda.full_backward(go.contiguous(), x, identity, saved,
+                                                            activation, mask)
+    assert torch.equal(g, g_dense) and torch.equal(sums, sums_dense)
+    by_columns = rows <= 64 and outf >= 2048
+    g_used = g.t().contiguous().t() if by_columns else g.contiguous()
+    g_other = g.contiguous() if by_columns else g.t().contiguous().t()
+    # with a weight: the two GEMMs are torch's over g in the layout chosen
+    w = (torch.randn(outf, outf) / 45).bfloat16()
+    gi, gw, gb = torch.ops.dpcuda.full_backward(go, x, w, saved, activation, mask)
+    assert torch.equal(gi, torch.mm(g_used, w))
+    assert not torch.equal(gi, torch.mm(g_other, w))  # (the layouts' bits differ here)
+    assert torch.equal(gw, torch.mm(g_used.t(), x))
+    assert torch.equal(gb, sums)
+    # NaN and +-Inf in the upstream gradient come out where torch's layer puts them
+    special = torch.tensor([float("nan"), float("inf"), -float("inf"), 3e38, -3e38])
+    go = go.t().contiguous()
+    go[:len(special), 1] = special.bfloat16()
+    go = go.t()
+    b = torch.randn(outf).bfloat16()
+    xs, ws, bs = (t.clone().requires_grad_() for t in (x, w, b))
+    ref.full_forward(xs, ws, bs, activation).backward(go)
+    xf, wf, bf = (t.clone().requires_grad_() for t in (x, w, b))
+    ops.full_forward(xf, wf, bf, activation).backward(go)
+    for ours, theirs in ((xf.grad, xs.grad), (wf.grad, ws.grad), (bf.grad, bs.grad)):
+        assert torch.equal(ours.isnan(), theirs.isnan())
+        assert torch.equal(ours.isinf() & (ours > 0), theirs.isinf() & (theirs > 0))
+        assert torch.equal(ours.isinf() & (ours < 0), theirs.isinf() & (theirs < 0))
+
+
 def fixed_order_bias_sums(values, chunk):
     """The CPU bias sums' order in float32: rows in order within chunks of `chunk` rows, each
     chunk's sum from 0, the chunks' sums added in order onto 0; rounded once to bfloat16."""

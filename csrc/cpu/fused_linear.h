@@ -67,6 +67,16 @@ void bfloat16_activation_backward_rows(const uint16_t* grad_out, const uint16_t*
                                        Activation act, int64_t go_row_stride,
                                        int64_t go_col_stride);
 
+// bfloat16_activation_backward_rows writing g column-major: row r of column c at grad_pre + r
+// + c * g_col_stride (grad_pre is g's first element, not its row row_begin). The same values
+// and the same sums; g in the layout that torch's activation backward gives it over a
+// column-major (transposed) grad_out, whose GEMMs can be the faster for it.
+void bfloat16_activation_backward_to_columns(const uint16_t* grad_out, const uint16_t* saved,
+                                             uint16_t* grad_pre, float* bias_partial,
+                                             int64_t row_begin, int64_t row_end, int64_t cols,
+                                             Activation act, int64_t go_row_stride,
+                                             int64_t go_col_stride, int64_t g_col_stride);
+
 // The sums alone ("none") over a column-major grad_out (row stride 1, column c at grad_out + c
 // * go_col_stride) of `rows` rows, for columns [col_begin, col_end), whole columns: the bits of
 // activation_backward_rows over rows [0, rows) onto zeroed sums. bfloat16: as

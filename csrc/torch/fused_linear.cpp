@@ -346,6 +346,17 @@ inline bool column_major(int64_t row_stride, int64_t col_stride) {
   return row_stride == 1 && col_stride != 0 && col_stride != 1;
 }
 
+// Whether dpcuda's bfloat16 pass writes g column-major, as torch's activation backward does over
+// a column-major (transposed) upstream gradient, rather than row-major: where the input's
+// gradient GEMM, g (rows x out) times the weight, is the faster for it. On the 2-core AVX-512
+// machine (2026-11-29; the fused step's GEMMs under the profiler, g row-major over column-major,
+// alternating, tanh): 1.013-1.036 from 2048 wide up to 64 rows (the input's GEMM at 4096x32
+// 4732 -> 4334 us), 0.99-1.01 at 128 and 256 rows, 0.79-0.98 below 2048 wide. Float32's GEMMs
+// showed no such edge (0.95-1.05 either way), so float32 keeps g row-major.
+bool bfloat16_g_by_columns(int64_t row_stride, int64_t col_stride, int64_t rows, int64_t cols) {
+  return column_major(row_stride, col_stride) && rows <= 64 && cols >= 2048;
+}
+
 template <typename Sums>
 void column_major_sums(int64_t rows, int64_t cols, Sums&& sums) {
   // (at least 32K elements a task, as chunked_rows)
@@ -382,7 +393,10 @@ std::tuple<Tensor, Tensor, Tensor> full_backward_cpu_into(
     const bool bf16 = dtype == at::kBFloat16;
     const bool own_pass = bf16 && p.fused_pass && bfloat16_backward_pass_wins(p.act, p.grad_out,
                                                                            output_mask[2]);
+    const bool g_columns =
+        own_pass && bfloat16_g_by_columns(p.grad_out.stride(0), p.grad_out.stride(1), rows, out_f);
     Tensor g = !p.fused_pass ? p.grad_out
+               : g_columns   ? at::empty({out_f, rows}, p.grad_out.options()).t()
                : own_pass    ? at::empty({rows, out_f}, p.grad_out.options())
                              : aten_activation_backward(p.grad_out, p.saved, p.act);
     Tensor sum = output_mask[2] ? at::empty({out_f}, p.grad_out.options().dtype(at::kFloat))
@@ -409,9 +423,15 @@ std::tuple<Tensor, Tensor, Tensor> full_backward_cpu_into(
         chunked_rows<float>(rows, out_f, output_mask[2] ? sum.data_ptr<float>() : nullptr,
                             p.grad_out.options().dtype(at::kFloat),
                             [&](int64_t r0, int64_t r1, float* partial) {
-                              cpu::bfloat16_activation_backward_rows(
-                                  go_bits, saved_bits, g_bits, partial, r0, r1, out_f, pass_act,
-                                  rs, cs);
+                              if (g_columns) {
+                                cpu::bfloat16_activation_backward_to_columns(
+                                    go_bits, saved_bits, g_bits, partial, r0, r1, out_f,
+                                    pass_act, rs, cs, rows);
+                              } else {
+                                cpu::bfloat16_activation_backward_rows(
+                                    go_bits, saved_bits, g_bits, partial, r0, r1, out_f,
+                                    pass_act, rs, cs);
+                              }
                             });
       }
     }
