@@ -702,12 +702,13 @@ void backward_pass_to_columns(const S* grad_out, const S* saved, S* grad_pre,
                               int64_t go_col_stride, int64_t g_col_stride) {
   if (bias_partial) std::fill(bias_partial, bias_partial + cols, acc_of<S>(0));
   constexpr int64_t kBlock = 32;
-  const std::unique_ptr<S[]> rows(new S[kBlock * cols]);  // (not zeroed: rows all written)
+  const int64_t block = std::min(kBlock, std::max<int64_t>(0, row_end - row_begin));
+  const std::unique_ptr<S[]> buffer(new S[block * cols]);  // (not zeroed: rows all written)
   for (int64_t r0 = row_begin; r0 < row_end; r0 += kBlock) {
     const int64_t n_rows = std::min(kBlock, row_end - r0);
-    backward_pass_rows<S>(grad_out + r0 * go_row_stride, saved + r0 * cols, rows.get(),
+    backward_pass_rows<S>(grad_out + r0 * go_row_stride, saved + r0 * cols, buffer.get(),
                           bias_partial, 0, n_rows, cols, act, go_row_stride, go_col_stride);
-    rows_to_columns<S>(rows.get(), n_rows, cols, grad_pre + r0, g_col_stride);
+    rows_to_columns<S>(buffer.get(), n_rows, cols, grad_pre + r0, g_col_stride);
   }
 }
 

@@ -350,11 +350,12 @@ inline bool column_major(int64_t row_stride, int64_t col_stride) {
 // a column-major (transposed) upstream gradient, rather than row-major: where the input's
 // gradient GEMM, g (rows x out) times the weight, is the faster for it. On the 2-core AVX-512
 // machine (2026-11-29; the fused step's GEMMs under the profiler, g row-major over column-major,
-// alternating, tanh): 1.013-1.036 from 2048 wide up to 64 rows (the input's GEMM at 4096x32
-// 4732 -> 4334 us), 0.99-1.01 at 128 and 256 rows, 0.79-0.98 below 2048 wide. Float32's GEMMs
-// showed no such edge (0.95-1.05 either way), so float32 keeps g row-major.
+// alternating, tanh): 1.013-1.036 from 2048 wide up to 64 rows (the input's GEMM at 32 rows
+// of 4096, 4732 -> 4334 us), 0.99-1.01 at 128 and 256 rows, 0.79-0.98 below 2048 wide.
+// Float32's GEMMs showed no such edge (0.95-1.05 either way), so float32 keeps g row-major.
+// (One row: the two layouts are the same memory, kept row-major.)
 bool bfloat16_g_by_columns(int64_t row_stride, int64_t col_stride, int64_t rows, int64_t cols) {
-  return column_major(row_stride, col_stride) && rows <= 64 && cols >= 2048;
+  return column_major(row_stride, col_stride) && rows > 1 && rows <= 64 && cols >= 2048;
 }
 
 template <typename Sums>
@@ -426,7 +427,7 @@ std::tuple<Tensor, Tensor, Tensor> full_backward_cpu_into(
                               if (g_columns) {
                                 cpu::bfloat16_activation_backward_to_columns(
                                     go_bits, saved_bits, g_bits, partial, r0, r1, out_f,
-                                    pass_act, rs, cs, rows);
+                                    pass_act, rs, cs, g.stride(1));
                               } else {
                                 cpu::bfloat16_activation_backward_rows(
                                     go_bits, saved_bits, g_bits, partial, r0, r1, out_f,

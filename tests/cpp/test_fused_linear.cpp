@@ -437,6 +437,47 @@ void test_bfloat16_ties() {
   CHECK(bf16_round(bf16_value(0x3f83) * 0.75f) == 0x3f44);
 }
 
+// bfloat16_activation_backward_to_columns against bfloat16_activation_backward_rows over the
+// same rows: g's bits written column-major (column stride g_cs, at least the rows), the same
+// sums' bits, with and without them, nothing written outside rows [b, rows); a transposed and a
+// sliced transposed gradient (column stride rows and rows + 3; the blocked read from 16), more
+// than one 32-row block in a call (37 and 70 rows), and fewer (5).
+void test_bfloat16_to_columns(Activation act, std::mt19937& rng) {
+  if (act == Activation::kNone) return;  // (no g to write)
+  std::uniform_real_distribution<float> dist(-3.0f, 3.0f);
+  for (const int64_t rows : {int64_t(5), int64_t(37), int64_t(70)}) {
+    for (const int64_t cols : {int64_t(40), int64_t(300)}) {
+      for (const int64_t extra : {int64_t(0), int64_t(3)}) {
+        const int64_t cs = rows + extra, g_cs = rows + 2, b = 3;
+        std::vector<uint16_t> go(cs * cols), saved(rows * cols);
+        for (auto& v : go) v = bf16_round(dist(rng));
+        for (auto& v : saved) v = bf16_round(dist(rng));
+        go[4 + 2 * cs] = 0x7fc0;  // (a NaN and an Inf in the gradient)
+        go[rows - 1] = 0x7f80;
+        std::vector<uint16_t> g_rows(rows * cols), g_cols(g_cs * cols, 0x1234);
+        std::vector<float> sums_rows(cols), sums_cols(cols, -1.0f);
+        for (const bool with_sums : {true, false}) {
+          dpcuda::cpu::bfloat16_activation_backward_rows(
+              go.data(), saved.data(), g_rows.data(), with_sums ? sums_rows.data() : nullptr, b,
+              rows, cols, act, 1, cs);
+          dpcuda::cpu::bfloat16_activation_backward_to_columns(
+              go.data(), saved.data(), g_cols.data(), with_sums ? sums_cols.data() : nullptr, b,
+              rows, cols, act, 1, cs, g_cs);
+          int bad = 0;
+          for (int64_t c = 0; c < cols; ++c) {
+            for (int64_t r = 0; r < g_cs; ++r) {
+              const uint16_t got = g_cols[c * g_cs + r];
+              bad += r >= b && r < rows ? !same_bf16(got, g_rows[r * cols + c]) : got != 0x1234;
+            }
+            if (with_sums) bad += std::memcmp(&sums_rows[c], &sums_cols[c], 4) != 0;
+          }
+          CHECK(bad == 0);
+        }
+      }
+    }
+  }
+}
+
 int main() {
   std::mt19937 rng(1234);
   test_bfloat16_ties();
@@ -447,6 +488,7 @@ int main() {
   const int64_t sizes[] = {1, 3, 17, 100};
   for (Activation act : dpcuda_test::kAllActivations) {
     test_activation_grad(act);
+    test_bfloat16_to_columns(act, rng);
     for (int64_t rows : sizes) {
       for (int64_t cols : sizes) {
         test_forward<double>(rows, cols, act, rng, 1e-12);
