@@ -27,6 +27,15 @@ each row's figure is the pass route's time over addmm's (above 1: addmm is the f
 activations silu, gelu and relu.
 
     python benchmarks/bench_activation_pass.py --bias-routes --threads 2 --width 16,128,1024
+
+--g-layouts measures the bfloat16 layer's backward (full_backward: dpcuda's activation pass
+and the two GEMMs) over a transposed upstream gradient with g, the pass's result that the GEMMs
+read, row-major against column-major (torch's layout there), with and without the bias's
+gradient; each row's figure is the row-major time over the column-major one (above 1:
+column-major is the faster). Default activations tanh and gelu.
+
+    python benchmarks/bench_activation_pass.py --g-layouts --threads 2 --width 1024,2048,4096 \
+        --batches 16,32,64,128,256
 """
 
 import argparse
@@ -84,6 +93,7 @@ def measure(width, batch, activation, rounds, in_features=None):
 ROUTES = {
     "activation": (torch.bfloat16, "_set_bfloat16_forward_route", ("aten", "pass")),
     "bias": (torch.float32, "_set_float_bias_route", ("pass", "addmm")),
+    "g": (torch.bfloat16, "_set_bfloat16_g_layout", ("rows", "columns")),
 }
 
 
@@ -97,6 +107,15 @@ def measure_routes(width, batch, activation, bias, rounds, kind="activation"):
 
     def layer():
         return torch.ops.dpcuda.full_forward(x, w, b, activation)
+    if kind == "g":
+        # the backward alone, over a transposed gradient, from what the forward saved
+        out, pre = torch.ops.dpcuda.full_forward(x, w, b, activation)
+        saved = pre if pre.numel() else out
+        go = torch.randn(width, batch, generator=gen).to(dtype).t()
+        mask = [True, True, bias]
+
+        def layer():  # noqa: F811
+            return torch.ops.dpcuda.full_backward(go, x, w, saved, activation, mask)
     calls = max(3, min(2000, 1_000_000 // (batch * width)))
     samples = {0: [], 1: []}
     previous = setter(1)
@@ -134,16 +153,20 @@ def main(argv=None):
     parser.add_argument("--bias-routes", action="store_true",
                         help="float32 with a bias: the layer's bias added by dpcuda's pass after "
                              "mm against in the GEMM (addmm)")
+    parser.add_argument("--g-layouts", action="store_true",
+                        help="bfloat16 over a transposed gradient: the layer's backward with g "
+                             "row-major against column-major")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
-    if args.routes and args.bias_routes:
-        parser.error("--routes and --bias-routes: one at a time")
-    kind = "activation" if args.routes else "bias" if args.bias_routes else None
+    if args.routes + args.bias_routes + args.g_layouts > 1:
+        parser.error("--routes, --bias-routes and --g-layouts: one at a time")
+    kind = ("activation" if args.routes else "bias" if args.bias_routes
+            else "g" if args.g_layouts else None)
     # (gelu's bfloat16 forward is ATen's on either route: csrc/torch/fused_linear.cpp)
     known = tuple(a for a in TORCH if a != "gelu") if args.routes else tuple(TORCH)
     if args.activations is None:
-        args.activations = ("silu,sigmoid" if args.routes else "silu,gelu,relu"
-                            if args.bias_routes else "tanh,silu,gelu,sigmoid,relu")
+        args.activations = {"activation": "silu,sigmoid", "bias": "silu,gelu,relu",
+                            "g": "tanh,gelu"}.get(kind, "tanh,silu,gelu,sigmoid,relu")
     activations = args.activations.split(",")
     unknown = [a for a in activations if a not in known]
     if unknown:
@@ -160,13 +183,14 @@ def main(argv=None):
     if min(widths) < 1 or args.threads < 1 or args.rounds < 1 or min(batches) < 1:
         parser.error("--width, --batches, --threads and --rounds must be at least 1")
     if args.in_features is not None and (args.in_features < 1 or kind):
-        parser.error("--in-features must be at least 1, and not with --routes or --bias-routes")
+        parser.error("--in-features must be at least 1, and not with --routes, --bias-routes "
+                     "or --g-layouts")
     torch.set_num_threads(args.threads)
     rows = []
     for width, batch, activation in itertools.product(widths, batches, activations):
         if kind:
             first, second = ROUTES[kind][2]
-            for bias in (False, True) if kind == "activation" else (True,):
+            for bias in (True,) if kind == "bias" else (False, True):
                 row = measure_routes(width, batch, activation, bias, args.rounds, kind)
                 rows.append(row)
                 band = row[f"{first}_over_{second}"]
@@ -181,7 +205,8 @@ def main(argv=None):
               f"{row['dpcuda_ns_per_element']:.3f} ns  torch "
               f"{row['torch_ns_per_element']:.3f} ns per element", flush=True)
     write_json(args.json, {"benchmark": {"activation": "activation_routes",
-                                         "bias": "bias_routes"}.get(kind, "activation_pass"),
+                                         "bias": "bias_routes",
+                                         "g": "g_layouts"}.get(kind, "activation_pass"),
                            "threads": args.threads, "rounds": args.rounds,
                            "environment": environment("cpu"), "results": rows})
 

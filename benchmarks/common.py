@@ -94,9 +94,13 @@ def environment(device):
     dev = torch.device(device)
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or \
         platform.machine()
+    # (glibc's malloc settings where the environment sets them: they decide whether large
+    # tensors come back as fresh pages, page faults and all, from one step to the next)
+    malloc = {k: v for k, v in sorted(os.environ.items()) if k.startswith("MALLOC_")}
     return {"device": str(device), "device_name": name, "torch": torch.__version__,
             "threads": torch.get_num_threads(), "commit": commit,
-            "date": time.strftime("%Y-%m-%d"), **host_cpu()}
+            "date": time.strftime("%Y-%m-%d"), **host_cpu(), **({"malloc_env": malloc} if malloc
+                                                                 else {})}
 
 
 # The instruction sets that decide which GEMM and vector kernels torch's CPU runs (bfloat16's

@@ -140,6 +140,21 @@ def run_activation_pass(tmp_path, *args):
     return json.loads((tmp_path / "out.json").read_text())
 
 
+def test_bench_activation_pass_measures_the_g_layouts(tmp_path):
+    # --g-layouts: the bfloat16 layer's backward over a transposed gradient with g row-major
+    # against column-major, with and without the bias's gradient; tanh and gelu by default.
+    payload = run_activation_pass(tmp_path, "--g-layouts", "--width", "8", "--batches", "4,16",
+                                  "--rounds", "2")
+    assert payload["benchmark"] == "g_layouts"
+    assert [(r["width"], r["batch"], r["activation"], r["bias"]) for r in payload["results"]] == [
+        (8, b, a, bias) for b in (4, 16) for a in ("tanh", "gelu") for bias in (False, True)]
+    for r in payload["results"]:
+        band = r["rows_over_columns"]
+        assert r["rows_us"] > 0 and r["columns_us"] > 0 and band["q1"] <= band["q3"]
+    proc = run_script("bench_activation_pass", "--g-layouts", "--bias-routes", cwd=tmp_path)
+    assert proc.returncode == 2 and "one at a time" in proc.stderr
+
+
 def test_bench_activation_pass_measures_the_float_bias_routes(tmp_path):
     # --bias-routes: the float32 layer's forward with a bias, its bias added by dpcuda's pass
     # after mm against in the GEMM (addmm); silu, gelu and relu by default; not with --routes.

@@ -61,6 +61,11 @@ int set_bfloat16_forward_route(int route);
 // fused_linear.cpp). Returns the previous setting.
 int set_float_bias_route(int route);
 
+// The CPU bfloat16 backward's g over a column-major (transposed) upstream gradient, where
+// dpcuda's pass makes it: row-major (0), column-major (1, torch's layout there), or by the
+// layer's size as measured (-1) (csrc/torch/fused_linear.cpp). Returns the previous setting.
+int set_bfloat16_g_layout(int layout);
+
 // While one is alive on a thread, a full_forward that builds an autograd node there hands the
 // node these destinations for its weight and bias gradients (csrc/torch/autograd.cpp).
 class GradientsInto {

@@ -348,14 +348,25 @@ inline bool column_major(int64_t row_stride, int64_t col_stride) {
 
 // Whether dpcuda's bfloat16 pass writes g column-major, as torch's activation backward does over
 // a column-major (transposed) upstream gradient, rather than row-major: where the input's
-// gradient GEMM, g (rows x out) times the weight, is the faster for it. On the 2-core AVX-512
-// machine (2026-11-29; the fused step's GEMMs under the profiler, g row-major over column-major,
-// alternating, tanh): 1.013-1.036 from 2048 wide up to 64 rows (the input's GEMM at 32 rows
-// of 4096, 4732 -> 4334 us), 0.99-1.01 at 128 and 256 rows, 0.79-0.98 below 2048 wide.
-// Float32's GEMMs showed no such edge (0.95-1.05 either way), so float32 keeps g row-major.
-// (One row: the two layouts are the same memory, kept row-major.)
+// gradient GEMM, g (rows x out) times the weight, is the faster for it, by more than the pass's
+// writing g out by columns costs. On the 2-core AVX-512 machine (2026-11-29): under the
+// profiler, the fused step's GEMMs took 1.013-1.036x as long over g row-major as over g
+// column-major from 2048 wide up to 64 rows (the input's GEMM at 32 rows of 4096: 4732 ->
+// 4334 us), 0.99-1.01x at 128 and 256 rows, 0.79-0.98x below 2048 wide (tanh; float32's GEMMs
+// 0.95-1.05x either way: float32 keeps g row-major). The layer's backward, pass included
+// (bench_activation_pass.py --g-layouts, g-layouts-cpu-2026-11-29.json, tanh and gelu, with and
+// without the bias's sums; row-major's time over column-major's): 4096 wide 1.014-1.024 at 16
+// and 32 rows, 0.991-0.999 at 64, 0.98-0.99 at 128 and 256; 2048 wide 1.03-1.075 at 16 rows,
+// 0.963-1.039 at 32, level at 64, 0.975-1.045 from 128; 1024 wide 0.92-1.00. So: from 2048
+// wide, up to 32 rows. (One row: the two layouts are the same memory, kept row-major.) Tests
+// and benchmarks force either layout over any column-major gradient (set_bfloat16_g_layout).
+std::atomic<int> bfloat16_g_layout{-1};
+
 bool bfloat16_g_by_columns(int64_t row_stride, int64_t col_stride, int64_t rows, int64_t cols) {
-  return column_major(row_stride, col_stride) && rows > 1 && rows <= 64 && cols >= 2048;
+  if (!column_major(row_stride, col_stride) || rows <= 1) return false;
+  const int forced = bfloat16_g_layout.load(std::memory_order_relaxed);
+  if (forced >= 0) return forced == 1;
+  return rows <= 32 && cols >= 2048;
 }
 
 template <typename Sums>
@@ -650,6 +661,13 @@ int set_bfloat16_forward_route(int route) {
                     "route must be -1 (the measured choice), 0 (ATen's) or 1 (dpcuda's), got ",
                     route);
   return bfloat16_forward_route.exchange(route);
+}
+
+int set_bfloat16_g_layout(int layout) {
+  TORCH_CHECK_VALUE(layout >= -1 && layout <= 1,
+                    "layout must be -1 (by the layer's size), 0 (row-major) or 1 (column-major), "
+                    "got ", layout);
+  return bfloat16_g_layout.exchange(layout);
 }
 
 int set_float_bias_route(int route) {

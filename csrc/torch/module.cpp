@@ -133,6 +133,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Tests and benchmarks: the CPU float full_forward with an activation adds its bias in "
         "the GEMM (addmm, 1), in dpcuda's pass after mm (0), or by the layer's size as "
         "measured (-1: addmm from 64K output elements); returns the previous setting");
+  m.def("_set_bfloat16_g_layout", &dpcuda::set_bfloat16_g_layout,
+        "Tests and benchmarks: the CPU bfloat16 full_backward over a column-major (transposed) "
+        "upstream gradient writes g row-major (0), column-major (1), or by the layer's size as "
+        "measured (-1: column-major from 2048 columns up to 32 rows); returns the previous "
+        "setting");
   m.def("_read_cpu_labels_for_tests", &dpcuda::read_cpu_labels_for_tests,
         "Tests only: the loss's autograd node reads CPU labels as it reads labels on a GPU "
         "(a copy in host memory, checked there); returns the previous setting");
