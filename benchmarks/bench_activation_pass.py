@@ -88,8 +88,8 @@ def measure(width, batch, activation, rounds, in_features=None):
             "torch_ns_per_element": 1e9 * med["torch_act"] / n}
 
 
-# What --routes and --bias-routes switch: the dtype, the setter, and each route's name (the
-# setter's 0 and 1) as the JSON names its time.
+# What --routes, --bias-routes and --g-layouts switch: the dtype, the setter, and each route's
+# name (the setter's 0 and 1) as the JSON names its time.
 ROUTES = {
     "activation": (torch.bfloat16, "_set_bfloat16_forward_route", ("aten", "pass")),
     "bias": (torch.float32, "_set_float_bias_route", ("pass", "addmm")),
@@ -105,8 +105,6 @@ def measure_routes(width, batch, activation, bias, rounds, kind="activation"):
     w = (torch.randn(width, width, generator=gen) / width ** 0.5).to(dtype)
     b = torch.randn(width, generator=gen).to(dtype) if bias else None
 
-    def layer():
-        return torch.ops.dpcuda.full_forward(x, w, b, activation)
     if kind == "g":
         # the backward alone, over a transposed gradient, from what the forward saved
         out, pre = torch.ops.dpcuda.full_forward(x, w, b, activation)
@@ -114,8 +112,11 @@ def measure_routes(width, batch, activation, bias, rounds, kind="activation"):
         go = torch.randn(width, batch, generator=gen).to(dtype).t()
         mask = [True, True, bias]
 
-        def layer():  # noqa: F811
+        def layer():
             return torch.ops.dpcuda.full_backward(go, x, w, saved, activation, mask)
+    else:
+        def layer():
+            return torch.ops.dpcuda.full_forward(x, w, b, activation)
     calls = max(3, min(2000, 1_000_000 // (batch * width)))
     samples = {0: [], 1: []}
     previous = setter(1)
@@ -140,12 +141,13 @@ def main(argv=None):
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--width", default="64", help="one or more, separated by commas")
     parser.add_argument("--in-features", type=int, default=None,
-                        help="the layer's input width (default: --width; not with --routes or "
-                             "--bias-routes)")
+                        help="the layer's input width (default: --width; not with --routes, "
+                             "--bias-routes or --g-layouts)")
     parser.add_argument("--batches", default="256,2048,8192")
     parser.add_argument("--activations", default=None,
-                        help="(default: tanh,silu,gelu,sigmoid,relu; with --routes silu,sigmoid; with "
-                             "--bias-routes silu,gelu,relu)")
+                        help="(default: tanh,silu,gelu,sigmoid,relu; with --routes "
+                             "silu,sigmoid; with --bias-routes silu,gelu,relu; with --g-layouts "
+                             "tanh,gelu)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--routes", action="store_true",

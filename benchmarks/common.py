@@ -94,9 +94,11 @@ def environment(device):
     dev = torch.device(device)
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or \
         platform.machine()
-    # (glibc's malloc settings where the environment sets them: they decide whether large
-    # tensors come back as fresh pages, page faults and all, from one step to the next)
-    malloc = {k: v for k, v in sorted(os.environ.items()) if k.startswith("MALLOC_")}
+    # (the allocator's settings where the environment sets them: glibc's MALLOC_ variables and
+    # tunables, or another malloc preloaded; they decide whether large tensors come back as
+    # fresh pages, page faults and all, from one step to the next)
+    malloc = {k: v for k, v in sorted(os.environ.items())
+              if k.startswith("MALLOC_") or k in ("GLIBC_TUNABLES", "LD_PRELOAD")}
     return {"device": str(device), "device_name": name, "torch": torch.__version__,
             "threads": torch.get_num_threads(), "commit": commit,
             "date": time.strftime("%Y-%m-%d"), **host_cpu(), **({"malloc_env": malloc} if malloc

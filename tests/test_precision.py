@@ -405,6 +405,25 @@ def test_bfloat16_g_over_a_transposed_gradient_takes_its_layout_where_its_gemm_i
         assert torch.equal(ours.isinf() & (ours < 0), theirs.isinf() & (theirs < 0))
 
 
+def test_bfloat16_g_layout_rule_and_its_knob():
+    # The rule itself, whatever BLAS's bits show: column-major g over a column-major gradient
+    # (row stride 1) of 2 to 32 rows from 2048 columns; never over another layout or one row;
+    # _set_bfloat16_g_layout forces either layout over any column-major gradient.
+    rule = _C._bfloat16_g_by_columns_for_tests
+    assert rule(1, 32, 32, 2048) and rule(1, 2, 2, 4096) and rule(1, 40, 32, 2048)
+    assert not rule(1, 33, 33, 2048) and not rule(1, 32, 32, 2047)
+    assert not rule(2048, 1, 32, 2048) and not rule(0, 0, 32, 2048) and not rule(1, 1, 1, 4096)
+    previous = _C._set_bfloat16_g_layout(-1)
+    try:
+        assert _C._set_bfloat16_g_layout(1) == -1
+        assert rule(1, 300, 300, 16) and not rule(16, 1, 300, 16) and not rule(1, 1, 1, 16)
+        assert _C._set_bfloat16_g_layout(0) == 1
+        assert not rule(1, 32, 32, 2048)
+    finally:
+        _C._set_bfloat16_g_layout(previous)
+    assert rule(1, 32, 32, 2048)
+
+
 def fixed_order_bias_sums(values, chunk):
     """The CPU bias sums' order in float32: rows in order within chunks of `chunk` rows, each
     chunk's sum from 0, the chunks' sums added in order onto 0; rounded once to bfloat16."""

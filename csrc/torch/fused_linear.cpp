@@ -356,10 +356,12 @@ inline bool column_major(int64_t row_stride, int64_t col_stride) {
 // 0.95-1.05x either way: float32 keeps g row-major). The layer's backward, pass included
 // (bench_activation_pass.py --g-layouts, g-layouts-cpu-2026-11-29.json, tanh and gelu, with and
 // without the bias's sums; row-major's time over column-major's): 4096 wide 1.014-1.024 at 16
-// and 32 rows, 0.991-0.999 at 64, 0.98-0.99 at 128 and 256; 2048 wide 1.03-1.075 at 16 rows,
-// 0.963-1.039 at 32, level at 64, 0.975-1.045 from 128; 1024 wide 0.92-1.00. So: from 2048
-// wide, up to 32 rows. (One row: the two layouts are the same memory, kept row-major.) Tests
-// and benchmarks force either layout over any column-major gradient (set_bfloat16_g_layout).
+// and 32 rows, 0.991-0.999 at 64, 0.981-0.993 at 128 and 256; 2048 wide 1.03-1.075 at 16 rows,
+// 0.963-1.039 at 32 (gelu without the sums the one below 1), 0.998-1.038 at 64 (quartiles
+// 0.95-1.14), 0.975-1.045 from 128; 1024 wide 0.92-1.00. So: from 2048 wide, up to 32 rows
+// (4096 wide at 64 rows is the one loss past it). (One row: the two layouts are the same
+// memory, kept row-major.) Tests and benchmarks force either layout over any column-major
+// gradient (set_bfloat16_g_layout) and read the rule (bfloat16_g_by_columns_for_tests).
 std::atomic<int> bfloat16_g_layout{-1};
 
 bool bfloat16_g_by_columns(int64_t row_stride, int64_t col_stride, int64_t rows, int64_t cols) {
@@ -661,6 +663,11 @@ int set_bfloat16_forward_route(int route) {
                     "route must be -1 (the measured choice), 0 (ATen's) or 1 (dpcuda's), got ",
                     route);
   return bfloat16_forward_route.exchange(route);
+}
+
+bool bfloat16_g_by_columns_for_tests(int64_t row_stride, int64_t col_stride, int64_t rows,
+                                     int64_t cols) {
+  return bfloat16_g_by_columns(row_stride, col_stride, rows, cols);
 }
 
 int set_bfloat16_g_layout(int layout) {

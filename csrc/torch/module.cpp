@@ -138,6 +138,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "upstream gradient writes g row-major (0), column-major (1), or by the layer's size as "
         "measured (-1: column-major from 2048 columns up to 32 rows); returns the previous "
         "setting");
+  m.def("_bfloat16_g_by_columns_for_tests", &dpcuda::bfloat16_g_by_columns_for_tests,
+        "Tests only: whether the CPU bfloat16 full_backward writes g column-major for an "
+        "upstream gradient of these strides (row, column) and shape (rows, columns)");
   m.def("_read_cpu_labels_for_tests", &dpcuda::read_cpu_labels_for_tests,
         "Tests only: the loss's autograd node reads CPU labels as it reads labels on a GPU "
         "(a copy in host memory, checked there); returns the previous setting");

@@ -454,9 +454,9 @@ void test_bfloat16_to_columns(Activation act, std::mt19937& rng) {
         for (auto& v : saved) v = bf16_round(dist(rng));
         go[4 + 2 * cs] = 0x7fc0;  // (a NaN and an Inf in the gradient)
         go[rows - 1] = 0x7f80;
-        std::vector<uint16_t> g_rows(rows * cols), g_cols(g_cs * cols, 0x1234);
-        std::vector<float> sums_rows(cols), sums_cols(cols, -1.0f);
         for (const bool with_sums : {true, false}) {
+          std::vector<uint16_t> g_rows(rows * cols), g_cols(g_cs * cols, 0x1234);
+          std::vector<float> sums_rows(cols), sums_cols(cols, -1.0f);
           dpcuda::cpu::bfloat16_activation_backward_rows(
               go.data(), saved.data(), g_rows.data(), with_sums ? sums_rows.data() : nullptr, b,
               rows, cols, act, 1, cs);
