@@ -12,6 +12,7 @@
 #include <torch/autograd.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/utils.h>
+#include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/saved_variable.h>
 #include <torch/library.h>
 #include <torch/version.h>
@@ -204,7 +205,7 @@ variable_list FullForwardBackward::apply(variable_list&& grads) {
   if (!grad_out.defined()) return result;
   const Tensor x = input.unpack();
   const Tensor w = weight.unpack();
-  const Tensor kept = saved.unpack(getptr());
+  Tensor kept = saved.unpack(getptr());
   const std::array<bool, 3> mask = {task_should_compute_output(0),
                                     task_should_compute_output(1),
                                     has_bias && task_should_compute_output(2)};
@@ -218,7 +219,14 @@ variable_list FullForwardBackward::apply(variable_list&& grads) {
     return g;
   }
   const c10::string_view activation = activation_name(act);
-  const Tensor s = kept.defined() ? kept : at::empty({0}, grad_out.options());
+  // Where the graph is not kept, the node's reference to what it saved is dropped here and
+  // this call's own is handed to the kernel, which drops it after its activation pass (before
+  // the GEMMs): a pre-activation is then freed where torch's GeluBackward/SiluBackward frees
+  // its input (a layer's output the caller holds stays). The engine would release it after
+  // this call in any case.
+  const bool hand_over = kept.defined() && !torch::autograd::get_current_graph_task_keep_graph();
+  Tensor s = kept.defined() ? std::move(kept) : at::empty({0}, grad_out.options());
+  if (hand_over) saved.reset_data();
   // Grad mode is off: nothing here is recorded, so the ops are called below autograd, straight
   // to their kernels (through the autograd keys they would take the boxed fallback that only
   // says they have no formula, a boxing of every argument per call).
@@ -240,12 +248,17 @@ variable_list FullForwardBackward::apply(variable_list&& grads) {
                                            mask[2] && db.defined()};
     Tensor w_out = into_mask[1] ? dw : none;
     Tensor b_out = into_mask[2] ? db : none;
-    const Tensor gi = call_full_backward_into(grad_out, x, w, s, activation, into_mask, w_out,
-                                              b_out);
+    const bool rest = (mask[1] && !into_mask[1]) || (mask[2] && !into_mask[2]);
+    Tensor gi;
+    {
+      // (not where a second call below reads `saved` again)
+      SavedReleasedAfterPass handed(hand_over && !rest ? &s : nullptr);
+      gi = call_full_backward_into(grad_out, x, w, s, activation, into_mask, w_out, b_out);
+    }
     // What has no destination (a gradient the caller did not place) is computed as usual.
     Tensor gw = into_mask[1] ? dw.view(dw.sizes()) : Tensor();
     Tensor gb = into_mask[2] ? db.view(db.sizes()) : Tensor();
-    if ((mask[1] && !into_mask[1]) || (mask[2] && !into_mask[2])) {
+    if (rest) {
       auto rest = call_full_backward(grad_out, x, w, s, activation,
                                      {false, mask[1] && !into_mask[1],
                                       mask[2] && !into_mask[2]});
@@ -254,6 +267,7 @@ variable_list FullForwardBackward::apply(variable_list&& grads) {
     }
     return {mask[0] ? gi : Tensor(), gw, gb};
   }
+  SavedReleasedAfterPass handed(hand_over ? &s : nullptr);
   auto [gi, gw, gb] = call_full_backward(grad_out, x, w, s, activation, mask);
   return {mask[0] ? gi : Tensor(), mask[1] ? gw : Tensor(), mask[2] ? gb : Tensor()};
 }
@@ -598,6 +612,32 @@ GradientsInto::GradientsInto(const c10::optional<at::Tensor>& weight,
 GradientsInto::~GradientsInto() { t_gradients_into = previous_; }
 
 const GradientsInto* GradientsInto::current() { return t_gradients_into; }
+
+namespace {
+thread_local SavedReleasedAfterPass* t_saved_released = nullptr;
+thread_local int64_t t_released_count = 0;
+}  // namespace
+
+SavedReleasedAfterPass::SavedReleasedAfterPass(at::Tensor* saved)
+    : saved_(saved), previous_(t_saved_released) {
+  t_saved_released = this;
+}
+
+SavedReleasedAfterPass::~SavedReleasedAfterPass() { t_saved_released = previous_; }
+
+void SavedReleasedAfterPass::release(const at::Tensor& saved) {
+  SavedReleasedAfterPass* const current = t_saved_released;
+  if (!current || !current->saved_ || !current->saved_->defined() ||
+      !current->saved_->is_same(saved)) {
+    return;
+  }
+  at::Tensor* const mine = current->saved_;
+  current->saved_ = nullptr;
+  mine->reset();  // (`saved` may be this very tensor: not read after this)
+  ++t_released_count;
+}
+
+int64_t SavedReleasedAfterPass::released_for_tests() { return t_released_count; }
 
 TORCH_LIBRARY_IMPL(dpcuda, CompositeExplicitAutograd, m) {
   m.impl("softmax_cross_entropy", &softmax_cross_entropy_forward);

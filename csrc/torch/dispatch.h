@@ -87,6 +87,29 @@ class GradientsInto {
   const GradientsInto* previous_;
 };
 
+// While one is alive on a thread, the CPU full_backward drops this reference to its `saved`
+// (the tensor the reference is to, and no other) as soon as its activation pass has made g,
+// before the GEMMs: the autograd node hands over its last reference to a pre-activation that
+// nothing else reads once the graph is not kept, whose memory is then free for the GEMMs'
+// results, as torch's two nodes (the activation's, then the linear's) free it (issue #27: in
+// torch's order glibc's heap faulted fewer pages a step). The kernel must not read its `saved`
+// argument after it has called release, which may have been this very reference.
+class SavedReleasedAfterPass {
+ public:
+  explicit SavedReleasedAfterPass(at::Tensor* saved);
+  ~SavedReleasedAfterPass();
+  SavedReleasedAfterPass(const SavedReleasedAfterPass&) = delete;
+  SavedReleasedAfterPass& operator=(const SavedReleasedAfterPass&) = delete;
+  // Drops the reference set on this thread where it is to `saved`'s tensor (once).
+  static void release(const at::Tensor& saved);
+  // Tests only: how many references release has dropped on this thread.
+  static int64_t released_for_tests();
+
+ private:
+  at::Tensor* saved_;
+  SavedReleasedAfterPass* previous_;
+};
+
 inline std::tuple<at::Tensor, at::Tensor> call_loss_grad(const at::Tensor& logits,
                                                          const at::Tensor& labels, double scale,
                                                          double label_smoothing,

@@ -11,6 +11,7 @@
 #include "../cpu/fused_linear.h"
 #include "aten_activation.h"
 #include "checks.h"
+#include "dispatch.h"
 
 #ifdef DPCUDA_WITH_CUDA
 #include <ATen/cuda/CUDAContext.h>
@@ -392,9 +393,9 @@ std::tuple<Tensor, Tensor, Tensor> full_backward_cpu_into(
             grad_bias_into.defined() ? grad_bias_into : gb};
   }
   // (the half types make g themselves: ATen's activation backward may make it)
-  const BackwardPlan p = plan_backward(grad_output, input, weight, saved, activation,
-                                      output_mask, &check_cpu_layer_dtype, grad_bias_into,
-                                      true, !is_half_type(input));
+  BackwardPlan p = plan_backward(grad_output, input, weight, saved, activation,
+                                output_mask, &check_cpu_layer_dtype, grad_bias_into,
+                                true, !is_half_type(input));
   if (is_half_type(input)) {
     // As torch: g = grad_output * act'(saved) computed in float and rounded to the half type
     // (where it may overflow as torch's does), then the GEMMs in the half type (torch's own:
@@ -449,6 +450,9 @@ std::tuple<Tensor, Tensor, Tensor> full_backward_cpu_into(
                             });
       }
     }
+    // g is made: what it was made from is not read again (the caller's reference handed over).
+    p.saved = Tensor();
+    SavedReleasedAfterPass::release(saved);
     // (each gradient left out an empty tensor of its own: an op's outputs must not alias)
     const auto none = [&] { return empty_like_options(g); };
     auto [gi, gw] = backward_gemms(g, input, weight, p.shape, output_mask);
@@ -493,6 +497,9 @@ std::tuple<Tensor, Tensor, Tensor> full_backward_cpu_into(
                              });
     });
   }
+  // g is made: what it was made from is not read again (the caller's reference handed over).
+  p.saved = Tensor();
+  SavedReleasedAfterPass::release(saved);
   return finish_backward(p, input, weight, output_mask, grad_weight_into);
 }
 
