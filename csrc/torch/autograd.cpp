@@ -219,14 +219,15 @@ variable_list FullForwardBackward::apply(variable_list&& grads) {
     return g;
   }
   const c10::string_view activation = activation_name(act);
-  // Where the graph is not kept, the node's reference to what it saved is dropped here and
-  // this call's own is handed to the kernel, which drops it after its activation pass (before
-  // the GEMMs): a pre-activation is then freed where torch's GeluBackward/SiluBackward frees
-  // its input (a layer's output the caller holds stays). The engine would release it after
-  // this call in any case.
+  // Where the graph is not kept, the node's references to what it saved (its saved variable
+  // and this call's tensor) are handed to the CPU kernel, which drops them after its
+  // activation pass, before the GEMMs (SavedReleasedAfterPass): a pre-activation is then freed
+  // where torch's GeluBackward/SiluBackward frees its input; a layer's output stays with whoever
+  // holds it. Elsewhere (CUDA, a kernel that fails first) the engine releases them after this
+  // call, as it would in any case. (A node called by hand inside another backward follows that
+  // backward's retain_graph.)
   const bool hand_over = kept.defined() && !torch::autograd::get_current_graph_task_keep_graph();
   Tensor s = kept.defined() ? std::move(kept) : at::empty({0}, grad_out.options());
-  if (hand_over) saved.reset_data();
   // Grad mode is off: nothing here is recorded, so the ops are called below autograd, straight
   // to their kernels (through the autograd keys they would take the boxed fallback that only
   // says they have no formula, a boxing of every argument per call).
@@ -248,17 +249,17 @@ variable_list FullForwardBackward::apply(variable_list&& grads) {
                                            mask[2] && db.defined()};
     Tensor w_out = into_mask[1] ? dw : none;
     Tensor b_out = into_mask[2] ? db : none;
-    const bool rest = (mask[1] && !into_mask[1]) || (mask[2] && !into_mask[2]);
+    const bool second_call = (mask[1] && !into_mask[1]) || (mask[2] && !into_mask[2]);
     Tensor gi;
     {
-      // (not where a second call below reads `saved` again)
-      SavedReleasedAfterPass handed(hand_over && !rest ? &s : nullptr);
+      // (not where the second call below reads `s` again)
+      SavedReleasedAfterPass handed(hand_over && !second_call ? &s : nullptr, &saved);
       gi = call_full_backward_into(grad_out, x, w, s, activation, into_mask, w_out, b_out);
     }
     // What has no destination (a gradient the caller did not place) is computed as usual.
     Tensor gw = into_mask[1] ? dw.view(dw.sizes()) : Tensor();
     Tensor gb = into_mask[2] ? db.view(db.sizes()) : Tensor();
-    if (rest) {
+    if (second_call) {
       auto rest = call_full_backward(grad_out, x, w, s, activation,
                                      {false, mask[1] && !into_mask[1],
                                       mask[2] && !into_mask[2]});
@@ -267,7 +268,7 @@ variable_list FullForwardBackward::apply(variable_list&& grads) {
     }
     return {mask[0] ? gi : Tensor(), gw, gb};
   }
-  SavedReleasedAfterPass handed(hand_over ? &s : nullptr);
+  SavedReleasedAfterPass handed(hand_over ? &s : nullptr, &saved);
   auto [gi, gw, gb] = call_full_backward(grad_out, x, w, s, activation, mask);
   return {mask[0] ? gi : Tensor(), mask[1] ? gw : Tensor(), mask[2] ? gb : Tensor()};
 }
@@ -615,11 +616,12 @@ const GradientsInto* GradientsInto::current() { return t_gradients_into; }
 
 namespace {
 thread_local SavedReleasedAfterPass* t_saved_released = nullptr;
-thread_local int64_t t_released_count = 0;
+thread_local std::pair<int64_t, int64_t> t_released_count = {0, 0};
 }  // namespace
 
-SavedReleasedAfterPass::SavedReleasedAfterPass(at::Tensor* saved)
-    : saved_(saved), previous_(t_saved_released) {
+SavedReleasedAfterPass::SavedReleasedAfterPass(at::Tensor* saved,
+                                               torch::autograd::SavedVariable* node_saved)
+    : saved_(saved), node_saved_(node_saved), previous_(t_saved_released) {
   t_saved_released = this;
 }
 
@@ -633,11 +635,16 @@ void SavedReleasedAfterPass::release(const at::Tensor& saved) {
   }
   at::Tensor* const mine = current->saved_;
   current->saved_ = nullptr;
+  current->node_saved_->reset_data();  // (under the node's lock: the node's apply holds it)
+  const bool last = mine->use_count() == 1 && mine->storage().use_count() == 1;
   mine->reset();  // (`saved` may be this very tensor: not read after this)
-  ++t_released_count;
+  ++t_released_count.first;
+  if (last) ++t_released_count.second;
 }
 
-int64_t SavedReleasedAfterPass::released_for_tests() { return t_released_count; }
+std::pair<int64_t, int64_t> SavedReleasedAfterPass::released_for_tests() {
+  return t_released_count;
+}
 
 TORCH_LIBRARY_IMPL(dpcuda, CompositeExplicitAutograd, m) {
   m.impl("softmax_cross_entropy", &softmax_cross_entropy_forward);

@@ -8,6 +8,11 @@
 
 #include <array>
 #include <tuple>
+#include <utility>
+
+namespace torch::autograd {
+class SavedVariable;
+}  // namespace torch::autograd
 
 namespace dpcuda {
 
@@ -87,26 +92,30 @@ class GradientsInto {
   const GradientsInto* previous_;
 };
 
-// While one is alive on a thread, the CPU full_backward drops this reference to its `saved`
-// (the tensor the reference is to, and no other) as soon as its activation pass has made g,
-// before the GEMMs: the autograd node hands over its last reference to a pre-activation that
-// nothing else reads once the graph is not kept, whose memory is then free for the GEMMs'
-// results, as torch's two nodes (the activation's, then the linear's) free it (issue #27: in
-// torch's order glibc's heap faulted fewer pages a step). The kernel must not read its `saved`
-// argument after it has called release, which may have been this very reference.
+// While one is alive on a thread, the CPU full_backward drops the autograd node's references
+// to its `saved` (the node's saved variable and the call's own tensor, where that is `saved`'s
+// tensor and no other) as soon as its activation pass has made g, before the GEMMs: where the
+// graph is not kept and nothing else holds it (a pre-activation; a layer's output stays with
+// whoever holds it), its memory is then free for the GEMMs' results, as torch's two nodes (the
+// activation's, then the linear's) free it (issue #27: in torch's order glibc's heap faulted
+// fewer pages a step). The kernel must not read its `saved` argument after it has called
+// release, which may have been that very tensor. Elsewhere (CUDA, a call that is not the
+// kernel's) nothing is dropped: the engine releases the node's after the call as usual.
 class SavedReleasedAfterPass {
  public:
-  explicit SavedReleasedAfterPass(at::Tensor* saved);
+  SavedReleasedAfterPass(at::Tensor* saved, torch::autograd::SavedVariable* node_saved);
   ~SavedReleasedAfterPass();
   SavedReleasedAfterPass(const SavedReleasedAfterPass&) = delete;
   SavedReleasedAfterPass& operator=(const SavedReleasedAfterPass&) = delete;
-  // Drops the reference set on this thread where it is to `saved`'s tensor (once).
+  // Drops the references set on this thread where they are to `saved`'s tensor (once).
   static void release(const at::Tensor& saved);
-  // Tests only: how many references release has dropped on this thread.
-  static int64_t released_for_tests();
+  // Tests only: on this thread, how many times release has dropped the references, and how
+  // many of those freed the memory (nothing else held it).
+  static std::pair<int64_t, int64_t> released_for_tests();
 
  private:
   at::Tensor* saved_;
+  torch::autograd::SavedVariable* node_saved_;
   SavedReleasedAfterPass* previous_;
 };
 

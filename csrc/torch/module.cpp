@@ -142,9 +142,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Tests only: whether the CPU bfloat16 full_backward writes g column-major for an "
         "upstream gradient of these strides (row, column) and shape (rows, columns)");
   m.def("_saved_released_for_tests", &dpcuda::SavedReleasedAfterPass::released_for_tests,
-        "Tests only: how many saved tensors the CPU full_backward has released after its "
-        "activation pass on this thread (handed over by the autograd node where the graph is "
-        "not kept)");
+        "Tests only: on this thread, how many times the CPU full_backward has dropped the "
+        "autograd node's references to its saved tensor after its activation pass (where the "
+        "graph is not kept), and how many of those freed its memory");
   m.def("_read_cpu_labels_for_tests", &dpcuda::read_cpu_labels_for_tests,
         "Tests only: the loss's autograd node reads CPU labels as it reads labels on a GPU "
         "(a copy in host memory, checked there); returns the previous setting");
