@@ -99,10 +99,16 @@ def environment(device):
     # fresh pages, page faults and all, from one step to the next)
     malloc = {k: v for k, v in sorted(os.environ.items())
               if k.startswith("MALLOC_") or k in ("GLIBC_TUNABLES", "LD_PRELOAD")}
+    # (and OpenMP's, where set: its threads' wait between parallel regions, spinning or asleep,
+    # decides what each region's start costs; GNU OpenMP's default, spinning a while and then
+    # sleeping, put some small cells' ratio in one of two states per process, issue #27)
+    openmp = {k: v for k, v in sorted(os.environ.items())
+              if k.startswith(("OMP_", "GOMP_", "KMP_"))}
     return {"device": str(device), "device_name": name, "torch": torch.__version__,
             "threads": torch.get_num_threads(), "commit": commit,
-            "date": time.strftime("%Y-%m-%d"), **host_cpu(), **({"malloc_env": malloc} if malloc
-                                                                 else {})}
+            "date": time.strftime("%Y-%m-%d"), **host_cpu(),
+            **({"malloc_env": malloc} if malloc else {}),
+            **({"openmp_env": openmp} if openmp else {})}
 
 
 # The instruction sets that decide which GEMM and vector kernels torch's CPU runs (bfloat16's

@@ -143,12 +143,14 @@ def run_activation_pass(tmp_path, *args):
 def test_bench_activation_pass_measures_the_g_layouts(tmp_path, monkeypatch):
     # --g-layouts: the bfloat16 layer's backward over a transposed gradient with g row-major
     # against column-major, with and without the bias's gradient; tanh and gelu by default. The
-    # JSON records glibc's malloc settings where the environment sets them.
+    # JSON records glibc's malloc and OpenMP's settings where the environment sets them.
     monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "1073741824")
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
     payload = run_activation_pass(tmp_path, "--g-layouts", "--width", "8", "--batches", "4,16",
                                   "--rounds", "2")
     assert payload["benchmark"] == "g_layouts"
     assert payload["environment"]["malloc_env"]["MALLOC_TRIM_THRESHOLD_"] == "1073741824"
+    assert payload["environment"]["openmp_env"]["OMP_WAIT_POLICY"] == "PASSIVE"
     assert [(r["width"], r["batch"], r["activation"], r["bias"]) for r in payload["results"]] == [
         (8, b, a, bias) for b in (4, 16) for a in ("tanh", "gelu") for bias in (False, True)]
     for r in payload["results"]:
