@@ -130,6 +130,14 @@ std::pair<Tensor, Tensor> backward_gemms(const Tensor& g_in, const Tensor& input
   return {grad_input, grad_weight};
 }
 
+// Once the CPU's activation pass has made g, what it was made from is not read again: the
+// plan's reference dropped, and the autograd node's where it handed them over
+// (SavedReleasedAfterPass). `saved` is not to be read after this.
+void drop_saved(BackwardPlan& p, const Tensor& saved) {
+  p.saved = Tensor();
+  SavedReleasedAfterPass::release(saved);
+}
+
 // The two GEMMs that follow the CPU's activation pass.
 std::tuple<Tensor, Tensor, Tensor> finish_backward(const BackwardPlan& p, const Tensor& input,
                                                    const Tensor& weight,
@@ -450,9 +458,7 @@ std::tuple<Tensor, Tensor, Tensor> full_backward_cpu_into(
                             });
       }
     }
-    // g is made: what it was made from is not read again (the caller's reference handed over).
-    p.saved = Tensor();
-    SavedReleasedAfterPass::release(saved);
+    drop_saved(p, saved);
     // (each gradient left out an empty tensor of its own: an op's outputs must not alias)
     const auto none = [&] { return empty_like_options(g); };
     auto [gi, gw] = backward_gemms(g, input, weight, p.shape, output_mask);
@@ -497,9 +503,7 @@ std::tuple<Tensor, Tensor, Tensor> full_backward_cpu_into(
                              });
     });
   }
-  // g is made: what it was made from is not read again (the caller's reference handed over).
-  p.saved = Tensor();
-  SavedReleasedAfterPass::release(saved);
+  drop_saved(p, saved);
   return finish_backward(p, input, weight, output_mask, grad_weight_into);
 }
 
