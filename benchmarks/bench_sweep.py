@@ -30,9 +30,11 @@ import itertools
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
+import time
 
 import torch
 import torch.nn.functional as F
@@ -83,7 +85,21 @@ def upstream(layout, batch, width, dtype):
     return torch.randn(width, batch, dtype=dtype).t()
 
 
-def cell(width, batch, act, bias, layout, dtype, compile_, repeats, min_seconds, control=False):
+def steps_per_turn(step, consecutive_ms):
+    """How many steps each contender runs in its turn for --consecutive-ms: one untimed, then
+    enough to last about consecutive_ms (by the median of 3 timed steps after an untimed one),
+    1 to 50 of them."""
+    step()
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        step()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return 1 + min(50, max(1, round(consecutive_ms / max(statistics.median(times), 1e-6))))
+
+
+def cell(width, batch, act, bias, layout, dtype, compile_, repeats, min_seconds, control=False,
+         consecutive_ms=0.0):
     x = torch.randn(batch, width, dtype=dtype, requires_grad=True)
     w = (torch.randn(width, width, dtype=dtype) * width ** -0.5).requires_grad_()
     b = torch.randn(width, dtype=dtype, requires_grad=True) if bias else None
@@ -107,8 +123,9 @@ def cell(width, batch, act, bias, layout, dtype, compile_, repeats, min_seconds,
         # torch eager again, a closure of its own: eager / eager_again is the harness's null,
         # what a contender identical to torch's scores (its band is the noise of the method).
         fns["eager_again"] = run(lambda x, w, b: eager_fn(x, w, b))
+    consecutive = steps_per_turn(fns["fused"], consecutive_ms) if consecutive_ms > 0 else 1
     return compare_samples(fns, "cpu", warmup=3, repeats=repeats, min_seconds=min_seconds,
-                           shuffle=True)
+                           shuffle=True, consecutive=consecutive), consecutive
 
 
 def heat_map(rows, path, layout, dtype, bias):
@@ -157,6 +174,7 @@ def cells_in_new_processes(args):
     options += [f"--threads={args.threads}"] if args.threads else []
     options += ["--compile"] if args.compile else []
     options += ["--control"] if args.control else []
+    options += [f"--consecutive-ms={args.consecutive_ms}"] if args.consecutive_ms else []
     cell_rows = []
     with tempfile.TemporaryDirectory() as folder:
         for k, (w, b, a, bi, lay, dt) in enumerate(args.cells):
@@ -198,6 +216,10 @@ def main(argv=None):
     parser.add_argument("--control", action="store_true",
                         help="add torch eager again as a contender: eager/eager_again, the "
                              "method's null (what torch scores against itself)")
+    parser.add_argument("--consecutive-ms", type=float, default=0.0,
+                        help="each contender's turn in a round: consecutive steps lasting about "
+                             "this long, the first untimed, as a training loop runs one model's "
+                             "steps (default: one timed step a turn)")
     parser.add_argument("--max-gflop", type=float, default=60.0,
                         help="skip cells of more work (default: %(default)s)")
     parser.add_argument("--repeats", type=int, default=15, help="(default: %(default)s)")
@@ -227,6 +249,8 @@ def main(argv=None):
         if name not in DTYPES:
             parser.error(f"--dtypes: float32 or bfloat16, got {name!r}")
         dtypes.append(name)
+    if args.consecutive_ms < 0:
+        parser.error(f"--consecutive-ms must be 0 or more, got {args.consecutive_ms}")
     biases = [{"on": True, "off": False}[v] for v in args.bias.split(",")]
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -245,10 +269,11 @@ def main(argv=None):
         if gflop > args.max_gflop and not args.cells:  # (named cells run whatever their size)
             skipped.append({"width": width, "batch": batch, "gflop": gflop})
             continue
-        samples = cell(width, batch, act, bias, layout, getattr(torch, dtype), args.compile,
-                       args.repeats, args.min_seconds, args.control)
+        samples, consecutive = cell(width, batch, act, bias, layout, getattr(torch, dtype),
+                                    args.compile, args.repeats, args.min_seconds, args.control,
+                                    args.consecutive_ms)
         row = {"width": width, "batch": batch, "activation": act, "bias": bias,
-               "layout": layout, "dtype": dtype,
+               "layout": layout, "dtype": dtype, "steps_per_turn": consecutive,
                "fused_ms": sorted(samples["fused"])[len(samples["fused"]) // 2],
                "eager_over_fused": paired_ratio(samples["eager"], samples["fused"])}
         if "compile" in samples:
@@ -279,6 +304,7 @@ def report(rows, skipped, args):
               f"[{r['eager_over_fused']['q1']:.2f}, {r['eager_over_fused']['q3']:.2f}]")
     write_json(args.json, {"benchmark": "sweep", "environment": environment("cpu"),
                            "repeats": args.repeats, "min_seconds": args.min_seconds,
+                           "consecutive_ms": args.consecutive_ms,
                            "cells_each_in_a_new_process": bool(
                                args.cells and len(args.cells) > 1 and not args.same_process),
                            "geomean_eager_over_fused": geomean, "results": rows,

@@ -35,14 +35,20 @@ def time_ms(fn, device, warmup=2, repeats=10):
 
 
 def compare_samples(fns, device, warmup=2, repeats=10, min_seconds=0.0, shuffle=False,
-                    before=None):
+                    before=None, consecutive=1):
     """Times in ms of each callable in the dict fns over `repeats` rounds, measured round-robin
     (a, b, c, a, b, c, ...) so that drift in the machine's speed (another process, clock
     changes) falls on every contender alike instead of on whichever ran last. At least `repeats`
     rounds, more until min_seconds of timed runs have passed (short cases need many rounds to
     average out the machine's noise). shuffle: each round in a new order (seeded), so that no
     contender always runs after the same one (whose caches and threads it inherits); before:
-    called untimed before each run (a cache flush). Returns {name: [ms per round]}."""
+    called untimed before each run (a cache flush). consecutive (CPU only): each contender runs
+    that many times in a row in its turn, as a training loop runs one model's steps, the first
+    untimed (it inherits the other contender's caches, free lists and threads) and the round's
+    sample the mean of the others. Returns {name: [ms per round]}."""
+    if consecutive < 1 or (consecutive > 1 and torch.device(device).type != "cpu"):
+        raise ValueError(f"consecutive must be 1, or more on the CPU; got {consecutive} "
+                         f"on {device}")
     for fn in fns.values():
         for _ in range(warmup):
             fn()
@@ -58,9 +64,18 @@ def compare_samples(fns, device, warmup=2, repeats=10, min_seconds=0.0, shuffle=
             fn = fns[name]
             if before is not None:
                 before()
-            ms = time_ms(fn, device, warmup=0, repeats=1)
+            if consecutive == 1:
+                ms = time_ms(fn, device, warmup=0, repeats=1)
+                total_ms += ms
+            else:
+                fn()
+                t0 = time.perf_counter()
+                for _ in range(consecutive - 1):
+                    fn()
+                elapsed_ms = (time.perf_counter() - t0) * 1e3
+                ms = elapsed_ms / (consecutive - 1)
+                total_ms += elapsed_ms
             samples[name].append(ms)
-            total_ms += ms
         rounds += 1
     return samples
 

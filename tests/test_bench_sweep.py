@@ -5,6 +5,9 @@ import json
 import os
 import subprocess
 import sys
+import time
+
+import pytest
 
 from cli_run import run_script
 
@@ -337,3 +340,50 @@ def test_bench_after_gemm_splits_steps_into_gemms_and_the_rest(tmp_path):
             assert parts["step"] > 0 and parts["gemms"] > 0 and parts["rest"] > 0
     proc = run_script("bench_after_gemm", "--steps", "0", cwd=tmp_path)
     assert proc.returncode == 2 and "at least 1" in proc.stderr
+
+
+def test_compare_samples_times_consecutive_runs_without_the_first(monkeypatch):
+    # A contender that pays 30 ms whenever the other ran last (what it inherits): timed one run
+    # a turn, every sample pays it; in turns of 3 consecutive runs, the first untimed, none does.
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        from common import compare_samples
+    finally:
+        sys.path.pop(0)
+    last = [None]
+    calls = {"a": 0, "b": 0}
+
+    def contender(name):
+        def fn():
+            if last[0] not in (None, name):
+                time.sleep(0.03)
+            last[0] = name
+            calls[name] += 1
+        return fn
+
+    fns = {"a": contender("a"), "b": contender("b")}
+    one = compare_samples(fns, "cpu", warmup=0, repeats=4, consecutive=1)
+    assert sum(ms >= 25 for ms in one["a"] + one["b"]) >= 6
+    calls.update(a=0, b=0)
+    three = compare_samples(fns, "cpu", warmup=0, repeats=4, consecutive=3)
+    assert len(three["a"]) == len(three["b"]) == 4 and calls == {"a": 12, "b": 12}
+    assert all(ms < 5 for ms in three["a"] + three["b"])
+    with pytest.raises(ValueError, match="consecutive"):
+        compare_samples(fns, "cpu", consecutive=0)
+    with pytest.raises(ValueError, match="consecutive"):
+        compare_samples(fns, "cuda", consecutive=2)
+
+
+def test_bench_sweep_runs_consecutive_steps_a_turn(tmp_path):
+    proc = run(tmp_path, "--cells", "8x4:relu:on:dense", "--consecutive-ms", "0.5", "--control",
+               "--repeats", "3", "--min-seconds", "0", "--json", "k.json")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    payload = json.loads((tmp_path / "k.json").read_text())
+    (row,) = payload["results"]
+    assert payload["consecutive_ms"] == 0.5 and 2 <= row["steps_per_turn"] <= 51
+    assert row["eager_over_fused"]["rounds"] >= 3
+    proc = run(tmp_path, "--cells", "8x4:relu:on:dense", "--repeats", "2", "--min-seconds", "0",
+               "--json", "d.json")
+    assert json.loads((tmp_path / "d.json").read_text())["results"][0]["steps_per_turn"] == 1
+    proc = run_script("bench_sweep", "--consecutive-ms", "-1", cwd=tmp_path)
+    assert proc.returncode == 2 and "--consecutive-ms" in proc.stderr

@@ -439,6 +439,13 @@ def test_bad_inputs_raise_named_errors(device):
         torch.ops.dpcuda.full_forward(x, w, b, "swish")
     with pytest.raises(TypeError, match="x must be a torch.Tensor"):
         ops.full_forward([1.0], w, b)
+    with pytest.raises(TypeError, match="weight must be a torch.Tensor"):
+        ops.full_forward(x, [[1.0]], b)
+    with pytest.raises(TypeError, match="bias must be a torch.Tensor"):
+        ops.full_forward(x, w, 1.0)
+    for bad in (["relu"], 3, None):
+        with pytest.raises(ValueError, match="activation must be one of"):
+            ops.full_forward(x, w, b, bad)
     with pytest.raises(ValueError, match="saved is required"):
         ops.full_backward(torch.randn(4, 3, device=device), x, w, None, "relu")
     with pytest.raises(ValueError, match="grad_output must have shape"):
@@ -452,6 +459,40 @@ def test_bad_inputs_raise_named_errors(device):
     else:
         with pytest.raises(ValueError, match="weight must be on the same device"):
             ops.full_forward(x, w.cpu(), b)
+
+
+def test_full_forward_hands_torch_function_overrides_the_op():
+    # A mode or a tensor subclass that overrides torch functions sees torch.ops.dpcuda's op
+    # (with a bias and without: the call's fast path into _C must not pass them by), and the
+    # result is the subclass's.
+    seen = []
+
+    class Mode(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    class Sub(torch.Tensor):
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return super().__torch_function__(func, types, args, kwargs)
+
+    x, w, b = torch.randn(4, 3), torch.randn(2, 3), torch.randn(2)
+    for bias in (b, None):
+        seen.clear()
+        with Mode():
+            got = ops.full_forward(x, w, bias, "gelu")
+        assert seen == [torch.ops.dpcuda.full_forward]
+        torch.testing.assert_close(got, ops.full_forward(x, w, bias, "gelu"), rtol=0, atol=0)
+    for args in ((x.as_subclass(Sub), w, b), (x, w.as_subclass(Sub), None),
+                 (x, w, b.as_subclass(Sub))):
+        seen.clear()
+        got = ops.full_forward(*args, "gelu")
+        assert seen[0] == torch.ops.dpcuda.full_forward and type(got) is Sub
+        plain = [a if a is None else a.as_subclass(torch.Tensor) for a in args]
+        torch.testing.assert_close(got.as_subclass(torch.Tensor),
+                                   ops.full_forward(*plain, "gelu"), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("device", DEVICES)
