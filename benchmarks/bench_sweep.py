@@ -249,7 +249,7 @@ def main(argv=None):
         if name not in DTYPES:
             parser.error(f"--dtypes: float32 or bfloat16, got {name!r}")
         dtypes.append(name)
-    if args.consecutive_ms < 0:
+    if not (math.isfinite(args.consecutive_ms) and args.consecutive_ms >= 0):
         parser.error(f"--consecutive-ms must be 0 or more, got {args.consecutive_ms}")
     biases = [{"on": True, "off": False}[v] for v in args.bias.split(",")]
     if args.threads:

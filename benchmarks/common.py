@@ -49,6 +49,9 @@ def compare_samples(fns, device, warmup=2, repeats=10, min_seconds=0.0, shuffle=
     if consecutive < 1 or (consecutive > 1 and torch.device(device).type != "cpu"):
         raise ValueError(f"consecutive must be 1, or more on the CPU; got {consecutive} "
                          f"on {device}")
+    if consecutive > 1 and before is not None:
+        raise ValueError("consecutive > 1 runs several times a turn: `before` (called before "
+                         "each run) does not combine with it")
     for fn in fns.values():
         for _ in range(warmup):
             fn()

@@ -8,6 +8,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 from cli_run import run_script
 
@@ -372,18 +373,37 @@ def test_compare_samples_times_consecutive_runs_without_the_first(monkeypatch):
         compare_samples(fns, "cpu", consecutive=0)
     with pytest.raises(ValueError, match="consecutive"):
         compare_samples(fns, "cuda", consecutive=2)
+    with pytest.raises(ValueError, match="before"):
+        compare_samples(fns, "cpu", consecutive=2, before=lambda: None)
 
 
-def test_bench_sweep_runs_consecutive_steps_a_turn(tmp_path):
-    proc = run(tmp_path, "--cells", "8x4:relu:on:dense", "--consecutive-ms", "0.5", "--control",
-               "--repeats", "3", "--min-seconds", "0", "--json", "k.json")
+def test_bench_sweep_runs_consecutive_steps_a_turn(tmp_path, monkeypatch):
+    # (two cells: each in its own interpreter, which must be given the option)
+    proc = run(tmp_path, "--cells", "8x4:relu:on:dense", "16x2:gelu:off:transposed:bfloat16",
+               "--consecutive-ms", "0.5", "--control", "--repeats", "3", "--min-seconds", "0",
+               "--json", "k.json")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     payload = json.loads((tmp_path / "k.json").read_text())
-    (row,) = payload["results"]
-    assert payload["consecutive_ms"] == 0.5 and 2 <= row["steps_per_turn"] <= 51
-    assert row["eager_over_fused"]["rounds"] >= 3
+    assert payload["consecutive_ms"] == 0.5 and len(payload["results"]) == 2
+    for row in payload["results"]:
+        assert 2 <= row["steps_per_turn"] <= 51 and row["eager_over_fused"]["rounds"] >= 3
     proc = run(tmp_path, "--cells", "8x4:relu:on:dense", "--repeats", "2", "--min-seconds", "0",
                "--json", "d.json")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
     assert json.loads((tmp_path / "d.json").read_text())["results"][0]["steps_per_turn"] == 1
-    proc = run_script("bench_sweep", "--consecutive-ms", "-1", cwd=tmp_path)
-    assert proc.returncode == 2 and "--consecutive-ms" in proc.stderr
+    for bad in ("-1", "inf", "nan"):
+        proc = run_script("bench_sweep", "--consecutive-ms", bad, cwd=tmp_path)
+        assert proc.returncode == 2 and "--consecutive-ms" in proc.stderr, bad
+    # The cell's turns are what compare_samples is given.
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import bench_sweep
+    finally:
+        sys.path.pop(0)
+    given = []
+    real = bench_sweep.compare_samples
+    monkeypatch.setattr(bench_sweep, "compare_samples",
+                        lambda *a, **k: given.append(k["consecutive"]) or real(*a, **k))
+    _, turn = bench_sweep.cell(8, 4, "relu", True, "dense", torch.float32, False, 2, 0.0,
+                               consecutive_ms=0.5)
+    assert given == [turn] and turn >= 2
