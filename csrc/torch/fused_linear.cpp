@@ -92,14 +92,15 @@ BackwardPlan plan_backward(const Tensor& grad_output, const Tensor& input, const
 // expanded or sliced gradient, for "none") for the half types one contiguous copy for both,
 // where ATen's mm would copy it for each (in its own layout: with Inf or subnormal values the
 // bfloat16 GEMMs' results can follow the layout, torch's own included); for float32 and float64
-// as it lies, each at::mm copying it as torch's backward's do. Measured on the 2-core AMD CPU
-// (2026-11-30, consecutive calls, expanded g): the one copy took bfloat16's two GEMMs from
-// 129 to 84 us at 16x8192 and from 1461 to 1107 us at 128x4096, but float32's from 88 to 115 us
-// at 16x8192 and 50 to 65 us at 4096 rows (level or within a few % either way from 64 wide), and
-// the 16-wide float32 "none" layer over an expanded gradient fell to 0.58-0.89 of torch eager
-// run step after step (bench_sweep.py --consecutive-ms, issue #27).
+// up to 64 wide as it lies, each at::mm copying it as torch's backward's do. Measured on the
+// 2-core AMD CPU (2026-11-30, consecutive calls, expanded g, the two GEMMs): the one copy took
+// bfloat16's from 129 to 84 us at 16x8192 and from 1461 to 1107 us at 128x4096; float32's from
+// 88 to 115 us at 16x8192, 50 to 65 at 16x4096, 295 to 521 at 32x8192, 118 to 133 at 64x1024
+// (408 to 424 at 64x4096), but from 982 to 956 us at 1024x32 and 6713 to 6621 at 1024x256;
+// the 16-wide float32 "none" layer over an expanded gradient ran at 0.58-0.89 of torch eager
+// step after step with the one copy (bench_sweep.py --consecutive-ms, issue #27).
 Tensor gemm_operand(const Tensor& g) {
-  if (!is_half_type(g)) return g;
+  if (!is_half_type(g) && g.size(1) <= 64) return g;
   const auto ready = [](int64_t s0, int64_t s1, int64_t n0, int64_t n1) {
     return s1 == 1 && (n0 == 1 || s0 >= std::max<int64_t>(1, n1));
   };
