@@ -102,8 +102,9 @@ def full_forward(x, weight, bias=None, activation="relu", *, _grads_into=None):
     """
     # The common call first: tensors, a known activation, eager mode and no overrides go
     # straight to _C with the checks below in one test. They cost about 2% of a 16-wide layer's
-    # step at batch 32 (issue #27: the "none" layer without bias 0.99 against torch eager with
-    # them, 1.03 without, benchmarks/bench_sweep.py's harness).
+    # step at batch 32 (issue #27, the bfloat16 "none" layer without bias against torch eager in
+    # bench_sweep.py's rounds, 2026-11-30: 1.004-1.013 with them, 1.017-1.020 with this path,
+    # 1.026-1.037 calling _C directly).
     if (_grads_into is None and isinstance(x, torch.Tensor) and isinstance(weight, torch.Tensor)
             and type(activation) is str and activation in _ACTIVATION_SET):
         if bias is None:
