@@ -157,8 +157,8 @@ def explain_cell(width, batch, act, bias, layout, dtype, steps, rounds, repeats,
                  below):
     """A cell timed alone, then profiled `rounds` times per side (alternating), with its
     verdict (the module's docstring)."""
-    samples, _ = time_cell(width, batch, act, bias, layout, getattr(torch, dtype), False, repeats,
-                        min_seconds)
+    samples, _ = time_cell(width, batch, act, bias, layout, getattr(torch, dtype), False,
+                           repeats, min_seconds)
     alone = paired_ratio(samples["eager"], samples["fused"])
     # Each profile covers about 0.2 s of steps (at least 2, at most `steps`): large cells
     # take seconds a step in bfloat16 here.

@@ -106,13 +106,10 @@ def full_forward(x, weight, bias=None, activation="relu", *, _grads_into=None):
     # bench_sweep.py's rounds, 2026-11-30: 1.004-1.013 with them, 1.017-1.020 with this path,
     # 1.026-1.037 calling _C directly).
     if (_grads_into is None and isinstance(x, torch.Tensor) and isinstance(weight, torch.Tensor)
-            and type(activation) is str and activation in _ACTIVATION_SET):
-        if bias is None:
-            if not _is_compiling() and not has_torch_function((x, weight)):
-                return _C.full_forward(x, weight, None, activation)
-        elif (isinstance(bias, torch.Tensor) and not _is_compiling()
-              and not has_torch_function((x, weight, bias))):
-            return _C.full_forward(x, weight, bias, activation)
+            and type(activation) is str and activation in _ACTIVATION_SET
+            and (_eager(x, weight) if bias is None
+                 else isinstance(bias, torch.Tensor) and _eager(x, weight, bias))):
+        return _C.full_forward(x, weight, bias, activation)
     grads_into = _grads_into
     _check_tensor(x, "x")
     _check_tensor(weight, "weight")
