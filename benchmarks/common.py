@@ -122,9 +122,12 @@ def environment(device):
     # sleeping, put some small cells' ratio in one of two states per process, issue #27)
     openmp = {k: v for k, v in sorted(os.environ.items())
               if k.startswith(("OMP_", "GOMP_", "KMP_"))}
+    # (and whether dpcuda set glibc's thresholds at import, dpcuda/_heap.py: "set", or why not)
+    from dpcuda import _heap
     return {"device": str(device), "device_name": name, "torch": torch.__version__,
             "threads": torch.get_num_threads(), "commit": commit,
             "date": time.strftime("%Y-%m-%d"), **host_cpu(),
+            "dpcuda_malloc_tuning": _heap.STATE,
             **({"malloc_env": malloc} if malloc else {}),
             **({"openmp_env": openmp} if openmp else {})}
 

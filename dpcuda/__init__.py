@@ -9,7 +9,7 @@ import warnings
 
 import torch
 
-from . import _C
+from . import _C, _heap  # noqa: F401  (_heap: glibc's malloc thresholds, docs/guide.md)
 
 
 def _own_cxx_runtime(path):

@@ -42,6 +42,39 @@ Tensor in_shape(const Tensor& t, at::IntArrayRef sizes) {
   return sizes.size() == 2 ? t : t.view(sizes);
 }
 
+// A thread's buffer for g, the CPU backward's one (rows, out) temporary, which the two GEMMs read
+// and nothing returns: reused from call to call instead of made and freed in each (kept until
+// the thread ends, the size of its largest g so far). Why: glibc's malloc hands the top of its
+// heap back to the system when a free leaves more than its trim threshold there, and a step whose
+// g, input gradient and output are freed one after another above everything it keeps did so in
+// every step and faulted the pages in again in the next (issue #27, the 2-core AMD CPU, glibc's
+// thresholds as a new process has them: the bfloat16 64x8192 sigmoid layer with a bias, steps
+// one after another, faulted 590-630 pages a step against torch eager's 140-230 and took
+// 2270-2750 us against 1310-1660; with this buffer 140-170 faults and 1660-1820 us against
+// 1720-2210). dpcuda/_heap.py sets those thresholds where glibc's heuristic ends at import,
+// which removes the trimming for every tensor; the buffer still saves g's allocation (there,
+// 12 cells alone, each one's ratio over the code without the buffer 0.95-1.09, geomean 1.01).
+// Up to kScratchBytes (glibc's largest mmap threshold: larger blocks are mapped afresh for
+// torch's tensors too). A buffer still referenced (by a call on this thread inside another) is
+// not reused. The rows x cols elements from its start, row-major, or column-major (by_columns).
+constexpr int64_t kScratchBytes = int64_t{32} << 20;
+
+Tensor g_scratch(int64_t rows, int64_t cols, const at::TensorOptions& options, bool by_columns) {
+  thread_local Tensor buffer;
+  const int64_t n = rows * cols;
+  const auto shaped = [&](const Tensor& flat) {
+    return by_columns ? flat.view({cols, rows}).t() : flat.view({rows, cols});
+  };
+  if (n * static_cast<int64_t>(options.dtype().itemsize()) > kScratchBytes) {
+    return shaped(at::empty({n}, options));
+  }
+  const bool reusable = buffer.defined() && buffer.use_count() == 1 &&
+                        buffer.storage().use_count() == 1 && buffer.dtype() == options.dtype() &&
+                        buffer.numel() >= n;
+  if (!reusable) buffer = at::empty({n}, options);
+  return shaped(n == buffer.numel() ? buffer : buffer.narrow(0, 0, n));
+}
+
 // What both backends' full_backward share: the checks, the flattened gradient, and the
 // tensors the activation pass writes (g aliases grad_output for "none", which needs no pass).
 struct BackwardPlan {
@@ -408,10 +441,11 @@ std::tuple<Tensor, Tensor, Tensor> full_backward_cpu_into(
     return {gi, grad_weight_into.defined() ? grad_weight_into : gw,
             grad_bias_into.defined() ? grad_bias_into : gb};
   }
-  // (the half types make g themselves: ATen's activation backward may make it)
+  // (g is made below: a thread's buffer (g_scratch), or ATen's activation backward's for the
+  // half types where torch's kernel is the one)
   BackwardPlan p = plan_backward(grad_output, input, weight, saved, activation,
                                 output_mask, &check_cpu_layer_dtype, grad_bias_into,
-                                true, !is_half_type(input));
+                                true, false);
   if (is_half_type(input)) {
     // As torch: g = grad_output * act'(saved) computed in float and rounded to the half type
     // (where it may overflow as torch's does), then the GEMMs in the half type (torch's own:
@@ -427,8 +461,7 @@ std::tuple<Tensor, Tensor, Tensor> full_backward_cpu_into(
     const bool g_columns =
         own_pass && bfloat16_g_by_columns(p.grad_out.stride(0), p.grad_out.stride(1), rows, out_f);
     Tensor g = !p.fused_pass ? p.grad_out
-               : g_columns   ? at::empty({out_f, rows}, p.grad_out.options()).t()
-               : own_pass    ? at::empty({rows, out_f}, p.grad_out.options())
+               : own_pass    ? g_scratch(rows, out_f, p.grad_out.options(), g_columns)
                              : aten_activation_backward(p.grad_out, p.saved, p.act);
     Tensor sum = output_mask[2] ? at::empty({out_f}, p.grad_out.options().dtype(at::kFloat))
                                 : Tensor();
@@ -488,6 +521,7 @@ std::tuple<Tensor, Tensor, Tensor> full_backward_cpu_into(
     return {gi, gw, output_mask[2] ? gb : none()};
   }
   const int64_t rows = p.shape.rows, out_f = p.shape.out_features;
+  if (p.fused_pass) p.g = g_scratch(rows, out_f, p.grad_out.options(), false);
   if (p.fused_pass || output_mask[2]) {
     AT_DISPATCH_FLOATING_TYPES(p.grad_out.scalar_type(), "full_backward_cpu", [&] {
       const scalar_t* go_ptr = p.grad_out.data_ptr<scalar_t>();
