@@ -690,14 +690,20 @@ SCRATCH_CALLS = [(1000, 5, 70, "tanh", torch.float32, "dense"),
                  (33, 7, 9, "none", torch.float32, "expanded")]
 
 
-def scratch_call(rows, inf, outf, activation, dtype, layout, seed):
+def scratch_inputs(rows, inf, outf, dtype, layout, seed):
     gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(rows, inf, generator=gen).to(dtype).requires_grad_()
-    w = (torch.randn(outf, inf, generator=gen) * 0.3).to(dtype).requires_grad_()
-    b = torch.randn(outf, generator=gen).to(dtype).requires_grad_()
+    x = torch.randn(rows, inf, generator=gen).to(dtype)
+    w = (torch.randn(outf, inf, generator=gen) * 0.3).to(dtype)
+    b = torch.randn(outf, generator=gen).to(dtype)
     go = {"dense": lambda: torch.randn(rows, outf, generator=gen),
           "expanded": lambda: torch.full((), 0.7).expand(rows, outf),
           "transposed": lambda: torch.randn(outf, rows, generator=gen).t()}[layout]().to(dtype)
+    return x, w, b, go
+
+
+def scratch_call(rows, inf, outf, activation, dtype, layout, seed):
+    x, w, b, go = scratch_inputs(rows, inf, outf, dtype, layout, seed)
+    x, w, b = (t.requires_grad_() for t in (x, w, b))
     ops.full_forward(x, w, b, activation).backward(go)
     return x.grad, w.grad, b.grad
 
@@ -726,15 +732,9 @@ def test_cpu_backwards_one_after_another_keep_what_they_returned():
     for k, (rows, inf, outf, activation, dtype, layout) in enumerate(SCRATCH_CALLS):
         for got, same in zip(kept[k], again[k]):
             assert torch.equal(got, same), SCRATCH_CALLS[k]
-        gen = torch.Generator().manual_seed(k)
-        x = torch.randn(rows, inf, generator=gen).to(dtype)
-        w = (torch.randn(outf, inf, generator=gen) * 0.3).to(dtype)
-        b = torch.randn(outf, generator=gen).to(dtype)
-        go = {"dense": lambda: torch.randn(rows, outf, generator=gen),
-              "expanded": lambda: torch.full((), 0.7).expand(rows, outf),
-              "transposed": lambda: torch.randn(outf, rows, generator=gen).t()}[layout]()
+        x, w, b, go = scratch_inputs(rows, inf, outf, dtype, layout, seed=k)
         want = ref.full_backward(go.double(), x.double(), w.double(), b.double(), activation)
-        plain = ref.full_backward(go.to(dtype), x, w, b, activation)
+        plain = ref.full_backward(go, x, w, b, activation)
         for got, other, pl, wa in zip(kept[k], threaded[k], plain, want):
             assert_within_torch_error(got, pl, wa, ATOL[dtype] * max(rows, inf))
             assert_within_torch_error(other, pl, wa, ATOL[dtype] * max(rows, inf))
