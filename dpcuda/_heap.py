@@ -41,12 +41,18 @@ _OFF = ("0", "false", "off", "no")
 _ON = ("", "1", "true", "on", "yes")
 
 
+def _switch(environ):
+    """DPCUDA_TUNE_MALLOC as True (unset too) or False, or None where it is not understood."""
+    choice = environ.get("DPCUDA_TUNE_MALLOC", "1").strip().lower()
+    return True if choice in _ON else False if choice in _OFF else None
+
+
 def why_not(environ=os.environ):
     """Why glibc's malloc is to be left as it is (by the environment), or None."""
-    choice = environ.get("DPCUDA_TUNE_MALLOC", "1").strip().lower()
-    if choice in _OFF:
+    switch = _switch(environ)
+    if switch is False:
         return f"DPCUDA_TUNE_MALLOC={environ['DPCUDA_TUNE_MALLOC']}"
-    if choice not in _ON:
+    if switch is None:
         return (f"DPCUDA_TUNE_MALLOC={environ['DPCUDA_TUNE_MALLOC']!r} not understood "
                 f"(0/false/off/no or 1/true/on/yes)")
     chosen = [k for k in _USER_SETTINGS if k in environ]
@@ -82,7 +88,7 @@ def tune(environ=os.environ):
     or why not."""
     reason = why_not(environ)
     if reason is not None:
-        if "not understood" in reason:
+        if _switch(environ) is None:
             warnings.warn(f"dpcuda: {reason}; glibc's malloc is left as it is", RuntimeWarning,
                           stacklevel=2)
         return reason

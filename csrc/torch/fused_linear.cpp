@@ -67,21 +67,21 @@ constexpr int64_t kScratchBytes = int64_t{32} << 20;
 
 Tensor g_scratch(int64_t rows, int64_t cols, const at::TensorOptions& options, bool by_columns) {
   thread_local Tensor buffer;
-  const int64_t n = rows * cols;
   const int64_t item = static_cast<int64_t>(options.dtype().itemsize());
+  const int64_t bytes = rows * cols * item;
   const std::array<int64_t, 2> strides = by_columns ? std::array<int64_t, 2>{1, rows}
                                                      : std::array<int64_t, 2>{cols, 1};
-  if (n * item < kScratchMinBytes || n * item > kScratchBytes) {
+  if (bytes < kScratchMinBytes || bytes > kScratchBytes) {
     return at::empty_strided({rows, cols}, strides, options);
   }
   const bool reusable = buffer.defined() && buffer.storage().use_count() == 1 &&
-                        static_cast<int64_t>(buffer.storage().nbytes()) >= n * item;
+                        static_cast<int64_t>(buffer.storage().nbytes()) >= bytes;
   if (!reusable) {
-    buffer = at::empty({n}, options);
+    buffer = at::empty({rows * cols}, options);
   } else if (buffer.dtype() != options.dtype()) {
     const c10::Storage storage = buffer.storage();
-    const int64_t elements = static_cast<int64_t>(storage.nbytes()) / item;
-    buffer = at::empty({0}, options).set_(storage, 0, {elements}, {1});
+    buffer = at::empty({0}, options).set_(
+        storage, 0, {static_cast<int64_t>(storage.nbytes()) / item}, {1});
   }
   return buffer.as_strided({rows, cols}, strides);
 }
