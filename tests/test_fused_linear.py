@@ -567,11 +567,11 @@ def test_strided_upstream_gradients_give_the_bits_of_a_contiguous_one(activation
 
 def _strided_gradients_give_the_bits_of_a_contiguous_one(rows, inf, outf, activation, dtype,
                                                          bias):
-    # (65 and 1025 columns: a transposed gradient read in blocks of 16 rows and a rest; 1025
-    # for gelu and gelu_tanh, which take blocks from 256. Without an activation only the bias
-    # sum is dpcuda's: the GEMMs read the gradient where it lies, as torch's do; at these
-    # shapes MKL gives them the bits of the contiguous layout, at some larger ones it does not,
-    # as for torch's own mm. torch.equal compares values: the data is randn, with no -0 or NaN.)
+    # (17, 65 and 1025 columns: a transposed gradient read in blocks of 16 rows and a rest,
+    # 16 columns at a time and a rest. Without an activation only the bias sum is dpcuda's:
+    # the GEMMs read the gradient where it lies, as torch's do; at these shapes MKL gives them
+    # the bits of the contiguous layout, at some larger ones it does not, as for torch's own mm.
+    # torch.equal compares values: the data is randn, with no -0 or NaN.)
     x = torch.randn(rows, inf, dtype=dtype)
     w = torch.randn(outf, inf, dtype=dtype)
     b = torch.randn(outf, dtype=dtype) if bias else None

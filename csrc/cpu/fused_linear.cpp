@@ -365,13 +365,10 @@ DPCUDA_CPU_CLONES void bfloat16_forward_flat(const uint16_t* z, uint16_t* out, i
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-// 16 columns of 16 floats (column i at src + i * cs) into 16 rows (row i at dst + i * ld), in
-// registers: 16 loads, 64 shuffles, 16 stores, where the element-by-element copy makes 256
-// stores to 16 lines. A move of bits: NaN payloads and signs as they were.
-__attribute__((target("avx512f"))) void transpose16_avx512(const float* src, int64_t cs,
-                                                          float* dst, int64_t ld) {
-  __m512 a[16], b[16];
-  for (int i = 0; i < 16; ++i) a[i] = _mm512_loadu_ps(src + i * cs);
+// 16 rows of 16 floats in registers, transposed in place: 64 shuffles. A move of bits: NaN
+// payloads and signs as they were.
+__attribute__((target("avx512f"), always_inline)) inline void transpose16_registers(__m512* a) {
+  __m512 b[16];
   for (int i = 0; i < 16; i += 2) {  // pairs of columns interleaved, 32-bit elements
     b[i] = _mm512_unpacklo_ps(a[i], a[i + 1]);
     b[i + 1] = _mm512_unpackhi_ps(a[i], a[i + 1]);
@@ -394,7 +391,39 @@ __attribute__((target("avx512f"))) void transpose16_avx512(const float* src, int
     a[i] = _mm512_shuffle_f32x4(b[i], b[i + 8], 0x88);
     a[i + 8] = _mm512_shuffle_f32x4(b[i], b[i + 8], 0xdd);
   }
+}
+
+// 16 columns of 16 floats (column i at src + i * cs) into 16 rows (row i at dst + i * ld), in
+// registers: 16 loads, 64 shuffles, 16 stores, where the element-by-element copy makes 256
+// stores to 16 lines.
+__attribute__((target("avx512f"))) void transpose16_avx512(const float* src, int64_t cs,
+                                                          float* dst, int64_t ld) {
+  __m512 a[16];
+  for (int i = 0; i < 16; ++i) a[i] = _mm512_loadu_ps(src + i * cs);
+  transpose16_registers(a);
   for (int i = 0; i < 16; ++i) _mm512_storeu_ps(dst + i * ld, a[i]);
+}
+
+// 16 columns of 32 bfloat16 (column i at src + i * cs, a 64-byte line) into 32 rows (row i at
+// dst + i * ld): each half of the columns zero-extended into the upper halves of 32-bit lanes,
+// transposed as floats, and the upper halves stored back: bits moved, never converted.
+__attribute__((target("avx512f"))) void transpose16x32_bf16_avx512(const uint16_t* src,
+                                                                  int64_t cs, uint16_t* dst,
+                                                                  int64_t ld) {
+  for (int half = 0; half < 2; ++half) {
+    __m512 a[16];
+    for (int i = 0; i < 16; ++i) {
+      const __m256i v =
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i * cs + half * 16));
+      a[i] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+    }
+    transpose16_registers(a);
+    for (int i = 0; i < 16; ++i) {
+      const __m512i lanes = _mm512_srli_epi32(_mm512_castps_si512(a[i]), 16);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + (half * 16 + i) * ld),
+                          _mm512_cvtepi32_epi16(lanes));
+    }
+  }
 }
 #pragma GCC diagnostic pop
 
@@ -415,6 +444,11 @@ void transpose_block(const T* src, int64_t cs, int64_t n_rows, int64_t cols, T* 
   if constexpr (std::is_same<T, float>::value) {
     if (n_rows == 16 && has_avx512f()) {
       for (; c + 16 <= cols; c += 16) transpose16_avx512(src + c * cs, cs, dst + c, ld);
+    }
+  }
+  if constexpr (std::is_same<T, uint16_t>::value) {
+    if (n_rows == 32 && has_avx512f()) {
+      for (; c + 16 <= cols; c += 16) transpose16x32_bf16_avx512(src + c * cs, cs, dst + c, ld);
     }
   }
 #endif
@@ -473,17 +507,19 @@ void pre_activation_forward(T* out, T* pre, const T* bias, int64_t row_begin, in
 
 // When a column-major gradient is read in transposed blocks: rows of at least kBlockedCols
 // columns at a column stride of at least a block's rows. Read row by row, each element is a
-// cache line of its own and a wide row's lines are gone before the next row comes back to them.
-// Measured on the 2-core AVX-512 machine (the pass alone with its bias sum, transposed, us; the
-// row-by-row read, then blocks with the element-by-element copy into a padded buffer, then with
-// the AVX-512 copy): sigmoid 1024x1024 2231, 1031-1103, 511-736; 4096x256 3276, 1042-1064,
-// 581-648; 512x4096 2957, 1959-2018, 1015-1496; 256x4096 700, 659-691, 521-524; silu, tanh and
-// relu alike. gelu and gelu_tanh, whose derivative has twice the arithmetic, hide the row-by-row
-// read behind it at narrow widths: against their row-by-row pass, blocks with the AVX-512 copy
-// take 0.5x the time at 512x2048, 0.8-1.0x at 256x4096, 1.0x at 128x4096 and 1.05-1.1x at
-// 64x8192, so they take blocks from 256 columns. At 16 and 32 columns either way is within
-// noise.
-constexpr int64_t kBlockedCols = 64, kBlockedColsHeavy = 256;
+// cache line of its own, and at a column stride that is a multiple of 4 KB all of a row's lines
+// fall in one set of the L1 cache. Measured on the 2-core AVX-512 machine (the pass alone with
+// its bias sum, transposed, us; the row-by-row read, then blocks with the element-by-element
+// copy into a padded buffer, then with the AVX-512 copy): sigmoid 1024x1024 2231, 1031-1103,
+// 511-736; 4096x256 3276, 1042-1064, 581-648; 512x4096 2957, 1959-2018, 1015-1496; 256x4096
+// 700, 659-691, 521-524; silu, tanh and relu alike. From 16 columns, for every activation and
+// for float and bfloat16 alike (one core, batch 4096, with the bias sum, us, row by row against
+// blocks with the AVX-512 copy; 2026-12-01): bfloat16 gelu 16 wide 200 -> 118, 64 wide 866 ->
+// 365, 128 wide 1985 -> 686 (the contiguous gradient's pass 603), 512 wide 9338 -> 3423; relu
+// 16 wide 142 -> 52, 128 wide 1865 -> 286; float32 gelu 64 wide 438 -> 257, 128 wide 945 ->
+// 542; relu 16 wide 50 -> 29. (Before the bfloat16 copy, element by element, gelu and
+// gelu_tanh hid the row-by-row read behind their arithmetic below 256 columns.)
+constexpr int64_t kBlockedCols = 16;
 constexpr int64_t kBlockedStride = 16;
 
 namespace {
@@ -635,9 +671,7 @@ void backward_pass_rows(const S* grad_out, const S* saved, S* grad_pre, acc_of<S
                              rs, cs);
     } else if (!grad_pre && bias_partial && rs == 1) {
       column_major_bias<S>(grad_out, bias_partial, row_begin, row_end, cols, cs);
-    } else if (grad_pre && rs == 1 && cs >= kBlockedStride &&
-               cols >= (A == Activation::kGelu || A == Activation::kGeluTanh ? kBlockedColsHeavy
-                                                                            : kBlockedCols)) {
+    } else if (grad_pre && rs == 1 && cs >= kBlockedStride && cols >= kBlockedCols) {
       // A column-major gradient (a transposed one) of wide rows and long columns: read row by
       // row, each element is a cache line of its own, and a row's lines no longer stay in
       // cache for the next row. Each block of kBlock rows is first transposed into a small
