@@ -404,9 +404,10 @@ __attribute__((target("avx512f"))) void transpose16_avx512(const float* src, int
   for (int i = 0; i < 16; ++i) _mm512_storeu_ps(dst + i * ld, a[i]);
 }
 
-// 16 columns of 32 bfloat16 (column i at src + i * cs, a 64-byte line) into 32 rows (row i at
-// dst + i * ld): each half of the columns zero-extended into the upper halves of 32-bit lanes,
-// transposed as floats, and the upper halves stored back: bits moved, never converted.
+// 16 columns of 32 bfloat16 (column i's 64 bytes at src + i * cs) into 32 rows (row i at
+// dst + i * ld): each 16-row half of the columns zero-extended into 32-bit lanes, transposed by
+// the float shuffles (which move lanes as they are), and the lanes' low halves stored back:
+// bits moved, never converted.
 __attribute__((target("avx512f"))) void transpose16x32_bf16_avx512(const uint16_t* src,
                                                                   int64_t cs, uint16_t* dst,
                                                                   int64_t ld) {
@@ -415,13 +416,12 @@ __attribute__((target("avx512f"))) void transpose16x32_bf16_avx512(const uint16_
     for (int i = 0; i < 16; ++i) {
       const __m256i v =
           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i * cs + half * 16));
-      a[i] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+      a[i] = _mm512_castsi512_ps(_mm512_cvtepu16_epi32(v));
     }
     transpose16_registers(a);
     for (int i = 0; i < 16; ++i) {
-      const __m512i lanes = _mm512_srli_epi32(_mm512_castps_si512(a[i]), 16);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + (half * 16 + i) * ld),
-                          _mm512_cvtepi32_epi16(lanes));
+                          _mm512_cvtepi32_epi16(_mm512_castps_si512(a[i])));
     }
   }
 }
@@ -434,8 +434,8 @@ bool has_avx512f() {
 #endif
 
 // Rows [0, n_rows) of a column-major matrix (column c at src + c * cs) into a row-major block
-// (row r at dst + r * ld): float blocks of 16 rows 16 columns at a time in registers where the
-// CPU has AVX-512, the rest element by element.
+// (row r at dst + r * ld): float blocks of 16 rows and bfloat16 blocks of 32 rows 16 columns at
+// a time in registers where the CPU has AVX-512, the rest element by element.
 template <typename T>
 void transpose_block(const T* src, int64_t cs, int64_t n_rows, int64_t cols, T* dst,
                      int64_t ld) {
@@ -506,7 +506,7 @@ void pre_activation_forward(T* out, T* pre, const T* bias, int64_t row_begin, in
 }
 
 // When a column-major gradient is read in transposed blocks: rows of at least kBlockedCols
-// columns at a column stride of at least a block's rows. Read row by row, each element is a
+// columns at a column stride of at least kBlockedStride. Read row by row, each element is a
 // cache line of its own, and at a column stride that is a multiple of 4 KB all of a row's lines
 // fall in one set of the L1 cache. Measured on the 2-core AVX-512 machine (the pass alone with
 // its bias sum, transposed, us; the row-by-row read, then blocks with the element-by-element
@@ -672,16 +672,16 @@ void backward_pass_rows(const S* grad_out, const S* saved, S* grad_pre, acc_of<S
     } else if (!grad_pre && bias_partial && rs == 1) {
       column_major_bias<S>(grad_out, bias_partial, row_begin, row_end, cols, cs);
     } else if (grad_pre && rs == 1 && cs >= kBlockedStride && cols >= kBlockedCols) {
-      // A column-major gradient (a transposed one) of wide rows and long columns: read row by
-      // row, each element is a cache line of its own, and a row's lines no longer stay in
-      // cache for the next row. Each block of kBlock rows is first transposed into a small
-      // row-major buffer (a 64-byte line of each column per block, two for double), and the
+      // A column-major gradient (a transposed one): read row by row, each element is a cache
+      // line of its own, and a row's lines no longer stay in cache for the next row. Each
+      // block of kBlock rows is first transposed into a small row-major buffer (64 bytes of
+      // each column per block, 128 for double: a line or two, as the block falls), and the
       // block then takes the contiguous pass. The same bits: each element's arithmetic is
       // unchanged, and each column's bias sum still adds the rows in order.
       // The buffer's rows are kPad elements longer than a row: at a row length that is a
       // multiple of 1024 floats (4 KB) the rows would map to one set of the L1 cache, which
       // holds 12 of the 16 lines each column's copy writes.
-      // (bfloat16: blocks of 32 rows, a 64-byte line of each column too.)
+      // (bfloat16: blocks of 32 rows, 64 bytes of each column too.)
       constexpr int64_t kBlock = sizeof(S) == 2 ? 32 : 16, kPad = 16;
       const int64_t ld = cols + kPad;
       const std::unique_ptr<S[]> block(new S[kBlock * ld]);  // (not zeroed: rows all written)

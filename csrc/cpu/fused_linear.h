@@ -29,9 +29,11 @@ void pre_activation_forward(T* out, T* pre, const T* bias, int64_t row_begin, in
 // written to bias_partial[0, cols) when it is not null. saved and grad_pre are row-major
 // (rows, cols); grad_out's element (r, c) is at grad_out[r * go_row_stride + c * go_col_stride]
 // (row-major: cols and 1; an expanded gradient, as sum() and mean() hand back: 0 and 0; a
-// transposed one: 1 and rows), read where it lies, with no copy; the same bits either way, but
-// for the sums alone (grad_pre null, "none") over a column-major grad_out, which are added
-// along its columns in another fixed order (equal within rounding).
+// transposed one: 1 and rows), read where it lies, with no copy; the same values either way (a
+// NaN may come out with another sign or payload: x86 passes a vector operation's first NaN
+// operand, and the loops' operand orders differ), but for the sums alone (grad_pre null,
+// "none") over a column-major grad_out, which are added along its columns in another fixed
+// order (equal within rounding).
 template <typename T>
 void activation_backward_rows(const T* grad_out, const T* saved, T* grad_pre, T* bias_partial,
                               int64_t row_begin, int64_t row_end, int64_t cols, Activation act,

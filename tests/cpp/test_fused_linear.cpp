@@ -483,8 +483,8 @@ int main() {
   test_bfloat16_ties();
   test_bfloat16_column_order(rng);
   test_column_major_totals(rng);
-  // (17 and 100: blocks of 16 rows and a rest; 100 columns: the transposed gradient read in
-  // blocks but for gelu and gelu_tanh (from 256), fewer columns or rows: row by row)
+  // (17 and 100: blocks of 16 rows and a rest; from 16 columns the transposed gradient is read
+  // in blocks, 16 columns at a time and a rest; fewer columns or rows: row by row)
   const int64_t sizes[] = {1, 3, 17, 100};
   for (Activation act : dpcuda_test::kAllActivations) {
     test_activation_grad(act);
