@@ -94,7 +94,7 @@ struct BackwardPlan {
   Tensor grad_out;   // (rows, out): contiguous, or (strided_ok) with the strides it came with
   Tensor saved;      // (rows, out), contiguous; undefined for "none"
   Tensor g;          // grad_out * act'(saved) (undefined, to be made, where g_buffer is false)
-  Tensor grad_bias;  // (out,) or empty
+  Tensor grad_bias;  // (out,) or empty; undefined, to be made, where bias_later is true
   bool fused_pass;   // whether the activation pass has to run
 };
 
@@ -103,7 +103,7 @@ BackwardPlan plan_backward(const Tensor& grad_output, const Tensor& input, const
                            std::array<bool, 3> output_mask, void (*check_dtype)(const Tensor&,
                                                                               const char*),
                            const Tensor& grad_bias_into = Tensor(), bool strided_ok = false,
-                           bool g_buffer = true) {
+                           bool g_buffer = true, bool bias_later = false) {
   BackwardPlan p;
   p.act = check_activation(activation);
   p.shape = check_linear(input, weight, c10::nullopt);
@@ -126,9 +126,9 @@ BackwardPlan plan_backward(const Tensor& grad_output, const Tensor& input, const
   p.g = !p.fused_pass ? p.grad_out
         : g_buffer    ? at::empty({rows, out_f}, p.grad_out.options())
                       : Tensor();
-  p.grad_bias = !output_mask[2]           ? empty_like_options(p.grad_out)
-                : grad_bias_into.defined() ? grad_bias_into
-                                           : at::empty({out_f}, p.grad_out.options());
+  p.grad_bias = !output_mask[2]                          ? empty_like_options(p.grad_out)
+                : grad_bias_into.defined() || bias_later ? grad_bias_into
+                                                         : at::empty({out_f}, p.grad_out.options());
   return p;
 }
 
@@ -453,10 +453,18 @@ std::tuple<Tensor, Tensor, Tensor> full_backward_cpu_into(
             grad_bias_into.defined() ? grad_bias_into : gb};
   }
   // (g is made below: a thread's buffer (g_scratch), or ATen's activation backward's for the
-  // half types where torch's kernel is the one)
+  // half types where torch's kernel is the one; the bias's gradient where it is summed)
   BackwardPlan p = plan_backward(grad_output, input, weight, saved, activation,
                                 output_mask, &check_cpu_layer_dtype, grad_bias_into,
-                                true, false);
+                                true, false, true);
+  // Without an activation ("none") the two GEMMs come first and the bias's sums after them, into
+  // a tensor allocated then: torch's order (AddmmBackward0's GEMMs, then the engine's sum_to),
+  // so that the step's allocations follow torch's. The bias's gradient allocated first (where a
+  // pass sums into it) placed the next step's tensors elsewhere in the heap: on the 2-core AMD
+  // CPU (2026-12-02) torch's own addmm of a 1024-wide float32 layer at batch 1 took 1.035-1.06x
+  // as long after this backward as after torch's (interleaved rounds, 101 of them), and 1.00x
+  // with the bias summed last (issue #27).
+  const bool gemms_first = !p.fused_pass;
   if (is_half_type(input)) {
     // As torch: g = grad_output * act'(saved) computed in float and rounded to the half type
     // (where it may overflow as torch's does), then the GEMMs in the half type (torch's own:
@@ -474,11 +482,12 @@ std::tuple<Tensor, Tensor, Tensor> full_backward_cpu_into(
     Tensor g = !p.fused_pass ? p.grad_out
                : own_pass    ? g_scratch(rows, out_f, p.grad_out.options(), g_columns)
                              : aten_activation_backward(p.grad_out, p.saved, p.act);
-    Tensor sum = output_mask[2] ? at::empty({out_f}, p.grad_out.options().dtype(at::kFloat))
-                                : Tensor();
-    if (bf16 && (own_pass || output_mask[2])) {
-      // dpcuda's pass: g and its sums, or the sums alone over g (ATen's, or the upstream
-      // gradient for "none"), read where it lies.
+    Tensor sum;
+    // bfloat16: dpcuda's pass, g and its sums, or the sums alone over g (ATen's, or the upstream
+    // gradient for "none"), read where it lies.
+    const auto bfloat16_pass = [&] {
+      if (output_mask[2]) sum = at::empty({out_f}, p.grad_out.options().dtype(at::kFloat));
+      if (!bf16 || !(own_pass || output_mask[2])) return;
       const auto bits = [](const Tensor& t) {
         return reinterpret_cast<const uint16_t*>(t.const_data_ptr<at::BFloat16>());
       };
@@ -509,11 +518,14 @@ std::tuple<Tensor, Tensor, Tensor> full_backward_cpu_into(
                               }
                             });
       }
-    }
+    };
+    Tensor gi, gw;
+    if (gemms_first) std::tie(gi, gw) = backward_gemms(g, input, weight, p.shape, output_mask);
+    bfloat16_pass();
     drop_saved(p, saved);
+    if (!gemms_first) std::tie(gi, gw) = backward_gemms(g, input, weight, p.shape, output_mask);
     // (each gradient left out an empty tensor of its own: an op's outputs must not alias)
     const auto none = [&] { return empty_like_options(g); };
-    auto [gi, gw] = backward_gemms(g, input, weight, p.shape, output_mask);
     Tensor gb;
     if (output_mask[2]) {
       if (!bf16) {
@@ -533,6 +545,14 @@ std::tuple<Tensor, Tensor, Tensor> full_backward_cpu_into(
   }
   const int64_t rows = p.shape.rows, out_f = p.shape.out_features;
   if (p.fused_pass) p.g = g_scratch(rows, out_f, p.grad_out.options(), false);
+  Tensor grad_input, grad_weight;
+  if (gemms_first) {
+    std::tie(grad_input, grad_weight) =
+        backward_gemms(p.g, input, weight, p.shape, output_mask, grad_weight_into);
+  }
+  if (output_mask[2] && !p.grad_bias.defined()) {
+    p.grad_bias = at::empty({out_f}, p.grad_out.options());
+  }
   if (p.fused_pass || output_mask[2]) {
     AT_DISPATCH_FLOATING_TYPES(p.grad_out.scalar_type(), "full_backward_cpu", [&] {
       const scalar_t* go_ptr = p.grad_out.data_ptr<scalar_t>();
@@ -557,6 +577,7 @@ std::tuple<Tensor, Tensor, Tensor> full_backward_cpu_into(
     });
   }
   drop_saved(p, saved);
+  if (gemms_first) return {grad_input, grad_weight, p.grad_bias};
   return finish_backward(p, input, weight, output_mask, grad_weight_into);
 }
 
