@@ -602,6 +602,43 @@ def _strided_gradients_give_the_bits_of_a_contiguous_one(rows, inf, outf, activa
             assert torch.equal(a, c), (name, what)
 
 
+@pytest.mark.parametrize("dtype,outf", [(torch.float32, 17), (torch.float32, 65),
+                                        (torch.float32, 1025), (torch.bfloat16, 40),
+                                        (torch.bfloat16, 300), (torch.bfloat16, 16)])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+def test_a_layer_without_activation_gives_torchs_gemms_over_any_gradient(dtype, outf, bias):
+    # Without an activation the backward's GEMMs are torch's own at::mm calls over the upstream
+    # gradient where it lies (csrc/torch/fused_linear.cpp, gemm_operand), as torch's backward of
+    # F.linear makes them: the input's and the weight's gradients are torch's bits over an
+    # expanded, a sliced and a transposed gradient; but bfloat16 up to 32 wide over one
+    # contiguous copy (equal within rounding). The bias's gradient is dpcuda's fixed-order sum
+    # (within rounding of torch's).
+    torch.manual_seed(2)
+    rows, inf = 37, 23
+    x = torch.randn(rows, inf).to(dtype)
+    w = (torch.randn(outf, inf) * 0.3).to(dtype)
+    b = torch.randn(outf).to(dtype) if bias else None
+    grads = {"expanded": torch.tensor(0.37).to(dtype).expand(rows, outf),
+             "row expanded": torch.randn(outf).to(dtype).expand(rows, outf),
+             "sliced": torch.randn(rows, 2 * outf).to(dtype)[:, ::2],
+             "transposed": torch.randn(outf, rows).to(dtype).t()}
+    copied = dtype == torch.bfloat16 and outf <= 32
+    eps = torch.finfo(dtype).eps
+    for name, go in grads.items():
+        leaves = (x, w) + ((b,) if bias else ())
+        ours = [t.clone().requires_grad_() for t in leaves]
+        theirs = [t.clone().requires_grad_() for t in leaves]
+        ops.full_forward(ours[0], ours[1], ours[2] if bias else None, "none").backward(go)
+        F.linear(theirs[0], theirs[1], theirs[2] if bias else None).backward(go)
+        for a, c, what in zip(ours, theirs, ("input", "weight", "bias")):
+            if what == "bias" or (copied and name != "transposed"):
+                scale = 16 * eps * (1 + c.grad.float().abs().max().item())
+                torch.testing.assert_close(a.grad.float(), c.grad.float(), rtol=2 * eps,
+                                           atol=scale, msg=f"{name} {what}")
+            else:
+                assert torch.equal(a.grad, c.grad), (name, what)
+
+
 def test_a_sum_of_the_output_trains_as_torch():
     # y.sum().backward() through the fused layer (an expanded upstream gradient) against
     # torch's layer.

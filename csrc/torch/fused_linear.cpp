@@ -132,19 +132,21 @@ BackwardPlan plan_backward(const Tensor& grad_output, const Tensor& input, const
   return p;
 }
 
-// g as the two GEMMs read it: where it lies if BLAS can (row- or column-major); else (an
-// expanded or sliced gradient, for "none") for the half types one contiguous copy for both,
-// where ATen's mm would copy it for each (in its own layout: with Inf or subnormal values the
-// bfloat16 GEMMs' results can follow the layout, torch's own included); for float32 and float64
-// up to 64 wide as it lies, each at::mm copying it as torch's backward's do. Measured on the
-// 2-core AMD CPU (2026-11-30, consecutive calls, expanded g, the two GEMMs): the one copy took
-// bfloat16's from 129 to 84 us at 16x8192 and from 1461 to 1107 us at 128x4096; float32's from
-// 88 to 115 us at 16x8192, 50 to 65 at 16x4096, 295 to 521 at 32x8192, 118 to 133 at 64x1024
-// (408 to 424 at 64x4096), but from 982 to 956 us at 1024x32 and 6713 to 6621 at 1024x256;
-// the 16-wide float32 "none" layer over an expanded gradient ran at 0.58-0.89 of torch eager
-// step after step with the one copy (bench_sweep.py --consecutive-ms, issue #27).
+// g as the two GEMMs read it: where it lies if BLAS can (row- or column-major), and else (an
+// expanded or sliced gradient, for "none") as it lies too, each at::mm copying it as torch's
+// backward's do (in its own layout: with Inf or subnormal values the bfloat16 GEMMs' results
+// can follow the layout, torch's own included), but for the half types up to 32 wide: there one
+// contiguous copy for both. Measured on the 2-core AMD CPU, each cell (width x batch, as the
+// sweep names them) in its own process (bench_sweep.py --cells, --consecutive-ms 2, 21 rounds,
+// the null 0.99-1.03, once 1.08; issue #27), eager/fused with the one copy against without it:
+// bfloat16 16x8192 1.16-1.21 against 1.01, but 128x4096 0.84 against 0.99 (with a bias 0.96 /
+// 1.07), 256x4096 0.97 / 1.00, 1024x1 0.96 / 1.01 (2026-12-02; 2026-11-30's consecutive calls
+// had 128x4096's two GEMMs at 1461 us without the copy and 1107 with it, no longer so: 834 / 836
+// alone); float32 from 65 wide, where it was copied, 1024x1 with a bias 0.90 against 1.04,
+// 1024x32 0.97 / 1.01, 256x256, 1024x256, 256x4096 and 4096x32 level; up to 64 wide the copy
+// lost (16x8192's GEMMs 88 us without it, 115 with it, 2026-11-30).
 Tensor gemm_operand(const Tensor& g) {
-  if (!is_half_type(g) && g.size(1) <= 64) return g;
+  if (!is_half_type(g) || g.size(1) > 32) return g;
   const auto ready = [](int64_t s0, int64_t s1, int64_t n0, int64_t n1) {
     return s1 == 1 && (n0 == 1 || s0 >= std::max<int64_t>(1, n1));
   };
