@@ -603,14 +603,16 @@ def _strided_gradients_give_the_bits_of_a_contiguous_one(rows, inf, outf, activa
 
 
 @pytest.mark.parametrize("dtype,outf", [(torch.float32, 17), (torch.float32, 65),
-                                        (torch.float32, 1025), (torch.bfloat16, 40),
-                                        (torch.bfloat16, 300), (torch.bfloat16, 16)])
+                                        (torch.float32, 1025), (torch.float64, 70),
+                                        (torch.bfloat16, 40), (torch.bfloat16, 300),
+                                        (torch.bfloat16, 16), (torch.float16, 33),
+                                        (torch.float16, 32)])
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
 def test_a_layer_without_activation_gives_torchs_gemms_over_any_gradient(dtype, outf, bias):
     # Without an activation the backward's GEMMs are torch's own at::mm calls over the upstream
     # gradient where it lies (csrc/torch/fused_linear.cpp, gemm_operand), as torch's backward of
     # F.linear makes them: the input's and the weight's gradients are torch's bits over an
-    # expanded, a sliced and a transposed gradient; but bfloat16 up to 32 wide over one
+    # expanded, a sliced and a transposed gradient; but the half types up to 32 wide over one
     # contiguous copy (equal within rounding). The bias's gradient is dpcuda's fixed-order sum
     # (within rounding of torch's).
     torch.manual_seed(2)
@@ -622,7 +624,7 @@ def test_a_layer_without_activation_gives_torchs_gemms_over_any_gradient(dtype, 
              "row expanded": torch.randn(outf).to(dtype).expand(rows, outf),
              "sliced": torch.randn(rows, 2 * outf).to(dtype)[:, ::2],
              "transposed": torch.randn(outf, rows).to(dtype).t()}
-    copied = dtype == torch.bfloat16 and outf <= 32
+    copied = dtype in (torch.bfloat16, torch.float16) and outf <= 32
     eps = torch.finfo(dtype).eps
     for name, go in grads.items():
         leaves = (x, w) + ((b,) if bias else ())

@@ -94,7 +94,8 @@ struct BackwardPlan {
   Tensor grad_out;   // (rows, out): contiguous, or (strided_ok) with the strides it came with
   Tensor saved;      // (rows, out), contiguous; undefined for "none"
   Tensor g;          // grad_out * act'(saved) (undefined, to be made, where g_buffer is false)
-  Tensor grad_bias;  // (out,) or empty; undefined, to be made, where bias_later is true
+  Tensor grad_bias;  // (out,) or empty; undefined, to be made, where bias_later is true, the
+                     // bias's gradient wanted and no destination given
   bool fused_pass;   // whether the activation pass has to run
 };
 
@@ -465,7 +466,9 @@ std::tuple<Tensor, Tensor, Tensor> full_backward_cpu_into(
   // pass sums into it) placed the next step's tensors elsewhere in the heap: on the 2-core AMD
   // CPU (2026-12-02) torch's own addmm of a 1024-wide float32 layer at batch 1 took 1.035-1.06x
   // as long after this backward as after torch's (interleaved rounds, 101 of them), and 1.00x
-  // with the bias summed last (issue #27).
+  // with the bias summed last (issue #27). With an activation the pass sums into the bias's
+  // gradient, which is allocated just before it (after g's buffer, a thread's, which allocates
+  // only when it grows: in a steady loop the same order of allocations as before).
   const bool gemms_first = !p.fused_pass;
   if (is_half_type(input)) {
     // As torch: g = grad_output * act'(saved) computed in float and rounded to the half type
@@ -485,9 +488,10 @@ std::tuple<Tensor, Tensor, Tensor> full_backward_cpu_into(
                : own_pass    ? g_scratch(rows, out_f, p.grad_out.options(), g_columns)
                              : aten_activation_backward(p.grad_out, p.saved, p.act);
     Tensor sum;
-    // bfloat16: dpcuda's pass, g and its sums, or the sums alone over g (ATen's, or the upstream
-    // gradient for "none"), read where it lies.
-    const auto bfloat16_pass = [&] {
+    // The float sums allocated (both half types), then for bfloat16 dpcuda's pass: g and its
+    // sums, or the sums alone over g (ATen's, or the upstream gradient for "none"), read where
+    // it lies. (float16's sums come after the GEMMs, below.)
+    const auto sums_and_pass = [&] {
       if (output_mask[2]) sum = at::empty({out_f}, p.grad_out.options().dtype(at::kFloat));
       if (!bf16 || !(own_pass || output_mask[2])) return;
       const auto bits = [](const Tensor& t) {
@@ -523,7 +527,7 @@ std::tuple<Tensor, Tensor, Tensor> full_backward_cpu_into(
     };
     Tensor gi, gw;
     if (gemms_first) std::tie(gi, gw) = backward_gemms(g, input, weight, p.shape, output_mask);
-    bfloat16_pass();
+    sums_and_pass();
     drop_saved(p, saved);
     if (!gemms_first) std::tie(gi, gw) = backward_gemms(g, input, weight, p.shape, output_mask);
     // (each gradient left out an empty tensor of its own: an op's outputs must not alias)
@@ -608,7 +612,7 @@ Tensor full_backward_into(const Tensor& grad_output, const Tensor& input, const 
   check_into(grad_bias, "grad_bias", output_mask[2], weight, {weight.size(0)});
   // The backward reads its inputs after it has written into the destinations (the weight's
   // gradient before the input's in a layer without bias; the bias sums in the activation
-  // pass): none may share them.
+  // pass, or after the weight's gradient in a layer without activation): none may share them.
   // (saved: unread for "none", which may be given anything)
   const bool reads_saved = check_activation(activation) != Activation::kNone;
   const std::pair<const Tensor*, const char*> reads[] = {
