@@ -193,16 +193,6 @@ void drop_saved(BackwardPlan& p, const Tensor& saved) {
   SavedReleasedAfterPass::release(saved);
 }
 
-// The two GEMMs that follow the CPU's activation pass.
-std::tuple<Tensor, Tensor, Tensor> finish_backward(const BackwardPlan& p, const Tensor& input,
-                                                   const Tensor& weight,
-                                                   std::array<bool, 3> output_mask,
-                                                   const Tensor& grad_weight_into = Tensor()) {
-  auto [grad_input, grad_weight] =
-      backward_gemms(p.g, input, weight, p.shape, output_mask, grad_weight_into);
-  return {grad_input, grad_weight, p.grad_bias};
-}
-
 // Float sums rounded to bfloat16 (to nearest even, as Tensor.to rounds every value but NaN), by
 // a plain loop: a bias's few hundred values, where `to` takes four dispatcher calls and a
 // TensorIterator, a share of a small layer's step (issue #27). A NaN becomes c10's quiet NaN,
@@ -552,10 +542,11 @@ std::tuple<Tensor, Tensor, Tensor> full_backward_cpu_into(
   const int64_t rows = p.shape.rows, out_f = p.shape.out_features;
   if (p.fused_pass) p.g = g_scratch(rows, out_f, p.grad_out.options(), false);
   Tensor grad_input, grad_weight;
-  if (gemms_first) {
+  const auto gemms = [&] {
     std::tie(grad_input, grad_weight) =
         backward_gemms(p.g, input, weight, p.shape, output_mask, grad_weight_into);
-  }
+  };
+  if (gemms_first) gemms();
   if (output_mask[2] && !p.grad_bias.defined()) {
     p.grad_bias = at::empty({out_f}, p.grad_out.options());
   }
@@ -583,8 +574,8 @@ std::tuple<Tensor, Tensor, Tensor> full_backward_cpu_into(
     });
   }
   drop_saved(p, saved);
-  if (gemms_first) return {grad_input, grad_weight, p.grad_bias};
-  return finish_backward(p, input, weight, output_mask, grad_weight_into);
+  if (!gemms_first) gemms();
+  return {grad_input, grad_weight, p.grad_bias};
 }
 
 using BackwardInto = std::tuple<Tensor, Tensor, Tensor> (*)(
