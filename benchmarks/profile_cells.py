@@ -11,12 +11,13 @@ A cell is WIDTHxBATCH:activation:bias(on/off):layout[:dtype] (float32 unless giv
 sweep's JSON.
 
 --from SWEEP.json takes every cell of a sweep whose median eager/fused is below --below, times
-it again alone (bench_sweep's timing, --alone-repeats rounds) and profiles both sides --rounds
-times, alternating (each profile about 0.2 s of steps, at least 2, at most --steps; one more
-short profile per side records the GEMMs' operand shapes, apart, as recording shapes costs
-time); each cell then gets a verdict from its figure alone and the profiles' medians (dpcuda's
-own part of a step: everything but the GEMMs, its passes, its autograd node, copies, and
-torch's likewise: its activation kernels, the bias sum, its nodes):
+it again alone (bench_sweep's timing, --alone-repeats rounds; --alone-consecutive-ms as the
+sweep's --consecutive-ms) and profiles both sides --rounds times, alternating (each profile
+about 0.2 s of steps, at least 2, at most --steps; one more short profile per side records the
+GEMMs' operand shapes, apart, as recording shapes costs time); each cell then gets a verdict
+from its figure alone and the profiles' medians (dpcuda's own part of a step: everything but
+the GEMMs, its passes, its autograd node, copies, and torch's likewise: its activation
+kernels, the bias sum, its nodes):
 - "ahead alone": its median alone is at least --below, and so is its first quartile;
 - "level alone": its median alone is at least --below, its first quartile not (the grid's
   figure was the machine's; the band reaches below);
@@ -154,11 +155,11 @@ def profile_cell(width, batch, act, bias, layout, dtype, steps):
 
 
 def explain_cell(width, batch, act, bias, layout, dtype, steps, rounds, repeats, min_seconds,
-                 below):
+                 below, consecutive_ms=0.0):
     """A cell timed alone, then profiled `rounds` times per side (alternating), with its
     verdict (the module's docstring)."""
-    samples, _ = time_cell(width, batch, act, bias, layout, getattr(torch, dtype), False,
-                           repeats, min_seconds)
+    samples, per_turn = time_cell(width, batch, act, bias, layout, getattr(torch, dtype), False,
+                                  repeats, min_seconds, consecutive_ms=consecutive_ms)
     alone = paired_ratio(samples["eager"], samples["fused"])
     # Each profile covers about 0.2 s of steps (at least 2, at most `steps`): large cells
     # take seconds a step in bfloat16 here.
@@ -170,7 +171,8 @@ def explain_cell(width, batch, act, bias, layout, dtype, steps, rounds, repeats,
         for side, step in (("fused", fused), ("eager", eager)):
             profiles[side].append(profile_side(step, steps, warmup=2, shapes=False))
     row = {"width": width, "batch": batch, "activation": act, "bias": bias, "layout": layout,
-           "dtype": dtype, "alone": alone, "profiled_steps": steps}
+           "dtype": dtype, "alone": alone, "alone_steps_per_turn": per_turn,
+           "profiled_steps": steps}
     for side, runs in profiles.items():
         step = fused if side == "fused" else eager
         own = [r["total_us_per_step"] - r["gemm_us_per_step"] for r in runs]
@@ -245,6 +247,9 @@ def main(argv=None):
                         help="with --from: rounds of the timing alone (default: %(default)s)")
     parser.add_argument("--alone-min-seconds", type=float, default=0.3,
                         help="with --from: (default: %(default)s)")
+    parser.add_argument("--alone-consecutive-ms", type=float, default=0.0,
+                        help="with --from: each contender's turn in the timing alone, as "
+                             "bench_sweep.py's --consecutive-ms (default: one step a turn)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     if args.steps < 1:
@@ -256,6 +261,8 @@ def main(argv=None):
                      "spread over the rounds)")
     if args.alone_repeats < 1:
         parser.error("--alone-repeats must be at least 1")
+    if not (math.isfinite(args.alone_consecutive_ms) and args.alone_consecutive_ms >= 0):
+        parser.error(f"--alone-consecutive-ms must be 0 or more, got {args.alone_consecutive_ms}")
     if args.sweep and args.cells:
         parser.error("give cells or --from, not both")
     if args.threads is not None:
@@ -290,7 +297,8 @@ def explain(cells, args):
     rows = []
     for width, batch, act, bias, layout, dtype, grid in cells:
         row = explain_cell(width, batch, act, bias, layout, dtype, args.steps, args.rounds,
-                           args.alone_repeats, args.alone_min_seconds, args.below)
+                           args.alone_repeats, args.alone_min_seconds, args.below,
+                           args.alone_consecutive_ms)
         row["grid"] = grid
         rows.append(row)
         a, v = row["alone"], row["verdict"]
@@ -309,6 +317,7 @@ def explain(cells, args):
                            "below": args.below, "max_steps": args.steps, "rounds": args.rounds,
                            "alone_repeats": args.alone_repeats,
                            "alone_min_seconds": args.alone_min_seconds,
+                           "alone_consecutive_ms": args.alone_consecutive_ms,
                            "threads": torch.get_num_threads(), "verdicts": kinds,
                            "environment": environment("cpu"), "results": rows})
 

@@ -114,6 +114,9 @@ def test_profile_cells_refuses_a_malformed_cell(tmp_path):
     assert proc.returncode == 2 and "activation must be one of" in proc.stderr
     proc = run_script("profile_cells", "32x64:gelu:on:sliced", cwd=tmp_path)
     assert proc.returncode == 2 and "layout must be one of" in proc.stderr
+    proc = run_script("profile_cells", "--from", "s.json", "--alone-consecutive-ms", "-1",
+                      cwd=tmp_path)
+    assert proc.returncode == 2 and "--alone-consecutive-ms must be 0 or more" in proc.stderr
 
 
 def test_bench_activation_pass_times_the_pass_behind_a_narrow_input(tmp_path):
@@ -221,9 +224,11 @@ def test_profile_cells_explains_a_sweeps_cells_below_one(tmp_path):
         for w, b, a, bi, lay, m in cells]}
     (tmp_path / "s.json").write_text(json.dumps(sweep))
     proc = run_profile(tmp_path, "--from", "s.json", "--steps", "2", "--rounds", "3",
-                       "--alone-repeats", "3", "--alone-min-seconds", "0", "--json", "e.json")
+                       "--alone-repeats", "3", "--alone-min-seconds", "0",
+                       "--alone-consecutive-ms", "0.5", "--json", "e.json")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = json.loads((tmp_path / "e.json").read_text())
+    assert out["alone_consecutive_ms"] == 0.5
     rows = out["results"]
     assert [(r["width"], r["activation"], r["grid"]["median"]) for r in rows] == [
         (8, "none", 0.90), (16, "relu", 0.95)]
@@ -234,6 +239,7 @@ def test_profile_cells_explains_a_sweeps_cells_below_one(tmp_path):
             behind, r["verdict"]
         assert r["verdict"]["same_gemm_calls"]
         assert 2 <= r["profiled_steps"] <= 2
+        assert r["alone_steps_per_turn"] >= 2  # (--alone-consecutive-ms: one untimed, then more)
         for side in ("fused", "eager"):
             s = r[side]
             assert 0 < s["own_us_per_step"] < s["total_us_per_step"]
