@@ -748,8 +748,9 @@ def scratch_call(rows, inf, outf, activation, dtype, layout, seed):
 
 
 def test_cpu_backwards_one_after_another_keep_what_they_returned():
-    # The CPU backward's g lives in a buffer that the next call on the thread writes again: what
-    # a call returned must be none of it. Every call's gradients, kept, must still be what the
+    # The CPU backward's g, and a float layer's bias sums where it has an activation, live in
+    # buffers that the next call on the thread writes again: what a call returned must be none
+    # of them. Every call's gradients, kept, must still be what the
     # same call gives when made again afterwards in the other order, bit for bit, and torch's
     # within its error, as must those of the calls made in two threads at once (each with a
     # buffer of its own; within torch's error: the GEMMs' threads may differ there).

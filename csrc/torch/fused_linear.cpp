@@ -8,6 +8,8 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <cstring>
+#include <vector>
 
 #include "../cpu/fused_linear.h"
 #include "aten_activation.h"
@@ -84,6 +86,16 @@ Tensor g_scratch(int64_t rows, int64_t cols, const at::TensorOptions& options, b
         storage, 0, {static_cast<int64_t>(storage.nbytes()) / item}, {1});
   }
   return buffer.as_strided({rows, cols}, strides);
+}
+
+// A thread's buffer of at least `bytes` for the bias's sums, which the CPU backward copies into
+// the bias's gradient once its GEMMs are done (kept until the thread ends, the size of its
+// largest so far; nothing the backward calls between the sums and the copy re-enters it).
+void* bias_sums_buffer(int64_t bytes) {
+  thread_local std::vector<double> buffer;
+  const size_t words = static_cast<size_t>((bytes + 7) / 8);
+  if (buffer.size() < words) buffer.resize(words);
+  return buffer.data();
 }
 
 // What both backends' full_backward share: the checks, the flattened gradient, and the
@@ -265,7 +277,13 @@ std::atomic<int> bfloat16_forward_route{-1};
 //   the faster per element, and the sum that dpcuda's pass takes in its stride is not there
 //   (8192x256, the pass and the input's GEMM, malloc's trimming off: 1256-1294 / 1197-1248). Over
 //   a transposed gradient dpcuda's reads in blocks, ATen's element by element: 2351-4199
-//   against 10465-73227 for every activation.
+//   against 10465-73227 for every activation. relu's too over an expanded gradient (the AMD
+//   CPU, 2026-12-02, 2 threads, medians of 50 calls in us, ATen's threshold_backward then the
+//   sums over its g against dpcuda's pass; without a bias ATen's alone against the pass):
+//   256x8192 262 / 551, without the sums 251-378 / 358-414; 64x8192 87 / 140, 72 / 99;
+//   1024x4096 698 / 875, 500 / 659; 128x256 25 / 23 (the op's fixed cost); issue #27's
+//   profiles of the 256x8192 layer without a bias: 850 us a step of torch's own work against
+//   dpcuda's 1250.
 // Measured again on a CPU without AVX512-BF16 or AMX (a 2-core "Intel Xeon Processor @ 2.50GHz"
 // with AVX-512 and VNNI, 2026-11-28): the layer's forward by each route, alternating, 21 rounds,
 // 2 threads (benchmarks/bench_activation_pass.py --routes, activation-routes-bf16-cpu-
@@ -283,8 +301,9 @@ bool bfloat16_forward_pass_wins(Activation act) {
 }
 
 bool bfloat16_backward_pass_wins(Activation act, const Tensor& grad_out, bool bias_sum) {
-  const bool aten_reads_expanded_faster =
-      act == Activation::kSigmoid || act == Activation::kTanh || act == Activation::kSilu;
+  const bool aten_reads_expanded_faster = act == Activation::kSigmoid ||
+                                          act == Activation::kTanh || act == Activation::kSilu ||
+                                          act == Activation::kRelu;
   if (aten_reads_expanded_faster && grad_out.stride(1) == 0) return false;
   return !(act == Activation::kSilu && !bias_sum && grad_out.stride(1) == 1);
 }
@@ -456,9 +475,11 @@ std::tuple<Tensor, Tensor, Tensor> full_backward_cpu_into(
   // pass sums into it) placed the next step's tensors elsewhere in the heap: on the 2-core AMD
   // CPU (2026-12-02) torch's own addmm of a 1024-wide float32 layer at batch 1 took 1.035-1.06x
   // as long after this backward as after torch's (interleaved rounds, 101 of them), and 1.00x
-  // with the bias summed last (issue #27). With an activation the pass sums into the bias's
-  // gradient, which is allocated just before it (after g's buffer, a thread's, which allocates
-  // only when it grows: in a steady loop the same order of allocations as before).
+  // with the bias summed last (issue #27). With an activation the pass comes first (the GEMMs
+  // read its g) and, in float32 and float64, sums into a thread's buffer, copied into the bias's
+  // gradient allocated after the GEMMs (bias_sums_buffer below): torch's order again; A/B in
+  // their own processes, 21 rounds (2026-12-02): a 1024-wide relu layer at batch 1 1.03-1.04 ->
+  // 1.09-1.10, the other three cells tried level or 0.01-0.03 up.
   const bool gemms_first = !p.fused_pass;
   if (is_half_type(input)) {
     // As torch: g = grad_output * act'(saved) computed in float and rounded to the half type
@@ -547,25 +568,29 @@ std::tuple<Tensor, Tensor, Tensor> full_backward_cpu_into(
         backward_gemms(p.g, input, weight, p.shape, output_mask, grad_weight_into);
   };
   if (gemms_first) gemms();
-  if (output_mask[2] && !p.grad_bias.defined()) {
+  // With an activation the pass sums into a thread's buffer and the bias's gradient is allocated
+  // after the GEMMs, the sums copied into it: torch's order of allocations here too.
+  const bool sums_later = p.fused_pass && output_mask[2] && !p.grad_bias.defined();
+  void* sums = sums_later ? bias_sums_buffer(out_f * p.grad_out.element_size()) : nullptr;
+  if (output_mask[2] && !p.grad_bias.defined() && !sums_later) {
     p.grad_bias = at::empty({out_f}, p.grad_out.options());
   }
   if (p.fused_pass || output_mask[2]) {
     AT_DISPATCH_FLOATING_TYPES(p.grad_out.scalar_type(), "full_backward_cpu", [&] {
+      scalar_t* bias_out = !output_mask[2] ? nullptr
+                           : sums_later    ? static_cast<scalar_t*>(sums)
+                                           : p.grad_bias.data_ptr<scalar_t>();
       const scalar_t* go_ptr = p.grad_out.data_ptr<scalar_t>();
       const int64_t go_rs = p.grad_out.stride(0), go_cs = p.grad_out.stride(1);
       const scalar_t* saved_ptr = p.fused_pass ? p.saved.data_ptr<scalar_t>() : nullptr;
       scalar_t* g_ptr = p.fused_pass ? p.g.data_ptr<scalar_t>() : nullptr;
       if (!p.fused_pass && column_major(go_rs, go_cs)) {
-        scalar_t* out = p.grad_bias.data_ptr<scalar_t>();
         column_major_sums(rows, out_f, [&](int64_t begin, int64_t end) {
-          cpu::column_major_bias_sums<scalar_t>(go_ptr, out, rows, begin, end, go_cs);
+          cpu::column_major_bias_sums<scalar_t>(go_ptr, bias_out, rows, begin, end, go_cs);
         });
         return;
       }
-      chunked_rows<scalar_t>(rows, out_f,
-                             output_mask[2] ? p.grad_bias.data_ptr<scalar_t>() : nullptr,
-                             p.grad_out.options(),
+      chunked_rows<scalar_t>(rows, out_f, bias_out, p.grad_out.options(),
                              [&](int64_t r0, int64_t r1, scalar_t* partial) {
                                cpu::activation_backward_rows<scalar_t>(
                                    go_ptr, saved_ptr, g_ptr, partial, r0, r1, out_f, p.act,
@@ -575,6 +600,10 @@ std::tuple<Tensor, Tensor, Tensor> full_backward_cpu_into(
   }
   drop_saved(p, saved);
   if (!gemms_first) gemms();
+  if (sums_later) {
+    p.grad_bias = at::empty({out_f}, p.grad_out.options());
+    std::memcpy(p.grad_bias.data_ptr(), sums, out_f * p.grad_out.element_size());
+  }
   return {grad_input, grad_weight, p.grad_bias};
 }
 
