@@ -274,7 +274,8 @@ def test_bfloat16_passes_read_strided_gradients_and_keep_nan_and_inf_as_torch(ac
     # dpcuda's bfloat16 passes (csrc/cpu/fused_linear.cpp): an expanded, a transposed and a
     # sliced upstream gradient give the bits of its contiguous copy wherever dpcuda's pass runs
     # for both (for silu, sigmoid and tanh ATen's runs over an expanded one, dpcuda's over the
-    # others: their g then differs by at most one rounding); and NaN, +-Inf and +-0 in the
+    # others: their g then differs by at most one rounding; relu's ATen's over an expanded one
+    # too, whose g, a select, is exact either way); and NaN, +-Inf and +-0 in the
     # pre-activation and the upstream gradient come out where torch's come out. Narrow rows
     # (under 128 columns) over a contiguous gradient take g over groups of rows (4096 / 40 =
     # 102 rows), then the bias sums: the bits of the strided gradients' row-by-row loop. The

@@ -91,10 +91,10 @@ Tensor g_scratch(int64_t rows, int64_t cols, const at::TensorOptions& options, b
 // A thread's buffer of at least `bytes` for the bias's sums, which the CPU backward copies into
 // the bias's gradient once its GEMMs are done (kept until the thread ends, the size of its
 // largest so far; nothing the backward calls between the sums and the copy re-enters it).
+// (Bytes: storage for float or double sums; new[]'s alignment serves both.)
 void* bias_sums_buffer(int64_t bytes) {
-  thread_local std::vector<double> buffer;
-  const size_t words = static_cast<size_t>((bytes + 7) / 8);
-  if (buffer.size() < words) buffer.resize(words);
+  thread_local std::vector<unsigned char> buffer;
+  if (buffer.size() < static_cast<size_t>(bytes)) buffer.resize(static_cast<size_t>(bytes));
   return buffer.data();
 }
 
@@ -272,18 +272,18 @@ std::atomic<int> bfloat16_forward_route{-1};
 //   sigmoid 623-643 / 658-682, tanh 624-692 / 662-682. Over an expanded one ATen's kernel,
 //   with the sums after it, is the faster for sigmoid (692-715 / 527-560), tanh (708-726 /
 //   538-571) and silu (1481-1561 / 1393-1477): its loop takes the one value as a scalar, where
-//   dpcuda's reads a row buffer; not for gelu (1469-1503 / 2013-2196). Without the bias sum
+//   dpcuda's reads a row buffer; not for gelu (1469-1503 / 2013-2196). relu's too over an
+//   expanded gradient, at every size (the AMD CPU, 2026-12-02, 2 threads, medians of 50 calls
+//   in us, ATen's threshold_backward then the sums over its g against dpcuda's pass; without a
+//   bias ATen's alone against the pass): 256x8192 262 / 551, without the sums 251-378 /
+//   358-414; 64x8192 87 / 140, 72 / 99; 1024x4096 698 / 875, 500 / 659; 128x256 25 / 23 (the
+//   op's fixed cost, the one shape behind); issue #27's profiles of the 256x8192 layer without
+//   a bias: 850 us a step of torch's own work against dpcuda's 1250. Without the bias sum
 //   (a layer without a bias) silu's is ATen's over a dense gradient too: its silu_backward is
 //   the faster per element, and the sum that dpcuda's pass takes in its stride is not there
 //   (8192x256, the pass and the input's GEMM, malloc's trimming off: 1256-1294 / 1197-1248). Over
 //   a transposed gradient dpcuda's reads in blocks, ATen's element by element: 2351-4199
-//   against 10465-73227 for every activation. relu's too over an expanded gradient (the AMD
-//   CPU, 2026-12-02, 2 threads, medians of 50 calls in us, ATen's threshold_backward then the
-//   sums over its g against dpcuda's pass; without a bias ATen's alone against the pass):
-//   256x8192 262 / 551, without the sums 251-378 / 358-414; 64x8192 87 / 140, 72 / 99;
-//   1024x4096 698 / 875, 500 / 659; 128x256 25 / 23 (the op's fixed cost); issue #27's
-//   profiles of the 256x8192 layer without a bias: 850 us a step of torch's own work against
-//   dpcuda's 1250.
+//   against 10465-73227 for every activation.
 // Measured again on a CPU without AVX512-BF16 or AMX (a 2-core "Intel Xeon Processor @ 2.50GHz"
 // with AVX-512 and VNNI, 2026-11-28): the layer's forward by each route, alternating, 21 rounds,
 // 2 threads (benchmarks/bench_activation_pass.py --routes, activation-routes-bf16-cpu-
@@ -465,7 +465,8 @@ std::tuple<Tensor, Tensor, Tensor> full_backward_cpu_into(
             grad_bias_into.defined() ? grad_bias_into : gb};
   }
   // (g is made below: a thread's buffer (g_scratch), or ATen's activation backward's for the
-  // half types where torch's kernel is the one; the bias's gradient where it is summed)
+  // half types where torch's kernel is the one; the bias's gradient after the GEMMs, where no
+  // destination is given)
   BackwardPlan p = plan_backward(grad_output, input, weight, saved, activation,
                                 output_mask, &check_cpu_layer_dtype, grad_bias_into,
                                 true, false, true);
@@ -602,7 +603,7 @@ std::tuple<Tensor, Tensor, Tensor> full_backward_cpu_into(
   if (!gemms_first) gemms();
   if (sums_later) {
     p.grad_bias = at::empty({out_f}, p.grad_out.options());
-    std::memcpy(p.grad_bias.data_ptr(), sums, out_f * p.grad_out.element_size());
+    if (out_f > 0) std::memcpy(p.grad_bias.data_ptr(), sums, out_f * p.grad_out.element_size());
   }
   return {grad_input, grad_weight, p.grad_bias};
 }
