@@ -10,6 +10,12 @@ cannot win; the rest is what the fusion changes.
 A cell is WIDTHxBATCH:activation:bias(on/off):layout[:dtype] (float32 unless given), as in the
 sweep's JSON.
 
+--interleaved TURNS profiles the cells given with both sides in one profile: TURNS turns, each
+--steps steps of the fused side, then as many of torch's; per side the medians over its steps
+(each operator's self time, the GEMMs', the rest's, the step's). A profile per side, as below,
+is taken over a block of its own steps, so that the machine's drift from one block to the next
+shows as a difference between the sides (on the 2-core VM, by up to 3x).
+
 --from SWEEP.json takes every cell of a sweep whose median eager/fused is below --below, times
 it again alone (bench_sweep's timing, --alone-repeats rounds; --alone-consecutive-ms as the
 sweep's --consecutive-ms) and profiles both sides --rounds times, alternating (each profile
@@ -66,7 +72,7 @@ import statistics
 import sys
 
 import torch
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, profile, record_function
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_sweep import cell as time_cell  # noqa: E402
@@ -145,6 +151,58 @@ def cell_steps(width, batch, act, bias, layout, dtype):
         return step
     return (run(lambda: ops.full_forward(x, w, b, act)),
             run(lambda: torch_activation(F.linear(x, w, b), act)))
+
+
+def profile_interleaved(sides, turns, steps, warmup=5):
+    """One profile over `turns` turns, each `steps` steps of every side in order (a side's
+    steps timed between the other's, not in a block of their own, where the machine's drift
+    between blocks shows as a difference): per side the median over its steps of each
+    operator's self time and of the whole step."""
+    for _ in range(warmup):
+        for step in sides.values():
+            step()
+    label = "profile_cells:"
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(turns):
+            for name, step in sides.items():
+                for _ in range(steps):
+                    with record_function(label + name):
+                        step()
+    events = prof.events()
+    per_step = {}   # side -> the step's event id -> op -> self us
+    step_us = {name: [] for name in sides}
+    for event in events:
+        if event.name.startswith(label):
+            step_us[event.name[len(label):]].append(event.cpu_time_total)
+            continue
+        parent = event.cpu_parent
+        while parent is not None and not parent.name.startswith(label):
+            parent = parent.cpu_parent
+        if parent is None or event.self_cpu_time_total <= 0:
+            continue
+        ops_ = per_step.setdefault(parent.name[len(label):], {}).setdefault(parent.id, {})
+        ops_[event.name] = ops_.get(event.name, [0, 0.0])
+        ops_[event.name][0] += 1
+        ops_[event.name][1] += event.self_cpu_time_total
+    result = {}
+    for name in sides:
+        instances = list(per_step.get(name, {}).values())
+        names = sorted({op for inst in instances for op in inst})
+        ops_ = [{"op": op,
+                 "calls_per_step": statistics.median(inst.get(op, [0, 0.0])[0]
+                                                     for inst in instances),
+                 "self_us_per_step": statistics.median(inst.get(op, [0, 0.0])[1]
+                                                       for inst in instances)}
+                for op in names]
+        ops_.sort(key=lambda o: -o["self_us_per_step"])
+        gemm = [sum(inst[op][1] for op in inst if op in GEMMS) for inst in instances]
+        result[name] = {"steps": len(step_us[name]), "step_us": statistics.median(step_us[name]),
+                        "gemm_us_per_step": statistics.median(gemm),
+                        "own_us_per_step": statistics.median(
+                            sum(v[1] for op, v in inst.items() if op not in GEMMS)
+                            for inst in instances),
+                        "ops": ops_}
+    return result
 
 
 def profile_cell(width, batch, act, bias, layout, dtype, steps):
@@ -250,6 +308,10 @@ def main(argv=None):
     parser.add_argument("--alone-consecutive-ms", type=float, default=0.0,
                         help="with --from: each contender's turn in the timing alone, as "
                              "bench_sweep.py's --consecutive-ms (default: one step a turn)")
+    parser.add_argument("--interleaved", type=int, default=0, metavar="TURNS",
+                        help="profile both sides in one profile, TURNS turns of --steps steps "
+                             "each, in turn; medians over the steps (default: a profile per "
+                             "side)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     if args.steps < 1:
@@ -265,6 +327,10 @@ def main(argv=None):
         parser.error(f"--alone-consecutive-ms must be 0 or more, got {args.alone_consecutive_ms}")
     if args.sweep and args.cells:
         parser.error("give cells or --from, not both")
+    if args.interleaved < 0:
+        parser.error(f"--interleaved must be 0 or more, got {args.interleaved}")
+    if args.interleaved and args.sweep:
+        parser.error("--interleaved profiles the cells given, not --from's")
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     if args.sweep:
@@ -275,6 +341,9 @@ def main(argv=None):
         explain(cells, args)
         return
     cells = args.cells or [parse_cell(c) for c in DEFAULT_CELLS]
+    if args.interleaved:
+        interleaved(cells, args)
+        return
     rows = []
     for width, batch, act, bias, layout, dtype in cells:
         row = profile_cell(width, batch, act, bias, layout, dtype, args.steps)
@@ -290,6 +359,26 @@ def main(argv=None):
             print(f"    {side}: {top}")
     write_json(args.json, {"benchmark": "profile_cells", "steps": args.steps,
                            "threads": torch.get_num_threads(),
+                           "environment": environment("cpu"), "results": rows})
+
+
+def interleaved(cells, args):
+    rows = []
+    for width, batch, act, bias, layout, dtype in cells:
+        fused, eager = cell_steps(width, batch, act, bias, layout, dtype)
+        sides = profile_interleaved({"fused": fused, "eager": eager}, args.interleaved,
+                                    args.steps)
+        rows.append({"width": width, "batch": batch, "activation": act, "bias": bias,
+                     "layout": layout, "dtype": dtype, **sides})
+        print(f"{width}x{width} batch {batch} {act} bias {'on' if bias else 'off'} {layout} "
+              f"{dtype}, medians of {sides['fused']['steps']} steps a side:")
+        for side in ("fused", "eager"):
+            d = sides[side]
+            top = ", ".join(f"{o['op']} {o['self_us_per_step']:.0f}" for o in d["ops"][:5])
+            print(f"    {side}: step {d['step_us']:.0f} us, GEMMs {d['gemm_us_per_step']:.0f}, "
+                  f"the rest {d['own_us_per_step']:.0f}: {top}")
+    write_json(args.json, {"benchmark": "profile_cells", "interleaved_turns": args.interleaved,
+                           "steps": args.steps, "threads": torch.get_num_threads(),
                            "environment": environment("cpu"), "results": rows})
 
 

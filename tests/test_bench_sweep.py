@@ -117,6 +117,36 @@ def test_profile_cells_refuses_a_malformed_cell(tmp_path):
     proc = run_script("profile_cells", "--from", "s.json", "--alone-consecutive-ms", "-1",
                       cwd=tmp_path)
     assert proc.returncode == 2 and "--alone-consecutive-ms must be 0 or more" in proc.stderr
+    proc = run_script("profile_cells", "--interleaved", "-1", cwd=tmp_path)
+    assert proc.returncode == 2 and "--interleaved must be 0 or more" in proc.stderr
+    proc = run_script("profile_cells", "--from", "s.json", "--interleaved", "2", cwd=tmp_path)
+    assert proc.returncode == 2 and "--interleaved profiles the cells given" in proc.stderr
+
+
+def test_profile_cells_interleaved_takes_each_sides_steps_apart(tmp_path):
+    # --interleaved: one profile, the sides' steps in turn; every step of each side counted
+    # (turns x steps), each side's operators its own (dpcuda's ops on the fused side only), and
+    # a step's GEMMs and the rest each within the step's own time.
+    proc = run_profile(tmp_path, "32x64:sigmoid:on:expanded:bfloat16", "--interleaved", "3",
+                       "--steps", "2", "--json", "p.json")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    data = json.loads((tmp_path / "p.json").read_text())
+    assert data["interleaved_turns"] == 3 and data["steps"] == 2
+    (row,) = data["results"]
+    assert (row["width"], row["activation"], row["bias"], row["layout"], row["dtype"]) == (
+        32, "sigmoid", True, "expanded", "bfloat16")
+    fused = {o["op"]: o for o in row["fused"]["ops"]}
+    eager = {o["op"]: o for o in row["eager"]["ops"]}
+    assert fused["dpcuda::full_forward"]["calls_per_step"] == 1
+    assert fused["dpcuda::full_backward"]["calls_per_step"] == 1
+    assert not any(op.startswith("dpcuda::") for op in eager)
+    assert eager["aten::sigmoid"]["calls_per_step"] == 1
+    for side in (row["fused"], row["eager"]):
+        assert side["steps"] == 6
+        assert 0 < side["gemm_us_per_step"] and 0 < side["own_us_per_step"]
+        # (each part at most its step, step by step, so their medians at most the step's)
+        assert side["gemm_us_per_step"] <= side["step_us"]
+        assert side["own_us_per_step"] <= side["step_us"]
 
 
 def test_bench_activation_pass_times_the_pass_behind_a_narrow_input(tmp_path):

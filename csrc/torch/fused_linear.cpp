@@ -284,6 +284,12 @@ std::atomic<int> bfloat16_forward_route{-1};
 //   (8192x256, the pass and the input's GEMM, malloc's trimming off: 1256-1294 / 1197-1248). Over
 //   a transposed gradient dpcuda's reads in blocks, ATen's element by element: 2351-4199
 //   against 10465-73227 for every activation.
+// sigmoid's and tanh's stay dpcuda's over a dense gradient without the sum, though ATen's kernels
+// timed alone were the faster there (the AMD CPU, 2026-12-02: sigmoid 1024x4096 500-576 /
+// 614-641 us, 256x4096 110-112 / 129-130): as layers, in their own processes, each library in
+// turn (21 rounds of 2 s, the null 0.93-1.08), eager/fused with dpcuda's pass, then ATen's:
+// sigmoid 64x8192 1.03 / 1.02, 128x8192 1.03 / 0.99, 16x8192 1.06 / 1.06, tanh 64x8192 1.33 /
+// 1.29.
 // Measured again on a CPU without AVX512-BF16 or AMX (a 2-core "Intel Xeon Processor @ 2.50GHz"
 // with AVX-512 and VNNI, 2026-11-28): the layer's forward by each route, alternating, 21 rounds,
 // 2 threads (benchmarks/bench_activation_pass.py --routes, activation-routes-bf16-cpu-
@@ -571,11 +577,12 @@ std::tuple<Tensor, Tensor, Tensor> full_backward_cpu_into(
   if (gemms_first) gemms();
   // With an activation the pass sums into a thread's buffer and the bias's gradient is allocated
   // after the GEMMs, the sums copied into it: torch's order of allocations here too.
-  const bool sums_later = p.fused_pass && output_mask[2] && !p.grad_bias.defined();
-  void* sums = sums_later ? bias_sums_buffer(out_f * p.grad_out.element_size()) : nullptr;
-  if (output_mask[2] && !p.grad_bias.defined() && !sums_later) {
-    p.grad_bias = at::empty({out_f}, p.grad_out.options());
-  }
+  // (Without one, "none", the sums go straight into the gradient, allocated after the GEMMs.)
+  const bool bias_new = output_mask[2] && !p.grad_bias.defined();
+  const bool sums_later = bias_new && p.fused_pass;
+  const int64_t sums_bytes = out_f * p.grad_out.element_size();
+  void* sums = sums_later ? bias_sums_buffer(sums_bytes) : nullptr;
+  if (bias_new && !sums_later) p.grad_bias = at::empty({out_f}, p.grad_out.options());
   if (p.fused_pass || output_mask[2]) {
     AT_DISPATCH_FLOATING_TYPES(p.grad_out.scalar_type(), "full_backward_cpu", [&] {
       scalar_t* bias_out = !output_mask[2] ? nullptr
@@ -603,7 +610,7 @@ std::tuple<Tensor, Tensor, Tensor> full_backward_cpu_into(
   if (!gemms_first) gemms();
   if (sums_later) {
     p.grad_bias = at::empty({out_f}, p.grad_out.options());
-    if (out_f > 0) std::memcpy(p.grad_bias.data_ptr(), sums, out_f * p.grad_out.element_size());
+    if (out_f > 0) std::memcpy(p.grad_bias.data_ptr(), sums, sums_bytes);
   }
   return {grad_input, grad_weight, p.grad_bias};
 }
