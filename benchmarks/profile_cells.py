@@ -14,7 +14,8 @@ sweep's JSON.
 --steps steps of the fused side, then as many of torch's; per side the medians over its steps
 (each operator's self time, the GEMMs', the rest's, the step's). A profile per side, as below,
 is taken over a block of its own steps, so that the machine's drift from one block to the next
-shows as a difference between the sides (on the 2-core VM, by up to 3x).
+shows as a difference between the sides (on the 2-core VM torch's own sigmoid_backward took
+103-612 us a call in three blocks of one cell).
 
 --from SWEEP.json takes every cell of a sweep whose median eager/fused is below --below, times
 it again alone (bench_sweep's timing, --alone-repeats rounds; --alone-consecutive-ms as the
@@ -153,6 +154,10 @@ def cell_steps(width, batch, act, bias, layout, dtype):
             run(lambda: torch_activation(F.linear(x, w, b), act)))
 
 
+def cell_label(width, batch, act, bias, layout, dtype):
+    return f"{width}x{width} batch {batch} {act} bias {'on' if bias else 'off'} {layout} {dtype}"
+
+
 def profile_interleaved(sides, turns, steps, warmup=5):
     """One profile over `turns` turns, each `steps` steps of every side in order (a side's
     steps timed between the other's, not in a block of their own, where the machine's drift
@@ -169,7 +174,7 @@ def profile_interleaved(sides, turns, steps, warmup=5):
                     with record_function(label + name):
                         step()
     events = prof.events()
-    per_step = {}   # side -> the step's event id -> op -> self us
+    per_step = {}   # side -> the step's event id -> op -> [calls, self us]
     step_us = {name: [] for name in sides}
     for event in events:
         if event.name.startswith(label):
@@ -181,9 +186,9 @@ def profile_interleaved(sides, turns, steps, warmup=5):
         if parent is None or event.self_cpu_time_total <= 0:
             continue
         ops_ = per_step.setdefault(parent.name[len(label):], {}).setdefault(parent.id, {})
-        ops_[event.name] = ops_.get(event.name, [0, 0.0])
-        ops_[event.name][0] += 1
-        ops_[event.name][1] += event.self_cpu_time_total
+        calls_us = ops_.setdefault(event.name, [0, 0.0])
+        calls_us[0] += 1
+        calls_us[1] += event.self_cpu_time_total
     result = {}
     for name in sides:
         instances = list(per_step.get(name, {}).values())
@@ -349,8 +354,7 @@ def main(argv=None):
         row = profile_cell(width, batch, act, bias, layout, dtype, args.steps)
         rows.append(row)
         f, e = row["fused"], row["eager"]
-        print(f"{width}x{width} batch {batch} {act} bias {'on' if bias else 'off'} {layout} "
-              f"{dtype}: "
+        print(f"{cell_label(width, batch, act, bias, layout, dtype)}: "
               f"fused {f['total_us_per_step']:.0f} us (GEMMs {100 * f['gemm_share']:.0f}%), "
               f"eager {e['total_us_per_step']:.0f} us (GEMMs {100 * e['gemm_share']:.0f}%)")
         for side in ("fused", "eager"):
@@ -370,8 +374,8 @@ def interleaved(cells, args):
                                     args.steps)
         rows.append({"width": width, "batch": batch, "activation": act, "bias": bias,
                      "layout": layout, "dtype": dtype, **sides})
-        print(f"{width}x{width} batch {batch} {act} bias {'on' if bias else 'off'} {layout} "
-              f"{dtype}, medians of {sides['fused']['steps']} steps a side:")
+        print(f"{cell_label(width, batch, act, bias, layout, dtype)}, medians of "
+              f"{sides['fused']['steps']} steps a side:")
         for side in ("fused", "eager"):
             d = sides[side]
             top = ", ".join(f"{o['op']} {o['self_us_per_step']:.0f}" for o in d["ops"][:5])
@@ -391,8 +395,8 @@ def explain(cells, args):
         row["grid"] = grid
         rows.append(row)
         a, v = row["alone"], row["verdict"]
-        print(f"{width}x{width} batch {batch} {act} bias {'on' if bias else 'off'} {layout} "
-              f"{dtype}: grid {grid['median']:.2f}, alone {a['median']:.2f} "
+        print(f"{cell_label(width, batch, act, bias, layout, dtype)}: "
+              f"grid {grid['median']:.2f}, alone {a['median']:.2f} "
               f"[{a['q1']:.2f}, {a['q3']:.2f}]; own us {v['own_us'][0]:.0f} (dpcuda) / "
               f"{v['own_us'][1]:.0f} (torch) +-{v['own_us_noise']:.0f}, faults/step "
               f"{v['minor_faults_per_step'][0]:.0f} / {v['minor_faults_per_step'][1]:.0f}, GEMMs {v['gemm_us'][0]:.0f} / "
