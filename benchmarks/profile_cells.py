@@ -62,6 +62,10 @@ the smallest shapes; each row states both sides' figures.
 
     python benchmarks/profile_cells.py --from benchmarks/results/sweep-cpu.json \\
         --json benchmarks/results/explain-cpu.json
+
+With --from the JSON is written after each cell ("complete": false until the last), so a run
+cut short keeps the cells it measured; --resume EXPLAIN.json takes them and explains the rest
+(the same sweep; the other options as the first run's).
 """
 
 import argparse
@@ -317,6 +321,9 @@ def main(argv=None):
                         help="profile both sides in one profile, TURNS turns of --steps steps "
                              "each, in turn; medians over the steps (default: a profile per "
                              "side)")
+    parser.add_argument("--resume", default=None, metavar="EXPLAIN.json",
+                        help="with --from: keep the cells an earlier run over the same sweep "
+                             "wrote to this JSON and explain the rest")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     if args.steps < 1:
@@ -334,6 +341,8 @@ def main(argv=None):
         parser.error("give cells or --from, not both")
     if args.interleaved < 0:
         parser.error(f"--interleaved must be 0 or more, got {args.interleaved}")
+    if args.resume and not args.sweep:
+        parser.error("--resume continues a --from run")
     if args.interleaved and args.sweep:
         parser.error("--interleaved profiles the cells given, not --from's")
     if args.threads is not None:
@@ -343,7 +352,13 @@ def main(argv=None):
             cells = cells_below(args.sweep, args.below)
         except (OSError, ValueError, KeyError, TypeError, argparse.ArgumentTypeError) as e:
             parser.error(f"--from: cannot read a sweep's cells from {args.sweep!r}: {e}")
-        explain(cells, args)
+        rows = []
+        if args.resume:
+            try:
+                rows = resumed_rows(args.resume, args.sweep)
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                parser.error(f"--resume: cannot take the cells of {args.resume!r}: {e}")
+        explain(cells, args, rows)
         return
     cells = args.cells or [parse_cell(c) for c in DEFAULT_CELLS]
     if args.interleaved:
@@ -386,9 +401,44 @@ def interleaved(cells, args):
                            "environment": environment("cpu"), "results": rows})
 
 
-def explain(cells, args):
-    rows = []
+def cell_key(width, batch, act, bias, layout, dtype):
+    return (int(width), int(batch), str(act), bool(bias), str(layout), str(dtype))
+
+
+def resumed_rows(path, sweep):
+    """The rows an earlier --from run over the same sweep wrote to `path` (its JSON is written
+    after each cell, so a run cut short keeps what it measured)."""
+    with open(path) as f:
+        payload = json.load(f)
+    if payload.get("benchmark") != "explain_cells" or payload.get("sweep") != sweep:
+        raise ValueError(f"not an explanation of {sweep!r}")
+    rows = payload["results"]
+    for r in rows:
+        cell_key(r["width"], r["batch"], r["activation"], r["bias"], r["layout"], r["dtype"])
+    return rows
+
+
+def explain(cells, args, rows):
+    done = {cell_key(r["width"], r["batch"], r["activation"], r["bias"], r["layout"],
+                     r["dtype"]) for r in rows}
+    if rows:
+        print(f"{len(rows)} cells taken from {args.resume}")
+
+    def payload(complete):
+        kinds = {}
+        for r in rows:
+            kinds[r["verdict"]["kind"]] = kinds.get(r["verdict"]["kind"], 0) + 1
+        return kinds, {"benchmark": "explain_cells", "sweep": args.sweep, "complete": complete,
+                       "below": args.below, "max_steps": args.steps, "rounds": args.rounds,
+                       "alone_repeats": args.alone_repeats,
+                       "alone_min_seconds": args.alone_min_seconds,
+                       "alone_consecutive_ms": args.alone_consecutive_ms,
+                       "threads": torch.get_num_threads(), "verdicts": kinds,
+                       "environment": environment("cpu"), "results": rows}
+
     for width, batch, act, bias, layout, dtype, grid in cells:
+        if cell_key(width, batch, act, bias, layout, dtype) in done:
+            continue
         row = explain_cell(width, batch, act, bias, layout, dtype, args.steps, args.rounds,
                            args.alone_repeats, args.alone_min_seconds, args.below,
                            args.alone_consecutive_ms)
@@ -401,18 +451,13 @@ def explain(cells, args):
               f"{v['own_us'][1]:.0f} (torch) +-{v['own_us_noise']:.0f}, faults/step "
               f"{v['minor_faults_per_step'][0]:.0f} / {v['minor_faults_per_step'][1]:.0f}, GEMMs {v['gemm_us'][0]:.0f} / "
               f"{v['gemm_us'][1]:.0f}: {v['kind']}", flush=True)
-    kinds = {}
-    for r in rows:
-        kinds[r["verdict"]["kind"]] = kinds.get(r["verdict"]["kind"], 0) + 1
+        if args.json:  # (after each cell: a run cut short keeps what it measured)
+            with open(args.json, "w") as f:
+                json.dump(payload(False)[1], f, indent=2)
+    kinds, final = payload(True)
     print(f"{len(rows)} cells below {args.below}: " +
           ", ".join(f"{n} {k}" for k, n in sorted(kinds.items())))
-    write_json(args.json, {"benchmark": "explain_cells", "sweep": args.sweep,
-                           "below": args.below, "max_steps": args.steps, "rounds": args.rounds,
-                           "alone_repeats": args.alone_repeats,
-                           "alone_min_seconds": args.alone_min_seconds,
-                           "alone_consecutive_ms": args.alone_consecutive_ms,
-                           "threads": torch.get_num_threads(), "verdicts": kinds,
-                           "environment": environment("cpu"), "results": rows})
+    write_json(args.json, final)
 
 
 if __name__ == "__main__":

@@ -283,6 +283,39 @@ def test_profile_cells_explains_a_sweeps_cells_below_one(tmp_path):
     assert "2 cells below 1.0" in proc.stdout
 
 
+def test_profile_cells_explain_keeps_each_cell_and_resumes(tmp_path):
+    # The explanation's JSON is written after each cell; --resume takes the cells a run cut
+    # short wrote and explains only the rest.
+    cells = [(16, 8, "relu", True, "dense", 0.95), (8, 4, "none", False, "expanded", 0.90)]
+    sweep = {"results": [
+        {"width": w, "batch": b, "activation": a, "bias": bi, "layout": lay,
+         "dtype": "float32", "eager_over_fused": {"median": m, "q1": m, "q3": m}}
+        for w, b, a, bi, lay, m in cells]}
+    (tmp_path / "s.json").write_text(json.dumps(sweep))
+    common = ("--from", "s.json", "--steps", "2", "--rounds", "3", "--alone-repeats", "3",
+              "--alone-min-seconds", "0")
+    proc = run_profile(tmp_path, *common, "--json", "e.json")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    full = json.loads((tmp_path / "e.json").read_text())
+    assert full["complete"] and len(full["results"]) == 2
+    cut = dict(full, complete=False, results=full["results"][:1])  # (as after the first cell)
+    (tmp_path / "cut.json").write_text(json.dumps(cut))
+    proc = run_profile(tmp_path, *common, "--resume", "cut.json", "--json", "r.json")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "1 cells taken from cut.json" in proc.stdout
+    assert proc.stdout.count(": grid ") == 1 and "8x8 batch 4" not in proc.stdout
+    out = json.loads((tmp_path / "r.json").read_text())
+    assert out["complete"] and out["results"][0] == full["results"][0]
+    assert [(r["width"], r["activation"]) for r in out["results"]] == [(8, "none"), (16, "relu")]
+    assert sum(out["verdicts"].values()) == 2
+    # (a JSON of another sweep, or --resume without --from, is refused before any timing)
+    (tmp_path / "other.json").write_text(json.dumps(dict(cut, sweep="t.json")))
+    proc = run_profile(tmp_path, *common, "--resume", "other.json")
+    assert proc.returncode == 2 and "--resume" in proc.stderr and "s.json" in proc.stderr
+    proc = run_profile(tmp_path, "--resume", "cut.json", "8x8:relu:on:dense")
+    assert proc.returncode == 2 and "--resume continues a --from run" in proc.stderr
+
+
 def test_profile_cells_verdicts():
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     try:

@@ -581,6 +581,7 @@ def _strided_gradients_give_the_bits_of_a_contiguous_one(rows, inf, outf, activa
     grads = {
         "expanded": torch.tensor(0.37, dtype=dtype).expand(rows, outf),
         "row expanded": torch.randn(outf, dtype=dtype).expand(rows, outf),
+        "column expanded": torch.randn(rows, 1, dtype=dtype).expand(rows, outf),  # y.sum(1)
         "transposed": torch.randn(outf, rows, dtype=dtype).t(),
         "row sliced": torch.randn(rows, 2 * outf, dtype=dtype)[:, ::2],
         "column sliced": torch.randn(rows, outf + 5, dtype=dtype)[:, 2:outf + 2],
@@ -622,6 +623,7 @@ def test_a_layer_without_activation_gives_torchs_gemms_over_any_gradient(dtype, 
     b = torch.randn(outf).to(dtype) if bias else None
     grads = {"expanded": torch.tensor(0.37).to(dtype).expand(rows, outf),
              "row expanded": torch.randn(outf).to(dtype).expand(rows, outf),
+             "column expanded": torch.randn(rows, 1).to(dtype).expand(rows, outf),
              "sliced": torch.randn(rows, 2 * outf).to(dtype)[:, ::2],
              "transposed": torch.randn(outf, rows).to(dtype).t()}
     copied = dtype in (torch.bfloat16, torch.float16) and outf <= 32
