@@ -451,9 +451,10 @@ def explain(cells, args, rows):
               f"{v['own_us'][1]:.0f} (torch) +-{v['own_us_noise']:.0f}, faults/step "
               f"{v['minor_faults_per_step'][0]:.0f} / {v['minor_faults_per_step'][1]:.0f}, GEMMs {v['gemm_us'][0]:.0f} / "
               f"{v['gemm_us'][1]:.0f}: {v['kind']}", flush=True)
-        if args.json:  # (after each cell: a run cut short keeps what it measured)
-            with open(args.json, "w") as f:
+        if args.json:  # (after each cell, whole or not at all: a run cut short keeps them)
+            with open(args.json + ".part", "w") as f:
                 json.dump(payload(False)[1], f, indent=2)
+            os.replace(args.json + ".part", args.json)
     kinds, final = payload(True)
     print(f"{len(rows)} cells below {args.below}: " +
           ", ".join(f"{n} {k}" for k, n in sorted(kinds.items())))
