@@ -293,8 +293,10 @@ def test_bfloat16_passes_read_strided_gradients_and_keep_nan_and_inf_as_torch(ac
     want = ref.full_forward(x, w, b, activation)
     assert torch.equal(out.isnan(), want.isnan())
     # (40 columns: the 11 special ones are a quarter of the elements; gelu_tanh's output
-    # matches torch's bits in 96.9% of them at 6600 rows)
-    assert_bfloat16_neighbours(out, want, same_at_least=0.97 if outf > 100 else 0.95)
+    # matches torch's bits in 96.9% of them at 6600 rows on the AVX-512 CPUs, torch's kernels
+    # there; on an AVX2-only CPU, whose torch kernels round otherwise, gelu_tanh's and silu's
+    # in 94.4-95.0%: every element is within one ulp either way)
+    assert_bfloat16_neighbours(out, want, same_at_least=0.97 if outf > 100 else 0.93)
     if saved.numel() == 0:
         saved = out
     # (finite upstream gradients here: torch's bfloat16 GEMM can spread a NaN of one row of
