@@ -428,7 +428,7 @@ def explain(cells, args, rows):
         kinds = {}
         for r in rows:
             kinds[r["verdict"]["kind"]] = kinds.get(r["verdict"]["kind"], 0) + 1
-        return kinds, {"benchmark": "explain_cells", "sweep": args.sweep, "complete": complete,
+        return {"benchmark": "explain_cells", "sweep": args.sweep, "complete": complete,
                        "below": args.below, "max_steps": args.steps, "rounds": args.rounds,
                        "alone_repeats": args.alone_repeats,
                        "alone_min_seconds": args.alone_min_seconds,
@@ -453,11 +453,11 @@ def explain(cells, args, rows):
               f"{v['gemm_us'][1]:.0f}: {v['kind']}", flush=True)
         if args.json:  # (after each cell, whole or not at all: a run cut short keeps them)
             with open(args.json + ".part", "w") as f:
-                json.dump(payload(False)[1], f, indent=2)
+                json.dump(payload(False), f, indent=2)
             os.replace(args.json + ".part", args.json)
-    kinds, final = payload(True)
+    final = payload(True)
     print(f"{len(rows)} cells below {args.below}: " +
-          ", ".join(f"{n} {k}" for k, n in sorted(kinds.items())))
+          ", ".join(f"{n} {k}" for k, n in sorted(final["verdicts"].items())))
     write_json(args.json, final)
 
 
