@@ -3,11 +3,14 @@
 upstream-gradient layout and dtype, round-robin against torch eager (F.linear + activation)
 and, with --compile, torch.compile of the same. Each cell's figure is the median over rounds of
 eager / fused (above 1: dpcuda is faster), taken within each round, with its quartiles (the
-noise band). Writes the JSON, a heat map (eager/fused by width x batch, one panel per
-activation) and prints the worst cells and the geometric mean.
+noise band). Writes the JSON, heat maps (eager/fused by width x batch, one panel per
+activation: --png, dense with bias; --png-worst, each square the worst of every layout and
+bias) and prints the worst cells and the geometric mean.
 
     python benchmarks/bench_sweep.py --json benchmarks/results/sweep-cpu.json \\
-        --png benchmarks/results/sweep-cpu.png
+        --png benchmarks/results/sweep-cpu.png --png-worst benchmarks/results/sweep-cpu-worst.png
+
+--redraw SWEEP.json draws the heat maps of a sweep already run, measuring nothing.
 
 Upstream-gradient layouts: dense (a contiguous tensor), expanded (what y.sum() hands back: one
 value broadcast), transposed (a (out, batch) tensor's transpose). Cells whose work exceeds
@@ -128,27 +131,40 @@ def cell(width, batch, act, bias, layout, dtype, compile_, repeats, min_seconds,
                            shuffle=True, consecutive=consecutive), consecutive
 
 
-def heat_map(rows, path, layout, dtype, bias):
+def heat_grid(rows, act, widths, batches, layout=None, bias=None):
+    """The medians of one activation's rows as [width][batch] (NaN where none); without a
+    layout, each square's lowest over the rows of every layout and bias."""
+    grid = [[math.nan] * len(batches) for _ in widths]
+    for r in rows:
+        if r["activation"] != act or (layout is not None and
+                                      (r["layout"], r["bias"]) != (layout, bias)):
+            continue
+        i, j = widths.index(r["width"]), batches.index(r["batch"])
+        value = r["eager_over_fused"]["median"]
+        grid[i][j] = value if math.isnan(grid[i][j]) else min(grid[i][j], value)
+    return grid
+
+
+def heat_map(rows, path, dtype, layout=None, bias=None):
+    """eager/fused by width x batch, a panel per activation, for one layout and bias; without
+    them (--png-worst), each square is the lowest median of its width, batch and activation
+    over every layout and bias in the rows, so that the grid's worst cells are in the picture."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    rows = [r for r in rows if r["dtype"] == dtype]
     acts = sorted({r["activation"] for r in rows})
     widths = sorted({r["width"] for r in rows})
     batches = sorted({r["batch"] for r in rows})
     cols = min(4, len(acts))
     fig, axes = plt.subplots(math.ceil(len(acts) / cols), cols,
-                             figsize=(3.2 * cols, 2.8 * math.ceil(len(acts) / cols)),
-                             squeeze=False)
+                             figsize=(3.2 * cols, 2.9 * math.ceil(len(acts) / cols) + 0.5),
+                             squeeze=False, layout="constrained")
     for ax in axes.flat[len(acts):]:
         ax.axis("off")
     image = None
     for ax, act in zip(axes.flat, acts):
-        grid = [[math.nan] * len(batches) for _ in widths]
-        for r in rows:
-            if (r["activation"], r["layout"], r["dtype"], r["bias"]) == (act, layout, dtype,
-                                                                          bias):
-                grid[widths.index(r["width"])][batches.index(r["batch"])] = \
-                    r["eager_over_fused"]["median"]
+        grid = heat_grid(rows, act, widths, batches, layout, bias)
         image = ax.imshow(grid, cmap="RdYlGn", vmin=0.8, vmax=1.25, origin="lower",
                           aspect="auto")
         for i, j in itertools.product(range(len(widths)), range(len(batches))):
@@ -159,12 +175,25 @@ def heat_map(rows, path, layout, dtype, bias):
         ax.set_yticks(range(len(widths)), [str(w) for w in widths], fontsize=7)
         ax.set_xlabel("batch", fontsize=8)
         ax.set_ylabel("width", fontsize=8)
+    what = (f"{layout} upstream gradient, bias {'on' if bias else 'off'}" if layout is not None
+            else "each square the worst of every layout and bias")
     fig.suptitle(f"torch eager / dpcuda fused, forward+backward; > 1: dpcuda faster\n"
-                 f"({dtype}, {layout} upstream gradient, bias {'on' if bias else 'off'})",
-                 fontsize=9)
+                 f"({dtype}, {what})", fontsize=9)
     fig.colorbar(image, ax=axes.ravel().tolist(), shrink=0.8)
     fig.savefig(path, dpi=110)
+    plt.close(fig)
     print(f"wrote {path}")
+
+
+def heat_maps(rows, args):
+    """--png (the first row's layout, bias and dtype) and --png-worst (the first row's dtype)."""
+    if not rows:
+        return
+    first = rows[0]
+    if args.png:
+        heat_map(rows, args.png, first["dtype"], first["layout"], first["bias"])
+    if args.png_worst:
+        heat_map(rows, args.png_worst, first["dtype"])
 
 
 def cells_in_new_processes(args):
@@ -235,8 +264,24 @@ def main(argv=None):
                         help="with --cells: all in this process, one after another (default: "
                              "each in a new interpreter)")
     parser.add_argument("--json", default=None)
-    parser.add_argument("--png", default=None, help="the heat map (dense, float32, bias on)")
+    parser.add_argument("--png", default=None,
+                        help="the heat map of the first cell's layout, bias and dtype (the "
+                             "grid's: dense, bias on, float32 when measured)")
+    parser.add_argument("--png-worst", default=None,
+                        help="the heat map of the first cell's dtype, each square the worst "
+                             "median of every layout and bias")
+    parser.add_argument("--redraw", default=None, metavar="SWEEP.json",
+                        help="measure nothing: draw --png and --png-worst from this JSON")
     args = parser.parse_args(argv)
+    if args.redraw:
+        if not (args.png or args.png_worst):
+            parser.error("--redraw needs --png or --png-worst")
+        try:
+            with open(args.redraw) as f:
+                rows = json.load(f)["results"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            parser.error(f"--redraw: cannot read a sweep's results from {args.redraw}: {exc}")
+        return heat_maps(rows, args)
     acts = [a for a in args.activations.split(",") if a]
     bad = [a for a in acts if a not in ACTIVATIONS]
     if bad:
@@ -309,9 +354,7 @@ def report(rows, skipped, args):
                                args.cells and len(args.cells) > 1 and not args.same_process),
                            "geomean_eager_over_fused": geomean, "results": rows,
                            "skipped": skipped})
-    if args.png and rows:
-        first = rows[0]
-        heat_map(rows, args.png, first["layout"], first["dtype"], first["bias"])
+    heat_maps(rows, args)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 holds a row per cell with its ratio band, the skipped cells listed, the heat map written."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -24,7 +25,7 @@ def test_bench_sweep_runs_a_small_grid(tmp_path):
     proc = run(tmp_path, "--widths", "8,16", "--batches", "1,4,64", "--activations",
                "relu,gelu", "--bias", "on,off", "--dtypes", "float32,bfloat16", "--repeats",
                "2", "--min-seconds", "0", "--max-gflop", "0.00005", "--json", "s.json",
-               "--png", "s.png")
+               "--png", "s.png", "--png-worst", "w.png")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     payload = json.loads((tmp_path / "s.json").read_text())
     rows = payload["results"]
@@ -40,7 +41,36 @@ def test_bench_sweep_runs_a_small_grid(tmp_path):
         assert r["fused_ms"] > 0
     assert payload["geomean_eager_over_fused"] > 0
     assert (tmp_path / "s.png").stat().st_size > 1000
+    assert (tmp_path / "w.png").stat().st_size > 1000
     assert "worst:" in proc.stdout
+    # --redraw draws from the JSON alone, measuring nothing
+    proc = run(tmp_path, "--redraw", "s.json", "--png-worst", "r.png")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert (tmp_path / "r.png").stat().st_size > 1000 and "worst:" not in proc.stdout
+    proc = run_script("bench_sweep", "--redraw", "s.json", cwd=tmp_path)
+    assert proc.returncode == 2 and "--redraw needs --png" in proc.stderr
+    proc = run_script("bench_sweep", "--redraw", "missing.json", "--png", "m.png", cwd=tmp_path)
+    assert proc.returncode == 2 and "--redraw: cannot read" in proc.stderr
+
+
+def test_heat_grid_worst_is_the_lowest_median_of_every_layout_and_bias():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(
+        "bench_sweep", os.path.join(ROOT, "benchmarks", "bench_sweep.py"))
+    bench_sweep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_sweep)
+
+    def row(width, batch, layout, bias, median, act="gelu"):
+        return {"width": width, "batch": batch, "activation": act, "layout": layout,
+                "bias": bias, "dtype": "float32", "eager_over_fused": {"median": median}}
+
+    rows = [row(16, 1, "dense", True, 1.3), row(16, 1, "transposed", False, 0.9),
+            row(16, 1, "expanded", True, 1.1), row(64, 1, "dense", True, 1.2),
+            row(64, 1, "expanded", False, 1.5), row(16, 1, "dense", True, 0.5, act="relu")]
+    assert bench_sweep.heat_grid(rows, "gelu", [16, 64], [1]) == [[0.9], [1.2]]
+    assert bench_sweep.heat_grid(rows, "gelu", [16, 64], [1], "dense", True) == [[1.3], [1.2]]
+    grid = bench_sweep.heat_grid(rows, "gelu", [16, 64], [1], "expanded", False)
+    assert math.isnan(grid[0][0]) and grid[1][0] == 1.5
 
 
 def test_bench_sweep_measures_named_cells_alone(tmp_path):
