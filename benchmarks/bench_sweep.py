@@ -276,11 +276,15 @@ def main(argv=None):
     if args.redraw:
         if not (args.png or args.png_worst):
             parser.error("--redraw needs --png or --png-worst")
+        keys = ("width", "batch", "activation", "bias", "layout", "dtype")
         try:
             with open(args.redraw) as f:
                 rows = json.load(f)["results"]
+            for r in rows:
+                [r[k] for k in keys], float(r["eager_over_fused"]["median"])
         except (OSError, ValueError, KeyError, TypeError) as exc:
-            parser.error(f"--redraw: cannot read a sweep's results from {args.redraw}: {exc}")
+            parser.error(f"--redraw: cannot read a sweep's results from {args.redraw}: "
+                         f"{type(exc).__name__}: {exc}")
         return heat_maps(rows, args)
     acts = [a for a in args.activations.split(",") if a]
     bad = [a for a in acts if a not in ACTIVATIONS]

@@ -51,6 +51,11 @@ def test_bench_sweep_runs_a_small_grid(tmp_path):
     assert proc.returncode == 2 and "--redraw needs --png" in proc.stderr
     proc = run_script("bench_sweep", "--redraw", "missing.json", "--png", "m.png", cwd=tmp_path)
     assert proc.returncode == 2 and "--redraw: cannot read" in proc.stderr
+    # (another benchmark's JSON, its rows without the sweep's ratios: refused, not a traceback)
+    (tmp_path / "x.json").write_text(json.dumps({"results": [{"width": 8, "batch": 1}]}))
+    proc = run_script("bench_sweep", "--redraw", "x.json", "--png", "x.png", cwd=tmp_path)
+    assert proc.returncode == 2 and "--redraw: cannot read" in proc.stderr
+    assert not (tmp_path / "x.png").exists()
 
 
 def test_heat_grid_worst_is_the_lowest_median_of_every_layout_and_bias():
