@@ -280,11 +280,21 @@ def main(argv=None):
         try:
             with open(args.redraw) as f:
                 rows = json.load(f)["results"]
+            if not isinstance(rows, list) or not rows:
+                raise ValueError("no rows")
             for r in rows:
-                [r[k] for k in keys], float(r["eager_over_fused"]["median"])
+                [r[k] for k in keys]
+                median = r["eager_over_fused"]["median"]
+                if isinstance(median, bool) or not isinstance(median, (int, float)):
+                    raise TypeError(f"a median of {median!r}")
+                if not (isinstance(r["width"], int) and isinstance(r["batch"], int)):
+                    raise TypeError(f"a width or batch of {r['width']!r}, {r['batch']!r}")
         except (OSError, ValueError, KeyError, TypeError) as exc:
-            parser.error(f"--redraw: cannot read a sweep's results from {args.redraw}: "
-                         f"{type(exc).__name__}: {exc}")
+            # (one line, exit status 2: the file is at fault, not the command line's usage)
+            message = (f"bench_sweep.py: error: --redraw: cannot read a sweep's results from "
+                       f"{args.redraw}: {type(exc).__name__}: {exc}")
+            print(" ".join(message.split()), file=sys.stderr)
+            sys.exit(2)
         return heat_maps(rows, args)
     acts = [a for a in args.activations.split(",") if a]
     bad = [a for a in acts if a not in ACTIVATIONS]

@@ -9,8 +9,11 @@ a Python autograd.Function's.
     softmax_cross_entropy(logits, labels, reduction="mean", ...)   differentiable
 """
 
+import math
+
 import torch
 from torch.overrides import has_torch_function
+from torch.utils.flop_counter import register_flop_formula
 
 from . import _C  # loads the library that registers torch.ops.dpcuda.*
 from .reference import ACTIVATIONS
@@ -57,11 +60,22 @@ def _check_tensor(value, name):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
 
 
+def _one_device_type(first, name, **others):
+    """A meta tensor among real ones would send the call here, where nothing is computed: a
+    silent wrong result. Every tensor must be on first's device type."""
+    for other, value in others.items():
+        for i, t in enumerate(value if isinstance(value, (list, tuple)) else [value]):
+            if t is not None and t.device.type != first.device.type:
+                where = f"{other}[{i}]" if isinstance(value, (list, tuple)) else other
+                raise ValueError(f"{where} is on {t.device} but {name} is on {first.device}")
+
+
 # ---------------------------------------------------------------------------------------------
 # full_forward
 
 @torch.library.register_fake("dpcuda::full_forward")
 def _full_forward_fake(input, weight, bias, activation):
+    _one_device_type(input, "x", weight=weight, bias=bias)
     torch._check(weight.dim() == 2, lambda: "weight must have shape (out_features, in_features)")
     torch._check(input.dim() >= 1 and input.shape[-1] == weight.shape[1],
                  lambda: f"input must have {weight.shape[1]} features in its last dimension")
@@ -130,6 +144,7 @@ def full_forward(x, weight, bias=None, activation="relu", *, _grads_into=None):
 
 @torch.library.register_fake("dpcuda::full_backward")
 def _full_backward_fake(grad_output, input, weight, saved, activation, output_mask):
+    _one_device_type(grad_output, "grad_output", x=input, weight=weight, saved=saved)
     # (each gradient left out an empty tensor of its own, as the kernels return: no aliasing)
     return (input.new_empty(input.shape) if output_mask[0] else grad_output.new_empty((0,)),
             weight.new_empty(weight.shape) if output_mask[1] else grad_output.new_empty((0,)),
@@ -140,6 +155,8 @@ def _full_backward_fake(grad_output, input, weight, saved, activation, output_ma
 @torch.library.register_fake("dpcuda::full_backward_into")
 def _full_backward_into_fake(grad_output, input, weight, saved, activation, output_mask,
                              grad_weight, grad_bias):
+    _one_device_type(grad_output, "grad_output", x=input, weight=weight, saved=saved,
+                     grad_weight=grad_weight, grad_bias=grad_bias)
     return input.new_empty(input.shape) if output_mask[0] else grad_output.new_empty((0,))
 
 
@@ -168,6 +185,27 @@ def full_backward(grad_output, x, weight, saved=None, activation="relu",
 
 
 # ---------------------------------------------------------------------------------------------
+# FLOPs for torch.utils.flop_counter.FlopCounterMode: the layer's GEMMs, counted as torch counts
+# nn.Linear's (2 * rows * in * out a GEMM; the activation and the bias are not counted)
+
+def _gemm_flops(input_shape, weight_shape):
+    rows = math.prod(input_shape[:-1])
+    return 2 * rows * weight_shape[0] * weight_shape[1]
+
+
+@register_flop_formula(torch.ops.dpcuda.full_forward)
+def _full_forward_flops(input_shape, weight_shape, *args, out_shape=None, **kwargs):
+    return _gemm_flops(input_shape, weight_shape)
+
+
+@register_flop_formula([torch.ops.dpcuda.full_backward, torch.ops.dpcuda.full_backward_into])
+def _full_backward_flops(grad_output_shape, input_shape, weight_shape, saved_shape, activation,
+                         output_mask, *args, out_shape=None, **kwargs):
+    return _gemm_flops(input_shape, weight_shape) * (int(bool(output_mask[0]))
+                                                     + int(bool(output_mask[1])))
+
+
+# ---------------------------------------------------------------------------------------------
 # loss_grad and softmax_cross_entropy
 
 def _loss_dtype(logits):
@@ -176,6 +214,7 @@ def _loss_dtype(logits):
 
 @torch.library.register_fake("dpcuda::loss_grad")
 def _loss_grad_fake(logits, labels, scale, label_smoothing, ignore_index, compute_grad):
+    _one_device_type(logits, "logits", labels=labels)
     torch._check(logits.dim() == 2, lambda: "logits must have shape (batch, classes)")
     torch._check(labels.dim() == 1 and labels.shape[0] == logits.shape[0],
                  lambda: "labels must have shape (batch,)")
@@ -237,16 +276,6 @@ def softmax_cross_entropy(logits, labels, reduction="mean", label_smoothing=0.0,
 # The in-place collectives return nothing and change no metadata: their fake kernels compute
 # nothing (they only check that no meta tensor hides among real ones), so they can be traced by
 # torch.compile and run on meta tensors.
-def _one_device_type(first, name, **others):
-    """A meta tensor among real ones would send the call here, where nothing is computed: a
-    silent wrong result. Every tensor must be on first's device type."""
-    for other, value in others.items():
-        for i, t in enumerate(value if isinstance(value, (list, tuple)) else [value]):
-            if t is not None and t.device.type != first.device.type:
-                where = f"{other}[{i}]" if isinstance(value, (list, tuple)) else other
-                raise ValueError(f"{where} is on {t.device} but {name} is on {first.device}")
-
-
 @torch.library.register_fake("dpcuda::all_reduce_")
 def _all_reduce_fake(tensors, op, algorithm):
     if tensors:

@@ -56,6 +56,16 @@ def test_bench_sweep_runs_a_small_grid(tmp_path):
     proc = run_script("bench_sweep", "--redraw", "x.json", "--png", "x.png", cwd=tmp_path)
     assert proc.returncode == 2 and "--redraw: cannot read" in proc.stderr
     assert not (tmp_path / "x.png").exists()
+    # (no rows, or a sweep's row with a median that is not a number: refused the same way)
+    good = json.loads((tmp_path / "s.json").read_text())["results"][0]
+    for name, rows in [("empty", []), ("text", [{**good, "eager_over_fused": {
+            **good["eager_over_fused"], "median": "1.1"}}])]:
+        (tmp_path / f"{name}.json").write_text(json.dumps({"results": rows}))
+        proc = run_script("bench_sweep", "--redraw", f"{name}.json", "--png", f"{name}.png",
+                          cwd=tmp_path)
+        assert proc.returncode == 2 and "--redraw: cannot read" in proc.stderr, proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
+        assert not (tmp_path / f"{name}.png").exists()
 
 
 def test_heat_grid_worst_is_the_lowest_median_of_every_layout_and_bias():

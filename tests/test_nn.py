@@ -140,6 +140,49 @@ def test_fuse_names_a_bad_argument_and_keeps_hooked_layers():
         assert fuse(lone) is lone
 
 
+@pytest.mark.parametrize("bias", [True, False])
+def test_flop_counter_counts_the_fused_layers_as_torchs(bias):
+    # torch.utils.flop_counter.FlopCounterMode counts a FusedLinear as it counts nn.Linear: the
+    # forward's GEMM, and the backward's two (one where the input needs no gradient).
+    from torch.utils.flop_counter import FlopCounterMode
+    from dpcuda.nn import FusedLinear
+    fused = FusedLinear(64, 32, bias=bias, activation="gelu")
+    plain = nn.Linear(64, 32, bias=bias)
+    x = torch.randn(16, 3, 64)
+    for needs_grad in [True, False]:
+        counts = []
+        for layer in (fused, plain):
+            with FlopCounterMode(display=False) as counter:
+                layer(x.clone().requires_grad_(needs_grad)).sum().backward()
+            counts.append(counter.get_total_flops())
+        assert counts[0] == counts[1] == 2 * 48 * 64 * 32 * (3 if needs_grad else 2)
+
+
+def test_meta_tensors_among_real_ones_raise_and_meta_alone_runs():
+    # A meta tensor among real ones sends the call to the fake kernel, which computes nothing:
+    # without the check, uninitialised memory came back as the result (a module built on meta
+    # for deferred initialisation and called before it was materialised, issue #27's review).
+    from dpcuda import ops
+    from dpcuda.nn import FusedLinear
+    layer = FusedLinear(3, 5, activation="gelu", device="meta")
+    x, w, go = torch.randn(4, 3), torch.randn(5, 3), torch.randn(4, 5)
+    with pytest.raises(ValueError, match="weight is on meta but x is on cpu"):
+        layer(x)
+    with pytest.raises(ValueError, match="weight is on cpu but x is on meta"):
+        ops.full_forward(x.to("meta"), w)
+    with pytest.raises(ValueError, match="bias is on meta but x is on cpu"):
+        ops.full_forward(x, w, torch.zeros(5, device="meta"))
+    for args, name in [((go, x, w.to("meta")), "weight"), ((go, x.to("meta"), w), "x")]:
+        with pytest.raises(ValueError, match=f"{name} is on meta but grad_output is on cpu"):
+            ops.full_backward(*args, go, "gelu")
+    with pytest.raises(ValueError, match="saved is on meta"):
+        ops.full_backward(go, x, w, go.to("meta"), "gelu")
+    with pytest.raises(ValueError, match="labels is on cpu but logits is on meta"):
+        ops.softmax_cross_entropy(torch.randn(4, 5, device="meta"), torch.tensor([1, 2, 3, 4]))
+    out = layer(x.to("meta"))
+    assert out.device.type == "meta" and out.shape == (4, 5)
+
+
 def test_in_place_collectives_trace_and_run_on_meta():
     import dpcuda.parallel as par
     meta = [torch.empty(5, device="meta") for _ in range(2)]

@@ -427,32 +427,58 @@ def test_bfloat16_g_layout_rule_and_its_knob():
     assert rule(1, 32, 32, 2048)
 
 
-def fixed_order_bias_sums(values, chunk):
+def fixed_order_bias_sums(values, chunk, tree=True, group=1):
     """The CPU bias sums' order in float32: rows in order within chunks of `chunk` rows, each
-    chunk's sum from 0, the chunks' sums added in order onto 0; rounded once to bfloat16."""
-    total = np.zeros(values.shape[1], dtype=np.float32)
+    chunk's sum from 0, the chunks' sums added pairwise (chunk k += chunk k + s for s = 1, 2, 4,
+    ..., k a multiple of 2s; tree=False: in order) onto 0; rounded once to bfloat16. (group > 1:
+    `group` rows summed first, then onto their chunk's sum: an order the tests tell apart.)"""
+    partials = []
     for r0 in range(0, values.shape[0], chunk):
         partial = np.zeros(values.shape[1], dtype=np.float32)
-        for r in range(r0, min(values.shape[0], r0 + chunk)):
-            partial += values[r]
-        total += partial
+        r1 = min(values.shape[0], r0 + chunk)
+        for q in range(r0, r1, group):
+            rows = np.zeros(values.shape[1], dtype=np.float32)
+            for r in range(q, min(r1, q + group)):
+                rows += values[r]
+            partial += rows
+        partials.append(partial)
+    total = np.zeros(values.shape[1], dtype=np.float32)
+    if tree:
+        s = 1
+        while s < len(partials):
+            for k in range(0, len(partials) - s, 2 * s):
+                partials[k] = partials[k] + partials[k + s]
+            s *= 2
+        total += partials[0]
+    else:
+        for partial in partials:
+            total += partial
     return torch.from_numpy(total).bfloat16()
 
 
+def bias_chunk_rows(rows):
+    """The CPU's rows per bias chunk: ceil(rows / 64), at least 32 and at most 128."""
+    return min(128, max(32, -(-rows // 64)))
+
+
 @pytest.mark.parametrize("rows,cols", [(8192, 16), (4101, 5), (300, 64), (37, 127), (2051, 128),
-                                       (20, 16)])
+                                       (20, 16), (20000, 3)])
 @pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "row_stride"])
 def test_bfloat16_bias_sums_alone_add_in_their_fixed_order(rows, cols, strided):
     # A "none" layer's bfloat16 bias gradient: float sums of the rows in row order within
-    # chunks of max(32, ceil(rows / 64)) rows (one chunk at 32 rows or fewer), the chunks' sums
-    # added in order onto 0, rounded once: the same bits for any thread count and CPU, narrow
-    # rows taken several at a time included. Ones after a first row of 2^24 (and a last of
-    # -2^24): float32 drops each one added to 2^24, so any other grouping of the additions
+    # chunks of bias_chunk_rows(rows) rows (one chunk at 32 rows or fewer), the chunks' sums
+    # added pairwise onto 0, rounded once: the same bits for any thread count and CPU, narrow
+    # rows taken several at a time included. A first row of 2^24, ones in the rows after it up
+    # to the second row of the second chunk, a last row of -2^24 (each column scaled by a power
+    # of two): float32 drops each one added to 2^24 (a tie, to even), so the first chunk keeps
+    # none of its ones and the second both of its own; any other grouping of the additions
     # (another chunk size, rows summed before their partial) keeps a different count of them;
     # the test checks that of its own data. Also over a gradient whose rows are further apart
     # than its width (a slice of a wider one).
     gen = torch.Generator().manual_seed(rows * 1000 + cols)
-    go = torch.ones(rows, cols)
+    chunk = bias_chunk_rows(rows)
+    go = torch.zeros(rows, cols)
+    go[1:min(chunk + 2, rows - 1)] = 1.0
     go[0], go[-1] = 2.0 ** 24, -(2.0 ** 24)
     go = (go * torch.exp2(torch.randint(0, 3, (1, cols), generator=gen).float())).bfloat16()
     if strided:
@@ -462,14 +488,64 @@ def test_bfloat16_bias_sums_alone_add_in_their_fixed_order(rows, cols, strided):
     _, _, gb = torch.ops.dpcuda.full_backward(go, x, w, torch.empty(0).bfloat16(), "none",
                                               [False, False, True])
     values = go.float().numpy()
-    chunk = max(32, -(-rows // 64))
     want = fixed_order_bias_sums(values, chunk)
     assert torch.equal(gb.view(torch.int16), want.view(torch.int16)), (gb[:4], want[:4])
     others = [torch.from_numpy(values.astype(np.float64).sum(0)).bfloat16()]
     if rows > 32:
-        others += [fixed_order_bias_sums(values, chunk + 1), fixed_order_bias_sums(values, rows)]
+        others += [fixed_order_bias_sums(values, chunk + 1), fixed_order_bias_sums(values, rows),
+                   fixed_order_bias_sums(values, chunk, group=8)]
     for other in others:  # (the data tells these orders apart)
         assert not torch.equal(other.view(torch.int16), want.view(torch.int16))
+    if rows > 2 * chunk:
+        # The chunks' sums pairwise, not in order: 2^24 in the first row, a one in the first row
+        # of every other chunk, -2^24 in the last row. In order each one is added to 2^24 and dropped (a tie, to even);
+        # pairwise the ones meet each other first.
+        go2 = torch.zeros(rows, cols)
+        go2[0] = 2.0 ** 24
+        go2[chunk::chunk] = 1.0
+        go2[-1] = -(2.0 ** 24)
+        go2 = go2.bfloat16()
+        if strided:
+            go2 = torch.cat([go2, torch.full_like(go2, float("nan"))], 1)[:, :cols]
+        _, _, gb2 = torch.ops.dpcuda.full_backward(go2, x, w, torch.empty(0).bfloat16(), "none",
+                                                   [False, False, True])
+        values2 = go2.float().numpy()
+        want2 = fixed_order_bias_sums(values2, chunk)
+        assert torch.equal(gb2.view(torch.int16), want2.view(torch.int16)), (gb2[:4], want2[:4])
+        in_order = fixed_order_bias_sums(values2, chunk, tree=False)
+        assert not torch.equal(in_order.view(torch.int16), want2.view(torch.int16))
+
+
+@pytest.mark.parametrize("activation", ["none", "relu"])
+@pytest.mark.parametrize("layout", ["dense", "expanded", "transposed"])
+def test_float32_bias_gradient_error_does_not_grow_with_the_batch(activation, layout):
+    # 300K rows of one value (the gradient of 0.1 * y.sum(), and the same value dense and
+    # column-major; relu's g is that value or 0): each bias chunk adds at most 128 rows in order and the chunks (or the
+    # column-major sums' blocks) are added pairwise, so the relative error stays near float32's
+    # rounding whatever the batch. Summed in 64 chunks of 4688 rows, as before issue #27's
+    # review, it was 4.2e-5 (torch's cascade sum: 6.7e-7); the test checks its data tells the
+    # long in-order sum apart.
+    rows, cols = 300_000, 3
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(rows, 4, generator=gen)
+    w = torch.randn(cols, 4, generator=gen) * 0.3
+    b = torch.randn(cols, generator=gen)
+    go = {"dense": torch.full((rows, cols), 0.1),
+          "expanded": torch.tensor(0.1).expand(rows, cols),
+          "transposed": torch.full((cols, rows), 0.1).t()}[layout]
+    y = ops.full_forward(x, w, b, activation).detach()
+    saved = {"output": y, None: None}[ops.saved_for_backward(activation)]
+    gb = ops.full_backward(go, x, w, saved, activation)[2]
+    exact = ref.full_backward(go.double(), x.double(), w.double(), b.double(), activation)[2]
+    scale = exact.abs().max().item()
+    assert (gb.double() - exact).abs().max().item() <= 2e-6 * scale
+    # (the data tells the old order apart: g, 0.1 times the derivative, added in order 4688
+    # rows at a time, the 64 chunks then in order, errs above the bound)
+    g = (go * ref.activation_grad(x @ w.t() + b, activation)).numpy()
+    chunks = [np.cumsum(g[r0:r0 + 4688], axis=0, dtype=np.float32)[-1]
+              for r0 in range(0, rows, 4688)]
+    in_order = np.cumsum(np.stack(chunks), axis=0, dtype=np.float32)[-1]
+    assert np.abs(in_order.astype(np.float64) - exact.numpy()).max() > 2e-6 * scale
 
 
 @pytest.mark.parametrize("rows", [3, 33, 300])

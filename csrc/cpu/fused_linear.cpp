@@ -118,8 +118,8 @@ struct LaneTree<Acc, 2> {
 
 // One column's n contiguous elements in the lanes, then the tree. (Inlined into each clone.)
 template <typename S>
-__attribute__((always_inline)) inline acc_of<S> column_sum(const S* __restrict__ column,
-                                                           int64_t n) {
+__attribute__((always_inline)) inline acc_of<S> column_block_sum(const S* __restrict__ column,
+                                                                 int64_t n) {
   using Acc = acc_of<S>;
   constexpr int64_t kLanes = 16, kVectors = kColumnLanes / kLanes;
   static_assert(sizeof(lanes_of<S>) == kLanes * sizeof(Acc), "16 lanes");
@@ -142,6 +142,38 @@ __attribute__((always_inline)) inline acc_of<S> column_sum(const S* __restrict__
   v[1] += v[3];
   v[0] += v[1];
   return LaneTree<Acc, kLanes>::sum(v[0]);
+}
+
+// A column of n contiguous elements: blocks of kColumnBlockRows rows, each summed by
+// column_block_sum (each lane adds at most kMaxBiasChunkRows rows in order, as a chunk of the
+// row-major pass), the blocks' sums then added pairwise in the tree of reduce_column_partials
+// (a binary counter over the blocks: level b holds the sum of 2^b of them; the levels left at
+// the end folded from the lowest up). Up to kColumnBlockRows rows, column_block_sum's bits.
+constexpr int64_t kColumnBlockRows = kColumnLanes * kMaxBiasChunkRows;
+
+template <typename S>
+__attribute__((always_inline)) inline acc_of<S> column_sum(const S* __restrict__ column,
+                                                           int64_t n) {
+  using Acc = acc_of<S>;
+  if (n <= kColumnBlockRows) return column_block_sum<S>(column, n);
+  Acc level[64];
+  uint64_t count = 0;
+  for (int64_t i = 0; i < n; i += kColumnBlockRows) {
+    Acc v = column_block_sum<S>(column + i, std::min(kColumnBlockRows, n - i));
+    int b = 0;
+    for (; (count >> b) & 1; ++b) v = level[b] + v;
+    level[b] = v;
+    ++count;
+  }
+  Acc total = Acc(0);
+  bool first = true;
+  for (int b = 0; b < 64; ++b) {
+    if ((count >> b) & 1) {
+      total = first ? level[b] : level[b] + total;
+      first = false;
+    }
+  }
+  return total;
 }
 
 template <typename S>
@@ -795,13 +827,17 @@ void bfloat16_activation_forward(const uint16_t* z, uint16_t* out, int64_t begin
 }
 
 template <typename T>
-void reduce_column_partials(const T* partials, int64_t chunks, int64_t cols, T* out,
+void reduce_column_partials(T* partials, int64_t chunks, int64_t cols, T* out,
                             int64_t col_begin, int64_t col_end) {
-  for (int64_t c = col_begin; c < col_end; ++c) out[c] = T(0);
-  for (int64_t k = 0; k < chunks; ++k) {
-    const T* p = partials + k * cols;
-    for (int64_t c = col_begin; c < col_end; ++c) out[c] += p[c];
+  for (int64_t s = 1; s < chunks; s *= 2) {
+    for (int64_t k = 0; k + s < chunks; k += 2 * s) {
+      T* __restrict__ to = partials + k * cols;
+      const T* __restrict__ from = partials + (k + s) * cols;
+      for (int64_t c = col_begin; c < col_end; ++c) to[c] += from[c];
+    }
   }
+  // (0 + the tree: a sum that starts at +0 is never -0, as the chunks' own sums)
+  for (int64_t c = col_begin; c < col_end; ++c) out[c] = chunks > 0 ? T(0) + partials[c] : T(0);
 }
 
 #define DPCUDA_INSTANTIATE(T)                                                                  \
@@ -811,7 +847,7 @@ void reduce_column_partials(const T* partials, int64_t chunks, int64_t cols, T* 
                                           Activation);                                         \
   template void activation_backward_rows<T>(const T*, const T*, T*, T*, int64_t, int64_t,      \
                                             int64_t, Activation, int64_t, int64_t);            \
-  template void reduce_column_partials<T>(const T*, int64_t, int64_t, T*, int64_t, int64_t);  \
+  template void reduce_column_partials<T>(T*, int64_t, int64_t, T*, int64_t, int64_t);        \
   template void column_major_bias_sums<T>(const T*, T*, int64_t, int64_t, int64_t, int64_t);
 
 DPCUDA_INSTANTIATE(float)

@@ -114,14 +114,14 @@ void layer(Hash& hash) {
     }
   }
   // The bias-only sums over whole columns of a column-major gradient (the adapter's): 64-row
-  // blocks, 16-row blocks and a rest.
-  for (const int64_t n : {int64_t(67), int64_t(113), int64_t(200)}) {
+  // blocks, 16-row blocks and a rest; past 8192 rows, blocks of 8192 added pairwise.
+  for (const int64_t n : {int64_t(67), int64_t(113), int64_t(200), int64_t(3 * 8192 + 77)}) {
     const auto go = inputs<T>(n * 37, 500 + n, 2.0);
     std::vector<T> sums(37);
     cpu::column_major_bias_sums<T>(go.data(), sums.data(), n, 0, 37, n);
     hash.add(sums);
   }
-  const auto partials = inputs<T>(9 * 41, 300, 2.0);
+  auto partials = inputs<T>(9 * 41, 300, 2.0);  // (the reduction overwrites its partials)
   std::vector<T> reduced(41);
   cpu::reduce_column_partials<T>(partials.data(), 9, 41, reduced.data(), 0, 41);
   hash.add(reduced);

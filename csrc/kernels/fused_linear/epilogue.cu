@@ -59,18 +59,61 @@ __global__ void activation_backward_kernel(const T* __restrict__ grad_out,
   }
 }
 
+// Rows per partial sum: depends on the shape alone, so the summation order never changes.
+// ceil(rows / 512), at least 32 and at most kMaxChunkRows (each of a block's kRowLanes lanes
+// adds a chunk's rows in order: the cap bounds that sum's rounding error whatever the batch),
+// unless the chunks would outnumber the grid's kMaxChunks rows.
+constexpr int64_t kMaxChunkRows = 1024, kMaxChunks = 65535;
+// The levels of reduce_partials_kernel's counter: enough for kMaxChunks chunks.
+constexpr int kChunkLevels = 16;
+static_assert(kMaxChunks < (int64_t(1) << kChunkLevels), "a level for every bit of the count");
+
+// A column's chunk sums added pairwise in a fixed tree (a binary counter over the chunks: level
+// b holds the sum of 2^b of them; the levels left at the end folded from the lowest up), onto 0:
+// the rounding error grows with the log of the chunk count, as in the CPU's
+// reduce_column_partials (the same tree). The levels are registers: every index below is a
+// constant once the loops over them are unrolled (no local memory).
 template <typename T>
 __global__ void reduce_partials_kernel(const acc_t<T>* __restrict__ partial, int64_t chunks,
                                        int64_t cols, T* __restrict__ out) {
+  using acc = acc_t<T>;
   const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (c >= cols) return;
-  acc_t<T> total = acc_t<T>(0);
-  for (int64_t k = 0; k < chunks; ++k) total += partial[k * cols + c];
-  out[c] = from_acc<T>(total);
+  acc level[kChunkLevels];
+#pragma unroll
+  for (int b = 0; b < kChunkLevels; ++b) level[b] = acc(0);
+  for (int64_t k = 0; k < chunks; ++k) {
+    acc v = partial[k * cols + c];
+    bool carry = true;
+#pragma unroll
+    for (int b = 0; b < kChunkLevels; ++b) {
+      if (carry) {
+        if ((k >> b) & 1) {
+          v = level[b] + v;
+        } else {
+          level[b] = v;
+          carry = false;
+        }
+      }
+    }
+  }
+  acc total = acc(0);
+  bool first = true;
+#pragma unroll
+  for (int b = 0; b < kChunkLevels; ++b) {
+    if ((chunks >> b) & 1) {
+      total = first ? level[b] : level[b] + total;
+      first = false;
+    }
+  }
+  out[c] = from_acc<T>(acc(0) + total);
 }
 
-// Rows per partial sum: depends on the shape alone, so the summation order never changes.
-int64_t chunk_rows_for(int64_t rows) { return std::max<int64_t>(32, ceil_div(rows, 512)); }
+// (see kMaxChunkRows above)
+int64_t chunk_rows_for(int64_t rows) {
+  const int64_t by_count = std::min(kMaxChunkRows, std::max<int64_t>(32, ceil_div(rows, 512)));
+  return std::max(by_count, ceil_div(rows, kMaxChunks));
+}
 
 template <typename T, Activation A, bool kWriteGrad, bool kBias>
 cudaError_t launch_backward(const T* grad_out, const T* saved, T* grad_pre, acc_t<T>* partial,

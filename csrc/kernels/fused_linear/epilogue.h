@@ -27,7 +27,7 @@ int64_t activation_backward_workspace(int64_t rows, int64_t cols);
 
 // g = grad_out * act'(saved) written to grad_pre (null for activation "none": g is grad_out),
 // and grad_bias = column sums of g when grad_bias is not null, summed in a fixed order (chunks
-// of rows, then the chunks in sequence) so results are bitwise reproducible.
+// of rows, then the chunks pairwise in a fixed tree) so results are bitwise reproducible.
 template <typename T>
 cudaError_t activation_backward(const T* grad_out, const T* saved, T* grad_pre, T* grad_bias,
                                 void* workspace, int64_t rows, int64_t cols, Activation act,
