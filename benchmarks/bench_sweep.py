@@ -285,10 +285,14 @@ def main(argv=None):
             for r in rows:
                 [r[k] for k in keys]
                 median = r["eager_over_fused"]["median"]
-                if isinstance(median, bool) or not isinstance(median, (int, float)):
-                    raise TypeError(f"a median of {median!r}")
-                if not (isinstance(r["width"], int) and isinstance(r["batch"], int)):
-                    raise TypeError(f"a width or batch of {r['width']!r}, {r['batch']!r}")
+                if (isinstance(median, bool) or not isinstance(median, (int, float))
+                        or not math.isfinite(median) or median <= 0):
+                    raise ValueError(f"a median of {median!r}")
+                if not all(isinstance(r[k], int) and not isinstance(r[k], bool) and r[k] > 0
+                           for k in ("width", "batch")):
+                    raise ValueError(f"a width or batch of {r['width']!r}, {r['batch']!r}")
+                if not all(isinstance(r[k], str) for k in ("activation", "layout", "dtype")):
+                    raise ValueError("an activation, layout or dtype that is not a name")
         except (OSError, ValueError, KeyError, TypeError) as exc:
             # (one line, exit status 2: the file is at fault, not the command line's usage)
             message = (f"bench_sweep.py: error: --redraw: cannot read a sweep's results from "

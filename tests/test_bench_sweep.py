@@ -56,10 +56,14 @@ def test_bench_sweep_runs_a_small_grid(tmp_path):
     proc = run_script("bench_sweep", "--redraw", "x.json", "--png", "x.png", cwd=tmp_path)
     assert proc.returncode == 2 and "--redraw: cannot read" in proc.stderr
     assert not (tmp_path / "x.png").exists()
-    # (no rows, or a sweep's row with a median that is not a number: refused the same way)
+    # (no rows, or a sweep's row with a median that is not a positive number, a width that is
+    # not a positive int or a layout that is not a name: refused the same way)
     good = json.loads((tmp_path / "s.json").read_text())["results"][0]
-    for name, rows in [("empty", []), ("text", [{**good, "eager_over_fused": {
-            **good["eager_over_fused"], "median": "1.1"}}])]:
+    ratios = good["eager_over_fused"]
+    for name, rows in [("empty", []),
+                       ("text", [{**good, "eager_over_fused": {**ratios, "median": "1.1"}}]),
+                       ("nan", [{**good, "eager_over_fused": {**ratios, "median": math.nan}}]),
+                       ("width", [{**good, "width": -8}]), ("layout", [{**good, "layout": []}])]:
         (tmp_path / f"{name}.json").write_text(json.dumps({"results": rows}))
         proc = run_script("bench_sweep", "--redraw", f"{name}.json", "--png", f"{name}.png",
                           cwd=tmp_path)

@@ -181,6 +181,32 @@ def test_meta_tensors_among_real_ones_raise_and_meta_alone_runs():
         ops.softmax_cross_entropy(torch.randn(4, 5, device="meta"), torch.tensor([1, 2, 3, 4]))
     out = layer(x.to("meta"))
     assert out.device.type == "meta" and out.shape == (4, 5)
+    # The tensors a kernel does not read (saved for "none", an output the mask leaves out) may
+    # lie anywhere, as the real kernels allow (a CPU placeholder in a CUDA call, traced with fake
+    # CUDA tensors); only a meta one among real ones is refused.
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+
+    def fake_cuda(*shape):
+        return FakeTensor(mode, torch.empty(*shape, device="meta"), torch.device("cuda:0"))
+
+    fgo, fx, fw = fake_cuda(4, 5), fake_cuda(4, 3), fake_cuda(5, 3)
+    with mode:
+        outs = torch.ops.dpcuda.full_backward(fgo, fx, fw, torch.empty(0), "none", [True] * 3)
+        assert [t.device.type for t in outs] == ["cuda"] * 3
+        gi = torch.ops.dpcuda.full_backward_into(fgo, fx, fw, torch.empty(0), "none",
+                                                 [True, False, False], torch.empty(0),
+                                                 torch.empty(0))
+        assert gi.device.type == "cuda"
+        with pytest.raises(ValueError, match="saved is on cpu but grad_output is on cuda"):
+            torch.ops.dpcuda.full_backward(fgo, fx, fw, torch.empty(4, 5), "gelu", [True] * 3)
+        with pytest.raises(ValueError, match="grad_weight is on cpu but grad_output is on cuda"):
+            torch.ops.dpcuda.full_backward_into(fgo, fx, fw, torch.empty(0), "none",
+                                                [True, True, False], torch.empty(5, 3),
+                                                torch.empty(0))
+    with pytest.raises(ValueError, match="saved is on meta but grad_output is on cpu"):
+        torch.ops.dpcuda.full_backward(go, x, w, torch.empty(0, device="meta"), "none",
+                                       [True] * 3)
 
 
 def test_in_place_collectives_trace_and_run_on_meta():
