@@ -60,23 +60,22 @@ def _check_tensor(value, name):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
 
 
-def _one_device_type(first, name, **others):
+def _one_device_type(first, name, unread=(), **others):
     """A meta tensor among real ones would send the call here, where nothing is computed: a
-    silent wrong result. Every tensor must be on first's device type."""
+    silent wrong result. Every tensor must be on first's device type; those named in `unread`
+    (that the kernel does not read: saved for "none", an output the mask leaves out) may lie on
+    any device, as the real kernels allow, only not meta among real ones or real among meta."""
     for other, value in others.items():
         for i, t in enumerate(value if isinstance(value, (list, tuple)) else [value]):
-            if t is not None and t.device.type != first.device.type:
+            if t is None:
+                continue
+            if other in unread:
+                wrong = (t.device.type == "meta") != (first.device.type == "meta")
+            else:
+                wrong = t.device.type != first.device.type
+            if wrong:
                 where = f"{other}[{i}]" if isinstance(value, (list, tuple)) else other
                 raise ValueError(f"{where} is on {t.device} but {name} is on {first.device}")
-
-
-def _no_meta_among_real(first, name, **others):
-    """_one_device_type for the tensors a kernel does not read (saved for "none", an output the
-    mask leaves out): the real kernels accept them on any device, so only a meta one among real
-    ones (which would send the call to the fake kernel) is refused."""
-    for other, t in others.items():
-        if t is not None and (t.device.type == "meta") != (first.device.type == "meta"):
-            raise ValueError(f"{other} is on {t.device} but {name} is on {first.device}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -153,11 +152,8 @@ def full_forward(x, weight, bias=None, activation="relu", *, _grads_into=None):
 
 @torch.library.register_fake("dpcuda::full_backward")
 def _full_backward_fake(grad_output, input, weight, saved, activation, output_mask):
-    _one_device_type(grad_output, "grad_output", x=input, weight=weight)
-    if activation == "none":
-        _no_meta_among_real(grad_output, "grad_output", saved=saved)
-    else:
-        _one_device_type(grad_output, "grad_output", saved=saved)
+    _one_device_type(grad_output, "grad_output", ("saved",) if activation == "none" else (),
+                     x=input, weight=weight, saved=saved)
     # (each gradient left out an empty tensor of its own, as the kernels return: no aliasing)
     return (input.new_empty(input.shape) if output_mask[0] else grad_output.new_empty((0,)),
             weight.new_empty(weight.shape) if output_mask[1] else grad_output.new_empty((0,)),
@@ -168,14 +164,10 @@ def _full_backward_fake(grad_output, input, weight, saved, activation, output_ma
 @torch.library.register_fake("dpcuda::full_backward_into")
 def _full_backward_into_fake(grad_output, input, weight, saved, activation, output_mask,
                              grad_weight, grad_bias):
-    _one_device_type(grad_output, "grad_output", x=input, weight=weight)
-    for tensor, name, read in ((saved, "saved", activation != "none"),
-                               (grad_weight, "grad_weight", output_mask[1]),
-                               (grad_bias, "grad_bias", output_mask[2])):
-        if read:
-            _one_device_type(grad_output, "grad_output", **{name: tensor})
-        else:
-            _no_meta_among_real(grad_output, "grad_output", **{name: tensor})
+    unread = [n for n, read in (("saved", activation != "none"), ("grad_weight", output_mask[1]),
+                                ("grad_bias", output_mask[2])) if not read]
+    _one_device_type(grad_output, "grad_output", unread, x=input, weight=weight, saved=saved,
+                     grad_weight=grad_weight, grad_bias=grad_bias)
     return input.new_empty(input.shape) if output_mask[0] else grad_output.new_empty((0,))
 
 
