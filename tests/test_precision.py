@@ -498,8 +498,8 @@ def test_bfloat16_bias_sums_alone_add_in_their_fixed_order(rows, cols, strided):
         assert not torch.equal(other.view(torch.int16), want.view(torch.int16))
     if rows > 2 * chunk:
         # The chunks' sums pairwise, not in order: 2^24 in the first row, a one in the first row
-        # of every other chunk, -2^24 in the last row. In order each one is added to 2^24 and dropped (a tie, to even);
-        # pairwise the ones meet each other first.
+        # of every other chunk, -2^24 in the last row. In order each one is added to 2^24 and
+        # dropped (a tie, to even); pairwise the ones meet each other first.
         go2 = torch.zeros(rows, cols)
         go2[0] = 2.0 ** 24
         go2[chunk::chunk] = 1.0
@@ -520,11 +520,11 @@ def test_bfloat16_bias_sums_alone_add_in_their_fixed_order(rows, cols, strided):
 @pytest.mark.parametrize("layout", ["dense", "expanded", "transposed"])
 def test_float32_bias_gradient_error_does_not_grow_with_the_batch(activation, layout):
     # 300K rows of one value (the gradient of 0.1 * y.sum(), and the same value dense and
-    # column-major; relu's g is that value or 0): each bias chunk adds at most 128 rows in order and the chunks (or the
-    # column-major sums' blocks) are added pairwise, so the relative error stays near float32's
-    # rounding whatever the batch. Summed in 64 chunks of 4688 rows, as before issue #27's
-    # review, it was 4.2e-5 (torch's cascade sum: 6.7e-7); the test checks its data tells the
-    # long in-order sum apart.
+    # column-major; relu's g is that value or 0): each bias chunk adds at most 128 rows in order
+    # and the chunks (or the column-major sums' blocks) are added pairwise, so the relative
+    # error stays near float32's rounding whatever the batch. Summed in 64 chunks of 4688 rows,
+    # as before issue #27's review, it was 4.2e-5 (torch's cascade sum: 6.7e-7); the test
+    # checks its data tells the long in-order sum apart.
     rows, cols = 300_000, 3
     gen = torch.Generator().manual_seed(7)
     x = torch.randn(rows, 4, generator=gen)

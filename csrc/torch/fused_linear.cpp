@@ -389,7 +389,8 @@ std::tuple<Tensor, Tensor> full_forward_cpu(const Tensor& input, const Tensor& w
 // The CPU backward's row pass and the bias gradient's fixed-order sum: rows in chunks of
 // bias_chunk_rows (a function of the shape alone: the same bits for any thread count), each
 // chunk's column sums from pass(r0, r1, partial) (partial null: no sums wanted), then the
-// partials added pairwise (cpu::reduce_column_partials) into grad_bias (null: none). T is the sums' type.
+// partials added pairwise (cpu::reduce_column_partials) into grad_bias (null: none). T is the
+// sums' type.
 template <typename T, typename Pass>
 void chunked_rows(int64_t rows, int64_t cols, T* grad_bias, const at::TensorOptions& options,
                   Pass&& pass) {
