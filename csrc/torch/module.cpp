@@ -13,6 +13,7 @@
 #include "dispatch.h"
 #include "label_errors.h"
 #include "model_walk.h"
+#include "unchanged.h"
 #ifdef DPCUDA_WITH_CUDA
 #include "cublaslt.h"
 #include "kernel_image.h"
@@ -102,6 +103,7 @@ TORCH_LIBRARY(dpcuda, m) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "dpcuda's compiled kernels; the ops are registered under torch.ops.dpcuda";
   dpcuda::register_model_walk(m);
+  dpcuda::register_unchanged(m);
   m.def("_record_function_observed", []() { return at::hasCallbacks(); },
         "Whether any RecordFunction callback is registered, global or on this thread (a "
         "profiler, an execution-trace observer): else a record_function records nothing");

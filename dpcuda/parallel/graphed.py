@@ -38,6 +38,7 @@ from torch.nn.modules import module as _module
 
 from ..nn import _has_grad_hooks, _has_hooks
 from .pending import PendingWindow
+from .replay_guard import make_guard
 from .step import summed_loss
 
 WARMUP = 3        # eager steps of a shape before it is captured
@@ -160,6 +161,8 @@ class GraphedSteps:
         self.warned = set()
         self.ring = None
         self.pool = None
+        self.guard = None  # the last replay's ReplayGuard (replay_guard.py), or None
+        self.guarded = True  # (tests: False runs every step's checks, the guard's oracle)
 
     # -- what a graph can replay -----------------------------------------------------------
 
@@ -215,9 +218,22 @@ class GraphedSteps:
 
     # -- the step --------------------------------------------------------------------------
 
-    def step(self, dp, inputs, targets, loss_fn, optimizer, accumulate, walk=None):
+    def unchanged(self, inputs, targets, loss_fn, optimizer, accumulate, walk):
+        """The last replay's guard if this step's checks would find what its checks found (the
+        step then replays its graph without them: replay_guard.py), else None."""
+        guard = self.guard
+        if guard is not None and guard.holds(inputs, targets, loss_fn, optimizer, accumulate,
+                                             walk):
+            return guard
+        return None
+
+    def step(self, dp, inputs, targets, loss_fn, optimizer, accumulate, walk=None,
+             guard=None):
         """walk: the model's walk (ReplicaSet.walk) that DataParallel.step made for this step,
-        or None to make it here."""
+        or None to make it here. guard: unchanged()'s guard, found for this step."""
+        if guard is not None:
+            return self._replay_unchanged(dp, guard, inputs, targets, optimizer, walk)
+        self.guard = None
         if dp.blocking or not isinstance(inputs, torch.Tensor) or \
                 not isinstance(targets, torch.Tensor):
             return self._eager(dp, inputs, targets, loss_fn, optimizer, accumulate, walk)
@@ -282,8 +298,26 @@ class GraphedSteps:
                                   accumulate, objects)
             if graph is None:
                 return self._eager(dp, inputs, targets, loss_fn, optimizer, accumulate, walk)
+        elif self.guarded:
+            # (a graph found, not captured now: what these checks read is what the next
+            # step's read, unless something changes it)
+            self.guard = make_guard(dp, graph, inputs, targets, loss_fn, optimizer, accumulate,
+                                    walk, summed)
         self.graphs.move_to_end(key)
         return self._replay(dp, graph, inputs, targets, summed, optimizer)
+
+    def _replay_unchanged(self, dp, guard, inputs, targets, optimizer, walk):
+        """step() where the guard holds: what its checks would do, done (the counts of
+        _count_change, no change; write_hyper's groups of first momentum buffers, none of
+        its writes), then the replay."""
+        self.changes["state"] = 0
+        self.last["state"] = walk[3][1]
+        if optimizer is None:
+            self.changes["sgd"] = 0
+        else:
+            dp._fused_update._first = list(guard.first)
+        return self._replay(dp, guard.graph, inputs, targets, guard.summed, optimizer,
+                            hyper=False)
 
     def _count_change(self, what, value, message):
         """One warning (message) once what's value has changed at 3 consecutive steps. (Over
@@ -369,9 +403,10 @@ class GraphedSteps:
             self.seen.pop(hash(evicted), None)
         return captured
 
-    def _replay(self, dp, graph, inputs, targets, summed, optimizer):
+    def _replay(self, dp, graph, inputs, targets, summed, optimizer, hyper=True):
         """One step from the graph: the batch into the static buffers, the hyperparameters
-        into the plan's array, the replay; then the host's part of a step."""
+        into the plan's array (hyper False: unchanged, by the guard), the replay; then the
+        host's part of a step."""
         ring = self.ring
         # (no autograd context: the static buffers do not require grad, and a batch that does
         # is detached, so that no copy is recorded; torch.no_grad() costs as much as a copy)
@@ -383,7 +418,7 @@ class GraphedSteps:
         replayed = []
 
         def run():
-            if optimizer is not None:
+            if optimizer is not None and hyper:
                 dp._fused_update.write_hyper(optimizer, graphed=True)
             graph.graph.replay()
             replayed.append(True)

@@ -131,12 +131,16 @@ class StepMixin(LabelChecks, PendingSteps, UpdateMixin):
         # argument (no user code runs in between); a graphed step's checks read it too
         # (graphed.py).
         walk = self._set.walk(self._graphed is not None)
-        if optimizer is not None:
+        # A graphed step whose checks would find what the last one found skips them
+        # (replay_guard.py), this one included.
+        guard = None if self._graphed is None else self._graphed.unchanged(
+            inputs, targets, loss_fn, optimizer, accumulate, walk)
+        if optimizer is not None and guard is None:
             self._check_optimizer(optimizer, walk[0])
         # On CUDA each step is ordered after the previous one and after the caller's work,
         # and the caller's streams after it, whichever stream or thread issued it (streams.py).
         return self._streams().run(lambda: self._step_checked(
-            inputs, targets, loss_fn, optimizer, accumulate, walk))
+            inputs, targets, loss_fn, optimizer, accumulate, walk, guard))
 
     def _streams(self):
         """The StepStreams of the replicas' devices (made at first use)."""
@@ -146,10 +150,11 @@ class StepMixin(LabelChecks, PendingSteps, UpdateMixin):
                 [r.device for r in self._replicas])
         return streams
 
-    def _step_checked(self, inputs, targets, loss_fn, optimizer, accumulate, walk=None):
+    def _step_checked(self, inputs, targets, loss_fn, optimizer, accumulate, walk=None,
+                      guard=None):
         if self._graphed is not None:
             return self._graphed.step(self, inputs, targets, loss_fn, optimizer, accumulate,
-                                      walk)
+                                      walk, guard)
         return self._step_eager(inputs, targets, loss_fn, optimizer, accumulate, walk)
 
     def _step_eager(self, inputs, targets, loss_fn, optimizer, accumulate, walk=None):

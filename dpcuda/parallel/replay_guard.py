@@ -1,0 +1,199 @@
+"""A graphed step's checks, skipped while nothing they read has changed (graphed.py).
+
+Before a replay, DataParallel(graphs=True) checks that the step is still the one its graph
+captured: the model's structure, hooks and attributes (its walk), the batch's shapes, the loss
+and its settings, the optimizer (its type, hooks, parameter groups and state, and the fused
+update's plan over them), the wrapper's settings and torch's global hooks. In Python those
+checks were most of a replayed step's host time (about 45 of 57 us on the CPU proxy of
+benchmarks/bench_host.py), and on a GPU a small step's time is the host's.
+
+A ReplayGuard is made by a step whose checks passed and whose graph was found (not captured: a
+capture changes what it reads), just before its replay, from the objects those checks read:
+each attribute, dict entry and list item as the object it was (csrc/torch/unchanged.cpp checks
+them in one C call). At the next step, if every one of them is still the same object, and the
+step's own arguments (the batch's type, shape, dtype and device, the loss, the optimizer,
+accumulate, grad mode, autocast) and its walk of the model are those of the guard's step, the
+checks would find what they found then, and the step replays the same graph without them.
+Anything else (a changed learning rate, a hook registered anywhere the checks look, a state
+entry replaced or added, a new parameter group, a loss attribute set) fails the guard, and the
+step runs the checks, which decide as before and make a new guard. A guard is never made where
+the checks do work that depends on more than identities (a tensor learning rate or a list of
+betas, which write_hyper rewrites at every step; a loss with submodules; autocast on): those
+steps run the checks every time.
+
+What a step itself changes is seen at the next step: SGD's first momentum buffers, the
+hyperparameters' memo, so that a step after a change runs the checks once more before the
+guard holds again. Adam's step counts on the CPU are read at every step (FusedUpdate.ready's
+uniformity check reads their values; on a GPU the plan's own updates keep them alike).
+"""
+
+import collections
+import operator
+
+import torch
+from torch.nn.modules import module as _module
+
+from .. import _C
+from .fused_update import _global_optimizer_pre_hooks, _same_objects
+
+# the ops of dpcuda._C._unchanged (csrc/torch/unchanged.cpp)
+ATTR_IS, ABSENT, EMPTY, ITEMS, SAME, TYPE_IS = range(6)
+
+_DICTS = (dict, collections.defaultdict)
+_MODULE_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks",
+                 "_backward_pre_hooks")  # (nn._has_hooks's)
+_GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks",
+                 "_global_backward_hooks", "_global_backward_pre_hooks")
+# (GraphedSteps._key's settings, and summed_loss's weight)
+_LOSS_SETTINGS = ("reduction", "label_smoothing", "ignore_index", "weight")
+_MISSING = object()
+
+
+class _Checks:
+    """The list of (op, object, name, expected) checks, made as the objects are read."""
+
+    def __init__(self):
+        self.list = []
+
+    def attr(self, obj, name):
+        """obj.name as it is now (its absence included); returns it (None if absent)."""
+        value = getattr(obj, name, _MISSING)
+        if value is _MISSING:
+            self.list.append((ABSENT, obj, name, None))
+            return None
+        self.list.append((ATTR_IS, obj, name, value))
+        return value
+
+    def empty(self, obj, name):
+        """obj.name is the same, empty container; False if it is not empty now."""
+        value = self.attr(obj, name)
+        if value is None or len(value) != 0:
+            return False
+        self.list.append((EMPTY, value, None, None))
+        return True
+
+    def items(self, d):
+        """d's items as they are now; False if d is not a plain dict."""
+        if type(d) not in _DICTS:
+            return False
+        self.list.append((ITEMS, d, None, tuple(d.items())))
+        return True
+
+    def same(self, seq):
+        if type(seq) not in (list, tuple):
+            return False
+        self.list.append((SAME, seq, None, tuple(seq)))
+        return True
+
+
+class ReplayGuard:
+    """The module docstring: made by make_guard, checked by holds()."""
+
+    def __init__(self, checks, graph, summed, first, plan, args, params, rs):
+        self.checks = tuple(checks)
+        self.graph, self.summed, self.first = graph, summed, first
+        # a plan on the CPU, whose uniformity ready() reads at every step
+        self.cpu_plan = plan if plan is not None and plan.device.type == "cpu" else None
+        (self.inputs_of, self.targets_of, self.loss_fn, self.optimizer, self.accumulate,
+         self.grad, self.kind, _) = args
+        self.state = args[-1]
+        self.params = tuple(params)
+        # what the checks compare the walk's structure and the parameters' storage with (the
+        # same objects: checked)
+        self.structure, self.pointers = rs._structure, rs._pointers
+
+    def holds(self, inputs, targets, loss_fn, optimizer, accumulate, walk):
+        """Whether this step's checks would find what the guard's step found."""
+        if loss_fn is not self.loss_fn or optimizer is not self.optimizer or \
+                accumulate != self.accumulate or _tensor_of(inputs) != self.inputs_of or \
+                _tensor_of(targets) != self.targets_of:
+            return False
+        params, _, structure, (hooked, state, _) = walk
+        if hooked or structure != self.structure or state != self.state or \
+                len(params) != len(self.params) or \
+                not all(map(operator.is_, params, self.params)):
+            return False
+        if torch.is_grad_enabled() is not self.grad or torch.is_autocast_enabled(self.kind):
+            return False
+        if not _C._unchanged(self.checks) or [p.data_ptr() for p in params] != self.pointers:
+            return False
+        plan = self.cpu_plan
+        if plan is not None:
+            # (as FusedUpdate.ready on the CPU: the step counts' values)
+            plan.is_uniform = plan.uniform(optimizer)
+            return plan.is_uniform
+        return True
+
+
+def _tensor_of(t):
+    return type(t), t.shape, t.dtype, t.device
+
+
+def make_guard(dp, graph, inputs, targets, loss_fn, optimizer, accumulate, walk, summed):
+    """The guard of a step whose checks have just passed and found graph (the module
+    docstring), or None where its checks read more than identities."""
+    kind = dp._replicas[0].device.type
+    if torch.is_autocast_enabled(kind):
+        return None
+    c = _Checks()
+    # DataParallel's settings and its replicas (_check_optimizer, _why_not, _key)
+    for name in ("blocking", "algorithm", "split", "split_weights", "_speed",
+                 "_fused_update"):
+        c.attr(dp, name)
+    rs = c.attr(dp, "_set")
+    for name in ("generation", "_structure", "_pointers"):
+        c.attr(rs, name)
+    replicas = c.attr(rs, "replicas")
+    c.same(replicas)
+    for r in replicas:
+        c.attr(r, "device")
+    c.attr(replicas[0], "flat_grad")
+    if not all(c.empty(_module, name) for name in _GLOBAL_HOOKS):
+        return None
+    # the loss (summed_loss, _why_not's hooks, _key's settings)
+    if isinstance(loss_fn, torch.nn.Module):
+        c.list.append((TYPE_IS, loss_fn, None, type(loss_fn)))
+        if not all(c.empty(loss_fn, name) for name in
+                   _MODULE_HOOKS + ("_modules", "_parameters")):
+            return None  # (hooks, or a loss whose modules the checks walk)
+    for name in _LOSS_SETTINGS:
+        c.attr(loss_fn, name)
+    first = []
+    plan = None
+    if optimizer is None:
+        for name in ("_lr", "_momentum", "_weight_decay"):  # (the wrapper's SGD)
+            c.attr(dp, name)
+    else:
+        # _check_optimizer and FusedUpdate.ready: the optimizer's type, hooks, groups and state
+        c.list.append((TYPE_IS, optimizer, None, type(optimizer)))
+        c.attr(optimizer, "max_grad_norm")
+        if not c.empty(optimizer, "_optimizer_step_pre_hooks") or _global_optimizer_pre_hooks:
+            return None
+        c.list.append((EMPTY, _global_optimizer_pre_hooks, None, None))
+        groups = c.attr(optimizer, "param_groups")
+        if not c.same(groups) or not all(map(c.items, groups)) or \
+                not all(c.same(group["params"]) for group in groups):
+            return None
+        state = c.attr(optimizer, "state")
+        if not c.items(state) or not all(map(c.items, state.values())):
+            return None
+        fused = dp._fused_update
+        plan = c.attr(fused, "_plan")
+        c.attr(fused, "_plan_key")
+        if plan is not graph.plan or plan is None or not plan.bound:
+            return None
+        for name in ("bound", "is_uniform", "inputs"):
+            c.attr(plan, name)
+        # write_hyper(graphed=True) would write nothing: every group's entries are the objects
+        # of its last write
+        inputs_memo = plan.inputs
+        if inputs_memo is None or len(inputs_memo) != len(groups) or not all(
+                map(_same_objects, (tuple(group.values()) for group in groups), inputs_memo)):
+            return None
+        first = fused.first_groups(optimizer)
+    params, _, structure, (hooked, state, _) = walk
+    if hooked or structure != rs._structure or [p.data_ptr() for p in params] != rs._pointers:
+        return None
+    args = (_tensor_of(inputs), _tensor_of(targets), loss_fn, optimizer, accumulate,
+            torch.is_grad_enabled(), kind, state)
+    return ReplayGuard(c.list, graph, summed, first, plan, args, params, rs)
