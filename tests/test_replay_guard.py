@@ -1,0 +1,385 @@
+"""The replayed step's guard (dpcuda/parallel/replay_guard.py, csrc/torch/unchanged.cpp): a
+graphed step whose checks would find what the last replay's found skips them.
+
+The oracle is the same training with the guard off, where every step runs its checks: two
+DataParallel(graphs=True) in lockstep, changed alike between steps in every way the checks
+look at (the optimizer's hyperparameters, state, groups and hooks; the model's hooks,
+attributes, parameters' storage and requires_grad; the loss's settings and hooks; torch's
+global hooks; the batch's shape and dtype; grad mode; the wrapper's SGD settings), give the
+same losses, weights, optimizer state, warnings and errors bit for bit. A guard with one of its
+reads left out is caught by that comparison (test_a_guard_missing_a_read_is_caught)."""
+
+import copy
+import types
+import warnings
+
+import pytest
+import torch
+
+import dpcuda
+from dpcuda import _C
+from dpcuda.nn import SoftmaxCrossEntropyLoss
+from dpcuda.parallel import DataParallel
+from dpcuda.parallel import fused_update
+from dpcuda.parallel import graphed as graphed_module
+from dpcuda.parallel import replay_guard
+from dpcuda.parallel.replay_guard import ABSENT, ATTR_IS, EMPTY, ITEMS, SAME, TYPE_IS
+from test_graphed import closure, make  # noqa: F401 (closure: a fixture)
+from test_nonblocking import batches
+
+
+# -- dpcuda._C._unchanged: each check holds on what it was made from and fires on a change ----
+
+class _Obj:
+    pass
+
+
+class _Raises:
+    @property
+    def value(self):
+        raise RuntimeError("a property that raises")
+
+
+def test_each_check_holds_and_fires_on_a_change():
+    o = _Obj()
+    o.a = [1]
+    d = {"x": o, "y": 2}
+    seq = [o, d]
+    checks = ((ATTR_IS, o, "a", o.a), (ABSENT, o, "b", None), (EMPTY, {}, None, None),
+              (ITEMS, d, None, tuple(d.items())), (SAME, seq, None, tuple(seq)),
+              (TYPE_IS, o, None, _Obj))
+    assert _C._unchanged(checks)
+    assert _C._unchanged(())
+
+    o.a = [1]                          # an equal value, another object
+    assert not _C._unchanged(checks[:1])
+    o.b = None                         # an attribute that was absent
+    assert not _C._unchanged(checks[1:2])
+    assert not _C._unchanged(((EMPTY, {"k": 1}, None, None),))
+    assert not _C._unchanged(((EMPTY, 3, None, None),))  # (no len: an error, cleared)
+
+    for change in (lambda e: e.__setitem__("y", 3),         # a value replaced
+                   lambda e: e.__setitem__("z", 1),         # an entry added
+                   lambda e: e.pop("y"),                    # an entry removed
+                   lambda e: (e.pop("x"), e.__setitem__("x", o))):  # reordered
+        e = dict(d)
+        check = ((ITEMS, e, None, tuple(e.items())),)
+        assert _C._unchanged(check)
+        change(e)
+        assert not _C._unchanged(check), e
+    assert not _C._unchanged(((ITEMS, [("x", o)], None, (("x", o),)),))  # not a dict
+
+    for change in (lambda s: s.append(o), lambda s: s.pop(), lambda s: s.__setitem__(0, d)):
+        s = list(seq)
+        check = ((SAME, s, None, tuple(s)),)
+        assert _C._unchanged(check)
+        change(s)
+        assert not _C._unchanged(check)
+    assert not _C._unchanged(((SAME, {"x": 1}, None, ("x",)),))  # not a list or tuple
+
+    class Other(_Obj):
+        pass
+    o.__class__ = Other
+    assert not _C._unchanged(checks[5:])
+
+    r = _Raises()
+    assert not _C._unchanged(((ATTR_IS, r, "value", None),))  # (the error is cleared)
+    assert not _C._unchanged(((ABSENT, r, "value", None),))   # (not an AttributeError)
+
+
+def test_a_malformed_check_raises():
+    for checks in ([], ((ATTR_IS, 1, "a"),), (("0", 1, "a", 1),), ((9, 1, "a", 1),),
+                   ((ATTR_IS, 1, 2, 1),), ((ITEMS, {}, None, []),), ((SAME, [], None, []),)):
+        with pytest.raises(TypeError, match="_unchanged"):
+            _C._unchanged(checks)
+
+
+# -- the lockstep oracle --------------------------------------------------------------------
+
+def _setup(opt_name, guarded):
+    model = make()
+    dp = DataParallel(model, ["cpu"] * 2, lr=0.05, momentum=0.9, graphs=True)
+    dp._graphed.guarded = guarded
+    cfg = {"SGD": dict(lr=0.05, momentum=0.9), "AdamW": dict(lr=0.01),
+           "Adam": dict(lr=0.01, amsgrad=True, max_grad_norm=1.0), None: None}[opt_name]
+    opt = getattr(dpcuda.optim, opt_name)(model.parameters(), **cfg) if opt_name else None
+    return types.SimpleNamespace(dp=dp, model=model, opt=opt, loss_fn=SoftmaxCrossEntropyLoss(),
+                                 grad=True, handles=[], extra=None)
+
+
+def _bits(t):
+    return t.detach().clone().view(-1)
+
+
+def _snapshot(s):
+    out = [_bits(p) for p in s.model.parameters()]
+    if s.opt is not None:
+        for group in s.opt.param_groups:
+            for p in group["params"]:
+                for k, v in sorted(s.opt.state.get(p, {}).items()):
+                    out.append(_bits(v) if torch.is_tensor(v) else torch.tensor([float(v)]))
+    return out
+
+
+def _equal(a, b):
+    return len(a) == len(b) and all(x.shape == y.shape and torch.equal(
+        x.view(torch.int8) if x.dtype.is_floating_point else x,
+        y.view(torch.int8) if y.dtype.is_floating_point else y) for x, y in zip(a, b))
+
+
+def _decisions(mp, current):
+    """Patches GraphedSteps so that each run records what each step did: ("eager",) or
+    ("replay", n) for the graph of its n-th capture, and ("bind",) for the fused plan bound to
+    the optimizer's state outside a replay (the CPU stand-in's replay runs the step's Python
+    again, which binds there too; a CUDA graph's does not). current[0]: the GraphedSteps of
+    the step that runs. Returns {id(GraphedSteps): [...]}."""
+    log = {}
+    cls = graphed_module.GraphedSteps
+    replay, eager, capture = cls._replay, cls._eager, cls._capture
+    graph_replay, bind = graphed_module._ClosureGraph.replay, fused_update._Plan.bind
+    replaying_graph = [False]
+
+    def in_graph(self):
+        replaying_graph[0] = True
+        try:
+            return graph_replay(self)
+        finally:
+            replaying_graph[0] = False
+
+    def binding(self, opt):
+        if not replaying_graph[0]:
+            log.setdefault(current[0], []).append(("bind",))
+        return bind(self, opt)
+    mp.setattr(graphed_module._ClosureGraph, "replay", in_graph)
+    mp.setattr(fused_update._Plan, "bind", binding)
+
+    def replaying(self, dp, graph, *args, **kw):
+        log.setdefault(id(self), []).append(("replay", graph.ordinal))
+        return replay(self, dp, graph, *args, **kw)
+
+    def eagerly(self, *args, **kw):
+        log.setdefault(id(self), []).append(("eager",))
+        return eager(self, *args, **kw)
+
+    def capturing(self, *args, **kw):
+        graph = capture(self, *args, **kw)
+        if graph is not None:
+            self.captures = getattr(self, "captures", 0) + 1
+            graph.ordinal = self.captures
+        return graph
+    mp.setattr(cls, "_replay", replaying)
+    mp.setattr(cls, "_eager", eagerly)
+    mp.setattr(cls, "_capture", capturing)
+    return log
+
+
+def lockstep(opt_name, changes, steps=44, trace=None):
+    """Trains a guarded and an unguarded DataParallel alike, with changes[i](s) applied to
+    both before step i. Compares, step by step, what each step did (eager, or the replay of
+    which capture: on the CPU stand-in a replay recomputes what a CUDA graph holds, so the
+    choice of graph must be compared, not only the numbers), the hyperparameters the graph
+    reads, the loss, the weights, the optimizer's state, the warnings and the errors. Returns
+    (the differences found, the guarded run's replays without checks, the steps whose change
+    found no guard made: each change should meet one, or it tests nothing)."""
+    runs = [_setup(opt_name, guarded) for guarded in (False, True)]
+    data = batches(steps, nan_steps=(7,))
+    unchecked = [0]
+    original = graphed_module.GraphedSteps._replay_unchanged
+
+    def counting(self, *args):
+        unchecked[0] += 1
+        return original(self, *args)
+    differences, unarmed = [], []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(graphed_module.GraphedSteps, "_replay_unchanged", counting)
+        current = [None]
+        log = _decisions(mp, current)
+        for i, (x, y) in enumerate(data):
+            results = []
+            if i in changes and runs[1].dp._graphed.guard is None:
+                unarmed.append(i)
+            for s in runs:  # (all changed before either steps: torch's global hooks are shared)
+                if i in changes:
+                    changes[i](s)
+            for s in runs:
+                xi, yi = (s.extra(x, y) if s.extra else (x, y))
+                current[0] = id(s.dp._graphed)
+                steps_log = log.setdefault(current[0], [])
+                done = len(steps_log)
+                with warnings.catch_warnings(record=True) as w:
+                    warnings.simplefilter("always")
+                    try:
+                        with torch.set_grad_enabled(s.grad):
+                            loss = s.dp.step(xi, yi, s.loss_fn, optimizer=s.opt)
+                        s.dp.synchronize()
+                        outcome = ("loss", _bits(torch.as_tensor(loss, dtype=torch.float64)))
+                    except Exception as err:  # (compared between the runs)
+                        outcome = ("error", type(err).__name__, str(err))
+                plan = s.dp._fused_update._plan
+                hyper = [_bits(plan.hyper_base)] if plan is not None else []
+                results.append((outcome, steps_log[done:], [str(m.message) for m in w],
+                                _snapshot(s) + hyper))
+            (a, da, wa, sa), (b, db, wb, sb) = results
+            if trace is not None:
+                trace.append((i, a[:1] + a[2:], da, db))
+            same = a[0] == b[0] and (_equal([a[1]], [b[1]]) if a[0] == "loss" else a == b)
+            if not same or da != db or wa != wb or not _equal(sa, sb):
+                differences.append((i, a[:1] + a[2:], b[:1] + b[2:], da, db, wa, wb))
+    print(f"{unchecked[0]} of {steps} steps replayed without their checks; changes made "
+          f"without a guard to test: {unarmed}")
+    return differences, unchecked[0], unarmed
+
+
+def _group(key, value):
+    def change(s):
+        for group in s.opt.param_groups:
+            group[key] = value
+    return change
+
+
+def _hook(register):
+    def change(s):
+        s.handles.append(register(s))
+    return change
+
+
+def _undo(change):
+    """A change that undoes one after which every step runs its checks (a hook that makes
+    them eager, an error, a tensor lr): it meets no guard."""
+    change.undoes = True
+    return change
+
+
+@_undo
+def _unhook(s):
+    while s.handles:
+        s.handles.pop().remove()
+
+
+def _set(attr, value, on="loss_fn"):
+    def change(s):
+        setattr(getattr(s, on), attr, value)
+    return change
+
+
+def _new_storage(s):
+    p = next(s.model.parameters())
+    p.data = p.data.clone()
+
+
+def _replace_state(s):
+    p = s.opt.param_groups[0]["params"][0]
+    state = s.opt.state[p]
+    key = sorted(k for k in state if torch.is_tensor(state[k]) and state[k].dim())[0]
+    state[key] = state[key] * 0.5
+
+
+def _reload(s):
+    s.opt.load_state_dict(copy.deepcopy(s.opt.state_dict()))
+
+
+def _reversed_params(s):
+    s.opt.param_groups[0]["params"].reverse()
+
+
+def _stranger_group(s):
+    s.opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))]})
+
+
+@_undo
+def _drop_stranger(s):
+    s.opt.param_groups.pop()
+
+
+def _batch(rows=None, dtype=None):
+    def change(s):
+        s.extra = None if rows is None and dtype is None else (
+            lambda x, y: (x[:rows], (y[:rows] if dtype is None else y[:rows].to(dtype))))
+    return change
+
+
+def _freeze(flag):
+    def change(s):
+        next(s.model.parameters()).requires_grad_(not flag)
+    return change
+
+
+def _grad(flag):
+    def change(s):
+        s.grad = flag
+    return change
+
+
+# What changes between steps, in order; each undo follows the change it undoes.
+COMMON = [
+    _set("label_smoothing", 0.1), _set("ignore_index", 2),
+    _hook(lambda s: s.model.register_forward_hook(lambda *a: None)), _unhook,
+    _hook(lambda s: torch.nn.modules.module.register_module_forward_hook(lambda *a: None)),
+    _unhook,
+    _hook(lambda s: s.loss_fn.register_forward_pre_hook(lambda *a: None)), _unhook,
+    _new_storage, _set("note", 3, on="model"), _batch(rows=16), _batch(),
+    _batch(dtype=torch.int32), _batch(), _grad(False), _undo(_grad(True)),
+    _freeze(True), _undo(_freeze(False)),
+]
+OPTIMIZER = [
+    _group("lr", 0.02), _group("weight_decay", 0.01), _replace_state, _reload,
+    _hook(lambda s: s.opt.register_step_pre_hook(lambda *a: None)), _unhook,
+    _reversed_params, _stranger_group, _drop_stranger, _set("max_grad_norm", 0.5, on="opt"),
+    _group("lr", torch.tensor(0.01)), _undo(_group("lr", 0.01)),
+    _hook(lambda s: s.opt.register_step_post_hook(lambda *a: None)), _unhook,
+]
+CHANGES = {
+    None: [_set("lr", 0.02, on="dp"), _set("momentum", 0.5, on="dp"),
+           _set("weight_decay", 0.01, on="dp")] + COMMON,
+    "SGD": [_group("momentum", 0.0), _group("momentum", 0.8)] + OPTIMIZER + COMMON,
+    "AdamW": [_group("betas", (0.8, 0.99))] + OPTIMIZER + COMMON,
+    "Adam": [_group("amsgrad", False)] + OPTIMIZER + COMMON,
+}
+SPACING = 6  # (steps between changes: a new shape's warm-up, capture and first replay fit)
+
+
+@pytest.mark.parametrize("opt_name", [None, "SGD", "AdamW", "Adam"])
+def test_guarded_training_is_the_checked_training_bit_for_bit(closure, opt_name):
+    changes = {SPACING * (i + 1): change for i, change in enumerate(CHANGES[opt_name])}
+    differences, unchecked, unarmed = lockstep(opt_name, changes,
+                                               steps=SPACING * (len(changes) + 2))
+    assert not differences, differences[:3]
+    # (every change but an undo met a guard: none of them tests nothing)
+    undoing = {i for i, change in changes.items() if getattr(change, "undoes", False)}
+    assert unchecked >= 60 and set(unarmed) <= undoing, (unchecked, unarmed)
+
+
+@pytest.mark.parametrize("opt_name", [None, "SGD", "AdamW"])
+def test_unchanged_steps_skip_the_checks(closure, monkeypatch, opt_name):
+    """After the warm-up, the capture and one replay with the checks, every unchanged step
+    replays without them; a change runs them once (twice for SGD's first momentum buffers,
+    which the next update makes), then the guard holds again."""
+    checked = []
+    original = graphed_module.GraphedSteps._why_not
+
+    def why_not(self, *args):
+        checked.append(True)
+        return original(self, *args)
+    monkeypatch.setattr(graphed_module.GraphedSteps, "_why_not", why_not)
+    s = _setup(opt_name, True)
+    data = batches(30)
+    per_step = []
+    for i, (x, y) in enumerate(data):
+        if i == 15:
+            (_set("lr", 0.02, on="dp") if opt_name is None else _group("lr", 0.02))(s)
+        before = len(checked)
+        s.dp.step(x, y, s.loss_fn, optimizer=s.opt)
+        per_step.append(len(checked) - before)
+    s.dp.synchronize()
+    assert per_step[10:15] == [0] * 5, per_step
+    assert per_step[15] == 1 and sum(per_step[15:]) <= 3 and per_step[-8:] == [0] * 8, per_step
+
+
+def test_a_guard_missing_a_read_is_caught(closure, monkeypatch):
+    """The oracle's check on itself: a guard that does not read the loss's label_smoothing
+    replays a graph of the old loss after it changes, and the lockstep reports it."""
+    monkeypatch.setattr(replay_guard, "_LOSS_SETTINGS", ("reduction", "ignore_index", "weight"))
+    differences, _, unarmed = lockstep("SGD", {10: _set("label_smoothing", 0.1)}, steps=14)
+    assert not unarmed
+    assert differences and differences[0][0] == 10, differences
+    assert differences[0][3] == [("eager",)] and differences[0][4] == [("replay", 1)]
