@@ -104,7 +104,7 @@ def _setup(opt_name, guarded):
            "Adam": dict(lr=0.01, amsgrad=True, max_grad_norm=1.0), None: None}[opt_name]
     opt = getattr(dpcuda.optim, opt_name)(model.parameters(), **cfg) if opt_name else None
     return types.SimpleNamespace(dp=dp, model=model, opt=opt, loss_fn=SoftmaxCrossEntropyLoss(),
-                                 grad=True, handles=[], extra=None)
+                                 grad=True, handles=[], extra=None, accumulate=1)
 
 
 def _bits(t):
@@ -210,7 +210,8 @@ def lockstep(opt_name, changes, steps=44, trace=None):
                     warnings.simplefilter("always")
                     try:
                         with torch.set_grad_enabled(s.grad):
-                            loss = s.dp.step(xi, yi, s.loss_fn, optimizer=s.opt)
+                            loss = s.dp.step(xi, yi, s.loss_fn, optimizer=s.opt,
+                                             accumulate=s.accumulate)
                         s.dp.synchronize()
                         outcome = ("loss", _bits(torch.as_tensor(loss, dtype=torch.float64)))
                     except Exception as err:  # (compared between the runs)
@@ -258,7 +259,7 @@ def _unhook(s):
 
 def _set(attr, value, on="loss_fn"):
     def change(s):
-        setattr(getattr(s, on), attr, value)
+        setattr(getattr(s, on) if on else s, attr, value)
     return change
 
 
@@ -298,6 +299,24 @@ def _batch(rows=None, dtype=None):
     return change
 
 
+def _as_tuple(s):
+    s.extra = lambda x, y: ((x,), y)
+
+
+def _loss(make_loss):
+    def change(s):
+        s.loss_fn = make_loss()
+    return change
+
+
+def _doubled_cross_entropy(out, y):
+    return torch.nn.functional.cross_entropy(out, y) * 2
+
+
+def _weighted(s):
+    s.loss_fn.weight = torch.linspace(0.5, 1.5, 5)
+
+
 def _freeze(flag):
     def change(s):
         next(s.model.parameters()).requires_grad_(not flag)
@@ -319,7 +338,11 @@ COMMON = [
     _hook(lambda s: s.loss_fn.register_forward_pre_hook(lambda *a: None)), _unhook,
     _new_storage, _set("note", 3, on="model"), _batch(rows=16), _batch(),
     _batch(dtype=torch.int32), _batch(), _grad(False), _undo(_grad(True)),
-    _freeze(True), _undo(_freeze(False)),
+    _freeze(True), _undo(_freeze(False)), _set("accumulate", 2, on=None), _undo(
+        _set("accumulate", 1, on=None)), _as_tuple, _undo(_batch()),
+    _loss(lambda: _doubled_cross_entropy), _undo(_loss(torch.nn.CrossEntropyLoss)), _weighted,
+    _undo(_loss(lambda: torch.nn.functional.cross_entropy)),
+    _loss(lambda: torch.nn.CrossEntropyLoss(label_smoothing=0.05)),
 ]
 OPTIMIZER = [
     _group("lr", 0.02), _group("weight_decay", 0.01), _replace_state, _reload,

@@ -126,6 +126,9 @@ class ReplayGuard:
 
 
 def _tensor_of(t):
+    """What the checks read of the batch (a batch that is not a tensor: its type)."""
+    if not isinstance(t, torch.Tensor):
+        return (type(t),)
     return type(t), t.shape, t.dtype, t.device
 
 
