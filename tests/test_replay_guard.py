@@ -96,9 +96,9 @@ def test_a_malformed_check_raises():
 
 # -- the lockstep oracle --------------------------------------------------------------------
 
-def _setup(opt_name, guarded):
+def _setup(opt_name, guarded, **kw):
     model = make()
-    dp = DataParallel(model, ["cpu"] * 2, lr=0.05, momentum=0.9, graphs=True)
+    dp = DataParallel(model, ["cpu"] * 2, lr=0.05, momentum=0.9, graphs=True, **kw)
     dp._graphed.guarded = guarded
     cfg = {"SGD": dict(lr=0.05, momentum=0.9), "AdamW": dict(lr=0.01),
            "Adam": dict(lr=0.01, amsgrad=True, max_grad_norm=1.0), None: None}[opt_name]
@@ -173,7 +173,7 @@ def _decisions(mp, current):
     return log
 
 
-def lockstep(opt_name, changes, steps=44, trace=None):
+def lockstep(opt_name, changes, steps=44, trace=None, **kw):
     """Trains a guarded and an unguarded DataParallel alike, with changes[i](s) applied to
     both before step i. Compares, step by step, what each step did (eager, or the replay of
     which capture: on the CPU stand-in a replay recomputes what a CUDA graph holds, so the
@@ -181,7 +181,7 @@ def lockstep(opt_name, changes, steps=44, trace=None):
     reads, the loss, the weights, the optimizer's state, the warnings and the errors. Returns
     (the differences found, the guarded run's replays without checks, the steps whose change
     found no guard made: each change should meet one, or it tests nothing)."""
-    runs = [_setup(opt_name, guarded) for guarded in (False, True)]
+    runs = [_setup(opt_name, guarded, **kw) for guarded in (False, True)]
     data = batches(steps, nan_steps=(7,))
     unchecked = [0]
     original = graphed_module.GraphedSteps._replay_unchanged
@@ -370,6 +370,15 @@ def test_guarded_training_is_the_checked_training_bit_for_bit(closure, opt_name)
     # (every change but an undo met a guard: none of them tests nothing)
     undoing = {i for i, change in changes.items() if getattr(change, "undoes", False)}
     assert unchecked >= 60 and set(unarmed) <= undoing, (unchecked, unarmed)
+
+
+@pytest.mark.parametrize("opt_name", [None, "SGD"])
+def test_split_weights_edited_in_place(closure, opt_name):
+    def edit(s):
+        s.dp.split_weights[0] = 3.0
+    differences, unchecked, unarmed = lockstep(opt_name, {12: edit}, steps=24, split="weighted",
+                                               split_weights=[1, 1])
+    assert not differences and not unarmed and unchecked >= 8, (differences, unarmed)
 
 
 @pytest.mark.parametrize("opt_name", [None, "SGD", "AdamW"])

@@ -24,6 +24,10 @@ only), float16 gradients (their labels are counted on the host), a capture the r
 a model whose attributes or buffers change at every step is warned about once. DataParallel
 refuses at construction what never can be graphed.
 
+The checks above run before a replay only when something they read has changed: a replay
+leaves a guard of what they read (replay_guard.py), and a step that finds all of it unchanged
+replays the same graph without them (on a GPU a small step's time is the host's).
+
 Replicas on one CUDA device: one graph. The CPU has no graphs: there a test runs this module's
 logic with _ClosureGraph (capture keeps the body, replay runs it), which checks everything but
 the capture itself. On a GPU (one H100, 2026-11-27) its CUDA tests passed, bit for bit against

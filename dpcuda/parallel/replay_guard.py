@@ -140,9 +140,12 @@ def make_guard(dp, graph, inputs, targets, loss_fn, optimizer, accumulate, walk,
         return None
     c = _Checks()
     # DataParallel's settings and its replicas (_check_optimizer, _why_not, _key)
-    for name in ("blocking", "algorithm", "split", "split_weights", "_speed",
-                 "_fused_update"):
+    for name in ("blocking", "algorithm", "split", "_fused_update"):
         c.attr(dp, name)
+    for name in ("split_weights", "_speed"):  # (lists the key holds by value)
+        value = c.attr(dp, name)
+        if value is not None and not c.same(value):
+            return None
     rs = c.attr(dp, "_set")
     for name in ("generation", "_structure", "_pointers"):
         c.attr(rs, name)
