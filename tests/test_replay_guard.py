@@ -23,7 +23,8 @@ from dpcuda.parallel import DataParallel
 from dpcuda.parallel import fused_update
 from dpcuda.parallel import graphed as graphed_module
 from dpcuda.parallel import replay_guard
-from dpcuda.parallel.replay_guard import ABSENT, ATTR_IS, EMPTY, ITEMS, SAME, TYPE_IS
+from dpcuda.parallel.replay_guard import (ABSENT, ATTR_IS, EMPTY, ITEM_IS, ITEMS, KEYS, SAME,
+                                          TYPE_IS)
 from test_graphed import closure, make  # noqa: F401 (closure: a fixture)
 from test_nonblocking import batches
 
@@ -77,6 +78,24 @@ def test_each_check_holds_and_fires_on_a_change():
         assert not _C._unchanged(check)
     assert not _C._unchanged(((SAME, {"x": 1}, None, ("x",)),))  # not a list or tuple
 
+    for change in (lambda e: e.__setitem__("y", 3), lambda e: e.pop("y")):
+        e = dict(d)
+        check = ((ITEM_IS, e, "y", 2),)
+        e["x"] = None  # (the other entries are free)
+        assert _C._unchanged(check)
+        change(e)
+        assert not _C._unchanged(check), e
+    assert not _C._unchanged(((ITEM_IS, [2], 0, 2),))
+
+    for change in (lambda e: e.__setitem__("z", 1), lambda e: e.pop("y"),
+                   lambda e: (e.pop("x"), e.__setitem__("x", o))):
+        e = dict(d)
+        check = ((KEYS, e, None, tuple(e)),)
+        e["y"] = 5  # (the values are free)
+        assert _C._unchanged(check)
+        change(e)
+        assert not _C._unchanged(check), e
+
     class Other(_Obj):
         pass
     o.__class__ = Other
@@ -89,22 +108,24 @@ def test_each_check_holds_and_fires_on_a_change():
 
 def test_a_malformed_check_raises():
     for checks in ([], ((ATTR_IS, 1, "a"),), (("0", 1, "a", 1),), ((9, 1, "a", 1),),
-                   ((ATTR_IS, 1, 2, 1),), ((ITEMS, {}, None, []),), ((SAME, [], None, []),)):
+                   ((ATTR_IS, 1, 2, 1),), ((ITEMS, {}, None, []),), ((SAME, [], None, []),),
+                   ((KEYS, {}, None, []),)):
         with pytest.raises(TypeError, match="_unchanged"):
             _C._unchanged(checks)
 
 
 # -- the lockstep oracle --------------------------------------------------------------------
 
-def _setup(opt_name, guarded, **kw):
+def _setup(opt_name, guarded, opt_cls=None, **kw):
     model = make()
     dp = DataParallel(model, ["cpu"] * 2, lr=0.05, momentum=0.9, graphs=True, **kw)
     dp._graphed.guarded = guarded
     cfg = {"SGD": dict(lr=0.05, momentum=0.9), "AdamW": dict(lr=0.01),
            "Adam": dict(lr=0.01, amsgrad=True, max_grad_norm=1.0), None: None}[opt_name]
-    opt = getattr(dpcuda.optim, opt_name)(model.parameters(), **cfg) if opt_name else None
+    opt_cls = opt_cls or (getattr(dpcuda.optim, opt_name) if opt_name else None)
+    opt = opt_cls(model.parameters(), **cfg) if opt_name else None
     return types.SimpleNamespace(dp=dp, model=model, opt=opt, loss_fn=SoftmaxCrossEntropyLoss(),
-                                 grad=True, handles=[], extra=None, accumulate=1)
+                                 grad=True, handles=[], extra=None, accumulate=1, after=[])
 
 
 def _bits(t):
@@ -212,6 +233,8 @@ def lockstep(opt_name, changes, steps=44, trace=None, **kw):
                         with torch.set_grad_enabled(s.grad):
                             loss = s.dp.step(xi, yi, s.loss_fn, optimizer=s.opt,
                                              accumulate=s.accumulate)
+                        for after in s.after:
+                            after()
                         s.dp.synchronize()
                         outcome = ("loss", _bits(torch.as_tensor(loss, dtype=torch.float64)))
                     except Exception as err:  # (compared between the runs)
@@ -381,11 +404,75 @@ def test_split_weights_edited_in_place(closure, opt_name):
     assert not differences and not unarmed and unchecked >= 8, (differences, unarmed)
 
 
+def _schedule(make_scheduler):
+    """A scheduler stepped after every step from now on."""
+    def change(s):
+        s.after.append(make_scheduler(s.opt).step)
+    return change
+
+
+SCHEDULES = {
+    "SGD": lambda opt: torch.optim.lr_scheduler.OneCycleLR(
+        opt, max_lr=0.1, total_steps=200, base_momentum=0.8, max_momentum=0.95),
+    "AdamW": lambda opt: torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.02,
+                                                             total_steps=200),
+    "Adam": lambda opt: torch.optim.lr_scheduler.CosineAnnealingLR(opt, 10),
+}
+
+
+@pytest.mark.parametrize("opt_name", ["SGD", "AdamW", "Adam"])
+def test_a_schedule_stepped_at_every_step_keeps_the_guard(closure, opt_name):
+    """OneCycleLR (lr and SGD's momentum or Adam's betas at every step), CosineAnnealingLR:
+    the replays write each step's values, as the checked steps do, without the checks."""
+    changes = {6: _schedule(SCHEDULES[opt_name]), 20: _group("momentum", 0.0)
+               if opt_name == "SGD" else _group("amsgrad", opt_name == "AdamW"),
+               30: _hook(lambda s: s.model.register_forward_hook(lambda *a: None)),
+               32: _unhook}
+    differences, unchecked, unarmed = lockstep(opt_name, changes, steps=48)
+    assert not differences and unarmed == [32], (differences[:3], unarmed)
+    assert unchecked >= 30
+
+
+class _SteppingSGD(dpcuda.optim.SGD):
+    """A subclass whose step() changes the learning rate and drops the momentum buffers, before
+    the fused update, now and then."""
+
+    calls = 0
+
+    def step(self, closure=None):
+        self.calls += 1
+        if self.calls % 7 == 0:
+            for group in self.param_groups:
+                group["lr"] *= 0.5
+        if self.calls % 11 == 0:
+            for state in self.state.values():
+                state.pop("momentum_buffer", None)
+        return super().step(closure)
+
+
+def _wrap_step(s):
+    step = s.opt.step
+
+    def wrapped(*args, **kw):
+        s.opt.param_groups[0]["lr"] = 0.5 * s.opt.param_groups[0]["lr"]
+        return step(*args, **kw)
+    s.opt.step = wrapped
+
+
+def test_what_the_optimizers_own_step_changes_reaches_the_replay(closure):
+    """User code inside opt.step() before the fused update (a subclass's step, a wrapper set
+    on the instance) runs after the guard's test: the replay still writes what it changed."""
+    differences, unchecked, unarmed = lockstep("SGD", {}, steps=40, opt_cls=_SteppingSGD)
+    assert not differences and unchecked >= 10, differences[:3]
+    differences, unchecked, unarmed = lockstep("SGD", {8: _wrap_step}, steps=30)
+    assert not differences and not unarmed and unchecked >= 10, differences[:3]
+
+
 @pytest.mark.parametrize("opt_name", [None, "SGD", "AdamW"])
 def test_unchanged_steps_skip_the_checks(closure, monkeypatch, opt_name):
-    """After the warm-up, the capture and one replay with the checks, every unchanged step
-    replays without them; a change runs them once (twice for SGD's first momentum buffers,
-    which the next update makes), then the guard holds again."""
+    """After the warm-up, the capture and one replay with the checks, every step replays
+    without them, with a schedule stepped at every step; a hook runs them (its steps eager),
+    then the guard holds again."""
     checked = []
     original = graphed_module.GraphedSteps._why_not
 
@@ -394,17 +481,21 @@ def test_unchanged_steps_skip_the_checks(closure, monkeypatch, opt_name):
         return original(self, *args)
     monkeypatch.setattr(graphed_module.GraphedSteps, "_why_not", why_not)
     s = _setup(opt_name, True)
-    data = batches(30)
+    sched = torch.optim.lr_scheduler.LambdaLR(s.opt, lambda e: 0.99 ** e) if s.opt else None
     per_step = []
-    for i, (x, y) in enumerate(data):
-        if i == 15:
-            (_set("lr", 0.02, on="dp") if opt_name is None else _group("lr", 0.02))(s)
+    for i, (x, y) in enumerate(batches(36)):
+        if i == 20:
+            handle = s.model.register_forward_hook(lambda *a: None)
+        if i == 22:
+            handle.remove()
         before = len(checked)
         s.dp.step(x, y, s.loss_fn, optimizer=s.opt)
+        if sched:
+            sched.step()
         per_step.append(len(checked) - before)
     s.dp.synchronize()
-    assert per_step[10:15] == [0] * 5, per_step
-    assert per_step[15] == 1 and sum(per_step[15:]) <= 3 and per_step[-8:] == [0] * 8, per_step
+    assert per_step[10:20] == [0] * 10 and per_step[20:22] == [1, 1], per_step
+    assert per_step[-8:] == [0] * 8, per_step
 
 
 def test_a_guard_missing_a_read_is_caught(closure, monkeypatch):

@@ -16,6 +16,8 @@
 //            each key and value the same object
 //   kSame    object is a list or tuple of exactly expected's objects, in order
 //   kTypeIs  type(object) is expected
+//   kItemIs  object is a dict whose entry name is expected (present)
+//   kKeys    object is a dict whose keys are exactly expected's, in order, each the same object
 // An error raised while reading (a property that raises) is cleared and counts as a change:
 // the Python checks then run and raise it themselves. A check that is not of this form
 // raises TypeError (a bug in the list, not a change).
@@ -26,7 +28,16 @@
 
 namespace {
 
-enum Op : long { kAttrIs = 0, kAbsent = 1, kEmpty = 2, kItems = 3, kSame = 4, kTypeIs = 5 };
+enum Op : long {
+  kAttrIs = 0,
+  kAbsent = 1,
+  kEmpty = 2,
+  kItems = 3,
+  kSame = 4,
+  kTypeIs = 5,
+  kItemIs = 6,
+  kKeys = 7
+};
 
 [[noreturn]] void malformed(const char* why) {
   throw py::type_error(std::string("dpcuda._C._unchanged: ") + why);
@@ -85,6 +96,36 @@ bool items(PyObject* obj, PyObject* expected) {
   return true;
 }
 
+bool item_is(PyObject* obj, PyObject* key, PyObject* expected) {
+  if (!PyDict_Check(obj)) {
+    return false;
+  }
+  PyObject* value = PyDict_GetItemWithError(obj, key);  // (borrowed; no __missing__)
+  if (value == nullptr) {
+    PyErr_Clear();
+    return false;
+  }
+  return value == expected;
+}
+
+bool keys(PyObject* obj, PyObject* expected) {
+  if (!PyTuple_Check(expected)) {
+    malformed("kKeys expects a tuple of keys");
+  }
+  if (!PyDict_Check(obj) || PyDict_Size(obj) != PyTuple_GET_SIZE(expected)) {
+    return false;
+  }
+  Py_ssize_t pos = 0;
+  PyObject* key;
+  PyObject* value;
+  for (Py_ssize_t i = 0; PyDict_Next(obj, &pos, &key, &value); ++i) {
+    if (PyTuple_GET_ITEM(expected, i) != key) {
+      return false;
+    }
+  }
+  return true;
+}
+
 bool same(PyObject* obj, PyObject* expected) {
   if (!PyTuple_Check(expected)) {
     malformed("kSame expects a tuple");
@@ -132,6 +173,10 @@ bool holds(PyObject* check) {
       return same(obj, expected);
     case kTypeIs:
       return reinterpret_cast<PyObject*>(Py_TYPE(obj)) == expected;
+    case kItemIs:
+      return item_is(obj, name, expected);
+    case kKeys:
+      return keys(obj, expected);
     default:
       malformed("unknown op");
   }

@@ -244,7 +244,8 @@ class GraphedSteps:
         # The structure the key names, its hooks and what a graph holds from its capture (the
         # modules' attributes, the buffers' storage), in one walk without the weight copies
         # (the graph makes them).
-        params, _, structure, (hooked, state, objects) = walk or dp._set.walk()
+        walk = walk or dp._set.walk()
+        params, _, structure, (hooked, state, objects) = walk
         summed = summed_loss(loss_fn, targets)
         reason = self._why_not(dp, targets, loss_fn, summed, hooked)
         if reason is not None:
@@ -311,17 +312,14 @@ class GraphedSteps:
         return self._replay(dp, graph, inputs, targets, summed, optimizer)
 
     def _replay_unchanged(self, dp, guard, inputs, targets, optimizer, walk):
-        """step() where the guard holds: what its checks would do, done (the counts of
-        _count_change, no change; write_hyper's groups of first momentum buffers, none of
-        its writes), then the replay."""
+        """step() where the guard holds: what its checks would do, done (_count_change's
+        counts: no change), then the replay. (Its graph is the most recent already: any other
+        key's step ran the checks, which dropped the guard.)"""
         self.changes["state"] = 0
         self.last["state"] = walk[3][1]
         if optimizer is None:
             self.changes["sgd"] = 0
-        else:
-            dp._fused_update._first = list(guard.first)
-        return self._replay(dp, guard.graph, inputs, targets, guard.summed, optimizer,
-                            hyper=False)
+        return self._replay(dp, guard.graph, inputs, targets, guard.summed, optimizer)
 
     def _count_change(self, what, value, message):
         """One warning (message) once what's value has changed at 3 consecutive steps. (Over
@@ -407,10 +405,9 @@ class GraphedSteps:
             self.seen.pop(hash(evicted), None)
         return captured
 
-    def _replay(self, dp, graph, inputs, targets, summed, optimizer, hyper=True):
+    def _replay(self, dp, graph, inputs, targets, summed, optimizer):
         """One step from the graph: the batch into the static buffers, the hyperparameters
-        into the plan's array (hyper False: unchanged, by the guard), the replay; then the
-        host's part of a step."""
+        into the plan's array, the replay; then the host's part of a step."""
         ring = self.ring
         # (no autograd context: the static buffers do not require grad, and a batch that does
         # is detached, so that no copy is recorded; torch.no_grad() costs as much as a copy)
@@ -422,7 +419,8 @@ class GraphedSteps:
         replayed = []
 
         def run():
-            if optimizer is not None and hyper:
+            # (inside opt.step(): after what a subclass's step or a wrapper of it changes)
+            if optimizer is not None:
                 dp._fused_update.write_hyper(optimizer, graphed=True)
             graph.graph.replay()
             replayed.append(True)

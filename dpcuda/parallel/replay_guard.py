@@ -14,17 +14,22 @@ them in one C call). At the next step, if every one of them is still the same ob
 step's own arguments (the batch's type, shape, dtype and device, the loss, the optimizer,
 accumulate, grad mode, autocast) and its walk of the model are those of the guard's step, the
 checks would find what they found then, and the step replays the same graph without them.
-Anything else (a changed learning rate, a hook registered anywhere the checks look, a state
-entry replaced or added, a new parameter group, a loss attribute set) fails the guard, and the
-step runs the checks, which decide as before and make a new guard. A guard is never made where
-the checks do work that depends on more than identities (a tensor learning rate or a list of
-betas, which write_hyper rewrites at every step; a loss with submodules; autocast on): those
-steps run the checks every time.
+Anything else (a hook registered anywhere the checks look, a state
+entry replaced or added, a parameter group added or its members changed, a loss attribute set,
+a split weight edited) fails the guard, and the step runs the checks, which decide as before
+and make a new guard. The parameter groups' values (a scheduler's lr, momentum or betas, at
+every step) are not the guard's: the replay writes them into the plan's device array as it
+did (write_hyper, with its memo, inside opt.step(), so after what a subclass's step or a
+wrapper of it changes), and holds() checks the one thing the checks read from them, the plan's
+kind of state (SGD's momentum 0 or not, Adam's amsgrad). A guard is never made for a loss with
+submodules or hooks, an optimizer with step pre-hooks, or under autocast: those steps run the checks every
+time.
 
-What a step itself changes is seen at the next step: SGD's first momentum buffers, the
-hyperparameters' memo, so that a step after a change runs the checks once more before the
-guard holds again. Adam's step counts on the CPU are read at every step (FusedUpdate.ready's
-uniformity check reads their values; on a GPU the plan's own updates keep them alike).
+What a step itself changes (SGD's first momentum buffers, a state bound to the plan) is seen
+at the next step, which runs the checks once more before the guard holds again. Adam's step
+counts on the CPU are read at every step (FusedUpdate.ready's uniformity check reads their
+values; on a GPU the plan's own updates keep them alike). A guard holds references to what it
+read until the next step replaces it.
 """
 
 import collections
@@ -34,10 +39,11 @@ import torch
 from torch.nn.modules import module as _module
 
 from .. import _C
-from .fused_update import _global_optimizer_pre_hooks, _same_objects
+from . import step as _step
+from .fused_update import FusedUpdate, _global_optimizer_pre_hooks
 
 # the ops of dpcuda._C._unchanged (csrc/torch/unchanged.cpp)
-ATTR_IS, ABSENT, EMPTY, ITEMS, SAME, TYPE_IS = range(6)
+ATTR_IS, ABSENT, EMPTY, ITEMS, SAME, TYPE_IS, ITEM_IS, KEYS = range(8)
 
 _DICTS = (dict, collections.defaultdict)
 _MODULE_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks",
@@ -79,6 +85,18 @@ class _Checks:
         self.list.append((ITEMS, d, None, tuple(d.items())))
         return True
 
+    def keys(self, d):
+        """d's keys as they are now (their values free); False if d is not a plain dict."""
+        if type(d) not in _DICTS:
+            return False
+        self.list.append((KEYS, d, None, tuple(d)))
+        return True
+
+    def item(self, d, key):
+        """d[key] as it is now (present)."""
+        self.list.append((ITEM_IS, d, key, d[key]))
+        return d[key]
+
     def same(self, seq):
         if type(seq) not in (list, tuple):
             return False
@@ -89,11 +107,12 @@ class _Checks:
 class ReplayGuard:
     """The module docstring: made by make_guard, checked by holds()."""
 
-    def __init__(self, checks, graph, summed, first, plan, args, params, rs):
+    def __init__(self, checks, graph, summed, plan, args, params, rs):
         self.checks = tuple(checks)
-        self.graph, self.summed, self.first = graph, summed, first
+        self.graph, self.summed = graph, summed
         # a plan on the CPU, whose uniformity ready() reads at every step
         self.cpu_plan = plan if plan is not None and plan.device.type == "cpu" else None
+        self.plan_structure = None if plan is None else {plan.keys}
         (self.inputs_of, self.targets_of, self.loss_fn, self.optimizer, self.accumulate,
          self.grad, self.kind, _) = args
         self.state = args[-1]
@@ -117,6 +136,9 @@ class ReplayGuard:
             return False
         if not _C._unchanged(self.checks) or [p.data_ptr() for p in params] != self.pointers:
             return False
+        if optimizer is not None and {FusedUpdate._structure(optimizer, group) for group in
+                                      optimizer.param_groups} != self.plan_structure:
+            return False  # (SGD's momentum 0 or not, Adam's amsgrad: another plan)
         plan = self.cpu_plan
         if plan is not None:
             # (as FusedUpdate.ready on the CPU: the step counts' values)
@@ -164,7 +186,11 @@ def make_guard(dp, graph, inputs, targets, loss_fn, optimizer, accumulate, walk,
             return None  # (hooks, or a loss whose modules the checks walk)
     for name in _LOSS_SETTINGS:
         c.attr(loss_fn, name)
-    first = []
+    # (summed_loss looks these up at every step)
+    c.attr(_step, "SoftmaxCrossEntropyLoss")
+    c.attr(torch.nn, "CrossEntropyLoss")
+    c.attr(torch.nn, "functional")
+    c.attr(torch.nn.functional, "cross_entropy")
     plan = None
     if optimizer is None:
         for name in ("_lr", "_momentum", "_weight_decay"):  # (the wrapper's SGD)
@@ -176,9 +202,12 @@ def make_guard(dp, graph, inputs, targets, loss_fn, optimizer, accumulate, walk,
         if not c.empty(optimizer, "_optimizer_step_pre_hooks") or _global_optimizer_pre_hooks:
             return None
         c.list.append((EMPTY, _global_optimizer_pre_hooks, None, None))
+        # The groups' members and entries; their values (a scheduler's lr, momentum or betas)
+        # are free: write_hyper reads them at every replay, and the plan's kind of state
+        # (ready's _structure) is checked by holds().
         groups = c.attr(optimizer, "param_groups")
-        if not c.same(groups) or not all(map(c.items, groups)) or \
-                not all(c.same(group["params"]) for group in groups):
+        if not c.same(groups) or not all(map(c.keys, groups)) or \
+                not all(c.same(c.item(group, "params")) for group in groups):
             return None
         state = c.attr(optimizer, "state")
         if not c.items(state) or not all(map(c.items, state.values())):
@@ -188,18 +217,11 @@ def make_guard(dp, graph, inputs, targets, loss_fn, optimizer, accumulate, walk,
         c.attr(fused, "_plan_key")
         if plan is not graph.plan or plan is None or not plan.bound:
             return None
-        for name in ("bound", "is_uniform", "inputs"):
+        for name in ("bound", "is_uniform"):
             c.attr(plan, name)
-        # write_hyper(graphed=True) would write nothing: every group's entries are the objects
-        # of its last write
-        inputs_memo = plan.inputs
-        if inputs_memo is None or len(inputs_memo) != len(groups) or not all(
-                map(_same_objects, (tuple(group.values()) for group in groups), inputs_memo)):
-            return None
-        first = fused.first_groups(optimizer)
     params, _, structure, (hooked, state, _) = walk
     if hooked or structure != rs._structure or [p.data_ptr() for p in params] != rs._pointers:
         return None
     args = (_tensor_of(inputs), _tensor_of(targets), loss_fn, optimizer, accumulate,
             torch.is_grad_enabled(), kind, state)
-    return ReplayGuard(c.list, graph, summed, first, plan, args, params, rs)
+    return ReplayGuard(c.list, graph, summed, plan, args, params, rs)
