@@ -309,7 +309,13 @@ def test_bfloat16_passes_read_strided_gradients_and_keep_nan_and_inf_as_torch(ac
     mask = [True, True, True]
     aten_over_expanded = activation in ("silu", "sigmoid", "tanh")
     for name, g in grads.items():
-        got = torch.ops.dpcuda.full_backward(g, x, w, saved, activation, mask)
+        # (g row-major, as over the contiguous copy: where torch's GEMM spreads a NaN, g takes
+        # the transposed gradient's layout at any size, and the GEMMs' bits follow it)
+        previous = _C._set_bfloat16_g_layout(0)
+        try:
+            got = torch.ops.dpcuda.full_backward(g, x, w, saved, activation, mask)
+        finally:
+            _C._set_bfloat16_g_layout(previous)
         dense = torch.ops.dpcuda.full_backward(g.contiguous(), x, w, saved, activation, mask)
         for a, c in zip(got, dense):
             if aten_over_expanded and name == "expanded":
@@ -350,7 +356,11 @@ def test_bfloat16_g_over_a_transposed_gradient_takes_its_layout_where_its_gemm_i
              "sliced": torch.randn(outf, rows + 5).bfloat16()[:, 2:rows + 2].t()}
     identity = torch.eye(outf).bfloat16()
     w = (torch.randn(outf, outf) / 45).bfloat16()
-    by_columns = rows <= 32 and outf >= 2048
+    # (where torch's bfloat16 GEMM spreads a NaN to the next row, g takes the gradient's layout
+    # at any size: test_bfloat16_gemm_spreads_nan_probe)
+    # (where torch's GEMM spreads a NaN, g takes torch's layout: relu's row-major)
+    by_columns = (activation != "relu") if _C._bfloat16_gemm_spreads_nan() else (
+        rows <= 32 and outf >= 2048)
     for name, go in grads.items():
         assert go.stride(0) == 1
         for mask in ([True, True, True], [True, True, False]):
@@ -408,13 +418,30 @@ def test_bfloat16_g_over_a_transposed_gradient_takes_its_layout_where_its_gemm_i
         assert torch.equal(ours.isinf() & (ours < 0), theirs.isinf() & (theirs < 0))
 
 
+def test_bfloat16_gemm_spreads_nan_probe():
+    # The probe is torch's own product: where a NaN in one row of a bfloat16 g makes the row
+    # before it NaN (oneDNN's AMX kernels on a Xeon with AMX), dpcuda says so and takes torch's
+    # layouts. Shapes beside the probe's give the same answer on the CPUs seen.
+    def spreads(rows, cols, n):
+        g = torch.zeros(rows, cols, dtype=torch.bfloat16)
+        g[1, 0] = float("nan")
+        out = torch.mm(g, torch.randn(cols, n).bfloat16())
+        assert out[1].isnan().all()
+        return bool(out[0].isnan().any())
+    assert _C._bfloat16_gemm_spreads_nan() == spreads(17, 2050, 4)
+    assert spreads(33, 2050, 64) == spreads(17, 2050, 4)
+
+
 def test_bfloat16_g_layout_rule_and_its_knob():
     # The rule itself, whatever BLAS's bits show: column-major g over a column-major gradient
-    # (row stride 1) of 2 to 32 rows from 2048 columns; never over another layout or one row;
-    # _set_bfloat16_g_layout forces either layout over any column-major gradient.
+    # (row stride 1) of 2 to 32 rows from 2048 columns, or, where torch's bfloat16 GEMM spreads
+    # a NaN, of any size but relu's (torch's layout there); never over another layout or one
+    # row; _set_bfloat16_g_layout forces either layout over any column-major gradient.
     rule = _C._bfloat16_g_by_columns_for_tests
+    spreads = _C._bfloat16_gemm_spreads_nan()
     assert rule(1, 32, 32, 2048) and rule(1, 2, 2, 4096) and rule(1, 40, 32, 2048)
-    assert not rule(1, 33, 33, 2048) and not rule(1, 32, 32, 2047)
+    assert rule(1, 33, 33, 2048) == spreads and rule(1, 32, 32, 2047) == spreads
+    assert rule(1, 32, 32, 2048, relu=True) != spreads and not rule(1, 33, 33, 2048, relu=True)
     assert not rule(2048, 1, 32, 2048) and not rule(0, 0, 32, 2048) and not rule(1, 1, 1, 4096)
     previous = _C._set_bfloat16_g_layout(-1)
     try:

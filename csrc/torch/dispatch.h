@@ -71,10 +71,14 @@ int set_float_bias_route(int route);
 // layer's size as measured (-1) (csrc/torch/fused_linear.cpp). Returns the previous setting.
 int set_bfloat16_g_layout(int layout);
 
+// Whether torch's bfloat16 GEMM spreads a NaN to a neighbouring row (fused_linear.cpp); g then
+// takes the upstream gradient's layout.
+bool bfloat16_gemm_spreads_nan();
+
 // Tests only: whether that backward writes g column-major for a gradient of these strides and
 // this shape, as set_bfloat16_g_layout and the measured rule decide.
 bool bfloat16_g_by_columns_for_tests(int64_t row_stride, int64_t col_stride, int64_t rows,
-                                     int64_t cols);
+                                     int64_t cols, bool relu);
 
 // While one is alive on a thread, a full_forward that builds an autograd node there hands the
 // node these destinations for its weight and bias gradients (csrc/torch/autograd.cpp).

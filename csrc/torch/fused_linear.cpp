@@ -9,6 +9,7 @@
 #include <array>
 #include <atomic>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #include "../cpu/fused_linear.h"
@@ -27,6 +28,28 @@
 #endif
 
 namespace dpcuda {
+
+// Whether torch's bfloat16 GEMM over a row-major left operand writes NaN into a row whose
+// operands are finite, next to a row holding a NaN: oneDNN's AMX kernels did on a 2-core Xeon
+// with AMX (torch 2.11.0, 2026-12-03: a NaN in row r of a 17x2050 g made row r-1 of g times a
+// 2050x4 weight NaN; not at 2048 columns, not over g column-major, not with AMX disabled by
+// ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16). Probed once, by that product. Where it does, g takes
+// the layout torch's activation backward gives it (the upstream gradient's; row-major for relu,
+// whose threshold_backward writes it so), so that every GEMM runs over the operands torch's
+// layer gives it and the layer's NaN and Inf are torch's (the speed rule below was measured on
+// a CPU without AMX).
+bool bfloat16_gemm_spreads_nan() {
+  static const bool spreads = [] {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    const auto options = at::TensorOptions().dtype(at::kBFloat16);
+    at::Tensor g = at::zeros({17, 2050}, options);
+    g.select(0, 1).select(0, 0).fill_(std::numeric_limits<float>::quiet_NaN());
+    const at::Tensor out = at::mm(g, at::ones({2050, 4}, options));
+    return out.select(0, 0).isnan().any().item<bool>();
+  }();
+  return spreads;
+}
+
 namespace {
 
 using at::Tensor;
@@ -444,10 +467,12 @@ inline bool column_major(int64_t row_stride, int64_t col_stride) {
 // gradient (set_bfloat16_g_layout) and read the rule (bfloat16_g_by_columns_for_tests).
 std::atomic<int> bfloat16_g_layout{-1};
 
-bool bfloat16_g_by_columns(int64_t row_stride, int64_t col_stride, int64_t rows, int64_t cols) {
+bool bfloat16_g_by_columns(int64_t row_stride, int64_t col_stride, int64_t rows, int64_t cols,
+                           bool relu) {
   if (!column_major(row_stride, col_stride) || rows <= 1) return false;
   const int forced = bfloat16_g_layout.load(std::memory_order_relaxed);
   if (forced >= 0) return forced == 1;
+  if (bfloat16_gemm_spreads_nan()) return !relu;
   return rows <= 32 && cols >= 2048;
 }
 
@@ -502,7 +527,8 @@ std::tuple<Tensor, Tensor, Tensor> full_backward_cpu_into(
     const bool own_pass = bf16 && p.fused_pass && bfloat16_backward_pass_wins(p.act, p.grad_out,
                                                                            output_mask[2]);
     const bool g_columns =
-        own_pass && bfloat16_g_by_columns(p.grad_out.stride(0), p.grad_out.stride(1), rows, out_f);
+        own_pass && bfloat16_g_by_columns(p.grad_out.stride(0), p.grad_out.stride(1), rows, out_f,
+                                          p.act == Activation::kRelu);
     Tensor g = !p.fused_pass ? p.grad_out
                : own_pass    ? g_scratch(rows, out_f, p.grad_out.options(), g_columns)
                              : aten_activation_backward(p.grad_out, p.saved, p.act);
@@ -786,8 +812,8 @@ int set_bfloat16_forward_route(int route) {
 }
 
 bool bfloat16_g_by_columns_for_tests(int64_t row_stride, int64_t col_stride, int64_t rows,
-                                     int64_t cols) {
-  return bfloat16_g_by_columns(row_stride, col_stride, rows, cols);
+                                     int64_t cols, bool relu) {
+  return bfloat16_g_by_columns(row_stride, col_stride, rows, cols, relu);
 }
 
 int set_bfloat16_g_layout(int layout) {

@@ -140,9 +140,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "upstream gradient writes g row-major (0), column-major (1), or by the layer's size as "
         "measured (-1: column-major from 2048 columns up to 32 rows); returns the previous "
         "setting");
+  m.def("_bfloat16_gemm_spreads_nan", &dpcuda::bfloat16_gemm_spreads_nan,
+        "Whether torch's bfloat16 GEMM writes NaN into a row next to one holding a NaN (probed "
+        "once); g then takes the upstream gradient's layout");
   m.def("_bfloat16_g_by_columns_for_tests", &dpcuda::bfloat16_g_by_columns_for_tests,
+        py::arg("row_stride"), py::arg("col_stride"), py::arg("rows"), py::arg("cols"),
+        py::arg("relu") = false,
         "Tests only: whether the CPU bfloat16 full_backward writes g column-major for an "
-        "upstream gradient of these strides (row, column) and shape (rows, columns)");
+        "upstream gradient of these strides (row, column) and shape (rows, columns), relu's or "
+        "another activation's");
   m.def("_saved_released_for_tests", &dpcuda::SavedReleasedAfterPass::released_for_tests,
         "Tests only: on this thread, how many times the CPU full_backward has dropped the "
         "autograd node's references to its saved tensor after its activation pass (where the "
