@@ -74,9 +74,12 @@ bool empty(PyObject* obj) {
   return n == 0;
 }
 
-bool items(PyObject* obj, PyObject* expected) {
+// obj is a dict of exactly expected's entries, in order: match(entry, key, value) says whether
+// one of expected's entries is the dict's (key, value).
+template <typename Match>
+bool dict_in_order(PyObject* obj, PyObject* expected, const char* what, Match&& match) {
   if (!PyTuple_Check(expected)) {
-    malformed("kItems expects a tuple of (key, value) pairs");
+    malformed(what);
   }
   if (!PyDict_Check(obj) || PyDict_Size(obj) != PyTuple_GET_SIZE(expected)) {
     return false;
@@ -85,15 +88,27 @@ bool items(PyObject* obj, PyObject* expected) {
   PyObject* key;
   PyObject* value;
   for (Py_ssize_t i = 0; PyDict_Next(obj, &pos, &key, &value); ++i) {
-    PyObject* pair = PyTuple_GET_ITEM(expected, i);
-    if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2) {
-      malformed("kItems expects a tuple of (key, value) pairs");
-    }
-    if (PyTuple_GET_ITEM(pair, 0) != key || PyTuple_GET_ITEM(pair, 1) != value) {
+    if (!match(PyTuple_GET_ITEM(expected, i), key, value)) {
       return false;
     }
   }
   return true;
+}
+
+bool items(PyObject* obj, PyObject* expected) {
+  return dict_in_order(obj, expected, "kItems expects a tuple of (key, value) pairs",
+                       [](PyObject* pair, PyObject* key, PyObject* value) {
+                         if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2) {
+                           malformed("kItems expects a tuple of (key, value) pairs");
+                         }
+                         return PyTuple_GET_ITEM(pair, 0) == key &&
+                                PyTuple_GET_ITEM(pair, 1) == value;
+                       });
+}
+
+bool keys(PyObject* obj, PyObject* expected) {
+  return dict_in_order(obj, expected, "kKeys expects a tuple of keys",
+                       [](PyObject* want, PyObject* key, PyObject*) { return want == key; });
 }
 
 bool item_is(PyObject* obj, PyObject* key, PyObject* expected) {
@@ -106,24 +121,6 @@ bool item_is(PyObject* obj, PyObject* key, PyObject* expected) {
     return false;
   }
   return value == expected;
-}
-
-bool keys(PyObject* obj, PyObject* expected) {
-  if (!PyTuple_Check(expected)) {
-    malformed("kKeys expects a tuple of keys");
-  }
-  if (!PyDict_Check(obj) || PyDict_Size(obj) != PyTuple_GET_SIZE(expected)) {
-    return false;
-  }
-  Py_ssize_t pos = 0;
-  PyObject* key;
-  PyObject* value;
-  for (Py_ssize_t i = 0; PyDict_Next(obj, &pos, &key, &value); ++i) {
-    if (PyTuple_GET_ITEM(expected, i) != key) {
-      return false;
-    }
-  }
-  return true;
 }
 
 bool same(PyObject* obj, PyObject* expected) {
