@@ -114,8 +114,7 @@ class ReplayGuard:
         self.cpu_plan = plan if plan is not None and plan.device.type == "cpu" else None
         self.plan_structure = None if plan is None else {plan.keys}
         (self.inputs_of, self.targets_of, self.loss_fn, self.optimizer, self.accumulate,
-         self.grad, self.kind, _) = args
-        self.state = args[-1]
+         self.grad, self.kind, self.state) = args
         self.params = tuple(params)
         # what the checks compare the walk's structure and the parameters' storage with (the
         # same objects: checked)
@@ -219,9 +218,9 @@ def make_guard(dp, graph, inputs, targets, loss_fn, optimizer, accumulate, walk,
             return None
         for name in ("bound", "is_uniform"):
             c.attr(plan, name)
-    params, _, structure, (hooked, state, _) = walk
+    params, _, structure, (hooked, model_state, _) = walk
     if hooked or structure != rs._structure or [p.data_ptr() for p in params] != rs._pointers:
         return None
     args = (_tensor_of(inputs), _tensor_of(targets), loss_fn, optimizer, accumulate,
-            torch.is_grad_enabled(), kind, state)
+            torch.is_grad_enabled(), kind, model_state)
     return ReplayGuard(c.list, graph, summed, plan, args, params, rs)
