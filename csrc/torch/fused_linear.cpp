@@ -33,7 +33,9 @@ namespace dpcuda {
 // operands are finite, next to a row holding a NaN: oneDNN's AMX kernels did on a 2-core Xeon
 // with AMX (torch 2.11.0, 2026-12-03: a NaN in row r of a 17x2050 g made row r-1 of g times a
 // 2050x4 weight NaN; not at 2048 columns, not over g column-major, not with AMX disabled by
-// ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16). Probed once, by that product. Where it does, g takes
+// ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16; with torch 2.13.0's CPU wheel on the same CPU, from 33
+// rows times 64 columns and not at 17 times 4). Probed once, by the products of 17 and 33 rows
+// of 2047 and 2050 columns by 4 and 64 columns (some 9 MFLOP). Where it does, g takes
 // the layout torch's activation backward gives it (the upstream gradient's; row-major for relu,
 // whose threshold_backward writes it so), so that every GEMM runs over the operands torch's
 // layer gives it and the layer's NaN and Inf are torch's (the speed rule below was measured on
@@ -42,10 +44,17 @@ bool bfloat16_gemm_spreads_nan() {
   static const bool spreads = [] {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     const auto options = at::TensorOptions().dtype(at::kBFloat16);
-    at::Tensor g = at::zeros({17, 2050}, options);
-    g.select(0, 1).select(0, 0).fill_(std::numeric_limits<float>::quiet_NaN());
-    const at::Tensor out = at::mm(g, at::ones({2050, 4}, options));
-    return out.select(0, 0).isnan().any().item<bool>();
+    for (const int64_t rows : {17, 33}) {
+      for (const int64_t inner : {2047, 2050}) {
+        for (const int64_t cols : {4, 64}) {
+          at::Tensor g = at::zeros({rows, inner}, options);
+          g.select(0, 1).select(0, 0).fill_(std::numeric_limits<float>::quiet_NaN());
+          const at::Tensor out = at::mm(g, at::ones({inner, cols}, options));
+          if (out.select(0, 0).isnan().any().item<bool>()) return true;
+        }
+      }
+    }
+    return false;
   }();
   return spreads;
 }
