@@ -356,9 +356,8 @@ def test_bfloat16_g_over_a_transposed_gradient_takes_its_layout_where_its_gemm_i
              "sliced": torch.randn(outf, rows + 5).bfloat16()[:, 2:rows + 2].t()}
     identity = torch.eye(outf).bfloat16()
     w = (torch.randn(outf, outf) / 45).bfloat16()
-    # (where torch's bfloat16 GEMM spreads a NaN to the next row, g takes the gradient's layout
-    # at any size: test_bfloat16_gemm_spreads_nan_probe)
-    # (where torch's GEMM spreads a NaN, g takes torch's layout: relu's row-major)
+    # (where torch's bfloat16 GEMM spreads a NaN to the next row, g takes torch's layout at any
+    # size, relu's row-major: test_bfloat16_gemm_spreads_nan_probe)
     by_columns = (activation != "relu") if _C._bfloat16_gemm_spreads_nan() else (
         rows <= 32 and outf >= 2048)
     for name, go in grads.items():

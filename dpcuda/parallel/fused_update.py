@@ -297,14 +297,6 @@ class FusedUpdate:
         finally:
             opt.__dict__.pop("_fused_step", None)
 
-    def first_groups(self, opt):
-        """SGD: the groups whose momentum buffers the next update makes (finish() keeps them)."""
-        if opt._op == "adam":
-            return []
-        plan, state = self._plan, opt.state
-        return [index for index, m in enumerate(plan.members)
-                if m and "momentum_buffer" not in state[plan.params[m[0]]]]
-
     def write_hyper(self, opt, graphed=False):
         """Each group's hyperparameters (as the optimizer holds them now: a scheduler's lr)
         into the plan's device array; Adam's step and SGD's first-step flag are completed
@@ -314,7 +306,11 @@ class FusedUpdate:
         entries are immutable values, whose objects cannot change in place)."""
         plan = self._plan
         adam = opt._op == "adam"
-        self._first = self.first_groups(opt)
+        state = opt.state
+        # SGD: the groups whose momentum buffers this update makes
+        self._first = [] if adam else [
+            index for index, m in enumerate(plan.members)
+            if m and "momentum_buffer" not in state[plan.params[m[0]]]]
         if graphed:
             inputs = [tuple(group.values()) for group in opt.param_groups]
             last = plan.inputs

@@ -94,8 +94,9 @@ class _Checks:
 
     def item(self, d, key):
         """d[key] as it is now (present)."""
-        self.list.append((ITEM_IS, d, key, d[key]))
-        return d[key]
+        value = d[key]
+        self.list.append((ITEM_IS, d, key, value))
+        return value
 
     def same(self, seq):
         if type(seq) not in (list, tuple):
