@@ -301,7 +301,8 @@ LOSSES = {
     "mse": lambda out, y: F.mse_loss(out, F.one_hot(y, out.shape[1]).to(out.dtype)),
     "smooth": lambda out, y: F.cross_entropy(out, y, label_smoothing=0.2) + out.abs().mean(),
 }
-CHANGES = ["none", "freeze", "unfreeze", "load", "inplace", "eval", "scale_data"]
+CHANGES = ["none", "freeze", "unfreeze", "load", "inplace", "eval", "scale_data",
+           "restride"]
 
 
 @st.composite
@@ -347,6 +348,10 @@ def _change(model, case, step, state):
         model.train(step % 2 == 1)
     elif kind == "scale_data" and step == 2:
         layers[0].weight.data.mul_(-1.0)  # through .data: no version bump
+    elif kind == "restride" and step == 1:
+        # the same storage and shape, read column-major: another weight
+        w = layers[0].weight
+        w.data = w.data.as_strided(w.shape, (1, w.shape[0]))
 
 
 def _train_loop(net, model, case, steps, state):

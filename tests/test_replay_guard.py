@@ -23,8 +23,8 @@ from dpcuda.parallel import DataParallel
 from dpcuda.parallel import fused_update
 from dpcuda.parallel import graphed as graphed_module
 from dpcuda.parallel import replay_guard
-from dpcuda.parallel.replay_guard import (ABSENT, ATTR_IS, EMPTY, ITEM_IS, ITEMS, KEYS, SAME,
-                                          TYPE_IS)
+from dpcuda.parallel.replay_guard import (ABSENT, ATTR_IS, EMPTY, ITEM_IS, ITEMS, KEYS,
+                                          MODULE_ABSENT, SAME, TENSOR_IS, TYPE_IS)
 from test_graphed import closure, make  # noqa: F401 (closure: a fixture)
 from test_nonblocking import batches
 
@@ -106,10 +106,78 @@ def test_each_check_holds_and_fires_on_a_change():
     assert not _C._unchanged(((ABSENT, r, "value", None),))   # (not an AttributeError)
 
 
+def _tensor_check(t, full=True):
+    hooked = bool(t._backward_hooks or t._post_accumulate_grad_hooks)
+    return ((TENSOR_IS, t, None, (type(t), tuple(t.shape), t.stride() if full else None,
+                                  t.dtype, t.device, t.data_ptr() if full else None,
+                                  t.requires_grad if full else None, hooked if full else None)),)
+
+
+def test_tensor_is_holds_and_fires_on_a_change():
+    for change in (lambda p: setattr(p, "data", p.data.as_strided((4, 4), (1, 4))),  # strides
+                   lambda p: setattr(p, "data", p.data.clone()),                    # storage
+                   lambda p: setattr(p, "data", p.data.view(16)),                   # shape
+                   lambda p: setattr(p, "data", p.data.double()),                   # dtype
+                   lambda p: setattr(p, "data", p.data[1:]),                        # offset
+                   lambda p: p.requires_grad_(False),
+                   lambda p: p.register_hook(lambda g: g),
+                   lambda p: p.register_post_accumulate_grad_hook(lambda p: None)):
+        p = torch.nn.Parameter(torch.randn(4, 4))
+        check = _tensor_check(p)
+        assert _C._unchanged(check)
+        with torch.no_grad():
+            p.add_(1.0)  # (values are free: the graph reads the storage)
+        assert _C._unchanged(check)
+        change(p)
+        assert not _C._unchanged(check), change
+    # a batch's check: type, shape, dtype and device; the rest free
+    x = torch.randn(4, 4)
+    check = _tensor_check(x, full=False)
+    for same in (x, x.t(), x.clone(), torch.zeros(4, 4)):
+        assert _C._unchanged(((TENSOR_IS, same) + check[0][2:],))
+    for other in (x[:2], x.double(), torch.nn.Parameter(x), [x], x.numpy()):
+        assert not _C._unchanged(((TENSOR_IS, other) + check[0][2:],)), other
+    assert not _C._unchanged(((TENSOR_IS, x.to_sparse()) + _tensor_check(x)[0][2:],))
+
+
+def test_module_absent_holds_and_fires_on_a_change():
+    lookup = (torch.nn.Module.__getattr__, object.__getattribute__)
+
+    class Loss(SoftmaxCrossEntropyLoss):
+        pass
+    for change in (lambda m: setattr(m, "weight", None),
+                   lambda m: m.register_buffer("weight", torch.ones(3)),
+                   lambda m: m.register_parameter("weight", torch.nn.Parameter(torch.ones(3))),
+                   lambda m: m.add_module("weight", torch.nn.ReLU()),
+                   lambda m: setattr(type(m), "weight", None),             # on its class
+                   lambda m: setattr(type(m), "__getattr__", lambda self, name: 1)):
+        m = Loss()
+        check = ((MODULE_ABSENT, m, "weight", lookup),)
+        assert _C._unchanged(check)
+        m.other = 1
+        assert _C._unchanged(check)
+        change(m)
+        assert not _C._unchanged(check), change
+        assert getattr(m, "weight", "absent") != "absent"
+        for name in ("weight", "__getattr__"):
+            if name in Loss.__dict__:
+                delattr(Loss, name)
+    # ABSENT without the AttributeError made (a function's lookup) still sees the attribute
+    def fn():
+        pass
+    check = ((ABSENT, fn, "reduction", None),)
+    assert _C._unchanged(check)
+    fn.reduction = "sum"
+    assert not _C._unchanged(check)
+
+
 def test_a_malformed_check_raises():
     for checks in ([], ((ATTR_IS, 1, "a"),), (("0", 1, "a", 1),), ((9, 1, "a", 1),),
                    ((ATTR_IS, 1, 2, 1),), ((ITEMS, {}, None, []),), ((SAME, [], None, []),),
-                   ((KEYS, {}, None, []),)):
+                   ((KEYS, {}, None, []),), ((TENSOR_IS, torch.ones(1), None, ()),),
+                   ((TENSOR_IS, torch.ones(1), None, (torch.Tensor, (1,), None, 1,
+                                                      torch.device("cpu"), None, None, None)),),
+                   ((MODULE_ABSENT, torch.nn.ReLU(), "w", None),)):
         with pytest.raises(TypeError, match="_unchanged"):
             _C._unchanged(checks)
 
@@ -291,6 +359,21 @@ def _new_storage(s):
     p.data = p.data.clone()
 
 
+def _restride(s):
+    # (the same storage and shape, read column-major: another weight, which the graph's
+    # kernels would read with the strides of its capture)
+    p = next(s.model.parameters())
+    p.data = p.data.as_strided(p.shape, (1, p.shape[0]))
+
+
+def _tensor_attribute(s):
+    s.model.scale = torch.ones(3)
+
+
+def _tensor_attribute_data(s):
+    s.model.scale.data = torch.zeros(3)  # (the same object, new storage)
+
+
 def _replace_state(s):
     p = s.opt.param_groups[0]["params"][0]
     state = s.opt.state[p]
@@ -362,7 +445,8 @@ COMMON = [
     _hook(lambda s: torch.nn.modules.module.register_module_forward_hook(lambda *a: None)),
     _unhook,
     _hook(lambda s: s.loss_fn.register_forward_pre_hook(lambda *a: None)), _unhook,
-    _new_storage, _set("note", 3, on="model"), _batch(rows=16), _batch(),
+    _new_storage, _restride, _set("note", 3, on="model"), _set("_private", 3, on="model"),
+    _tensor_attribute, _tensor_attribute_data, _batch(rows=16), _batch(),
     _batch(dtype=torch.int32), _batch(), _grad(False), _undo(_grad(True)),
     _freeze(True), _undo(_freeze(False)), _set("accumulate", 2, on=None), _undo(
         _set("accumulate", 1, on=None)), _as_tuple, _undo(_batch()),

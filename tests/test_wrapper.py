@@ -201,6 +201,17 @@ def test_load_state_dict_and_in_place_edits_after_wrapping():
     _loop_with(change)
 
 
+def test_a_parameter_given_other_strides_over_its_storage():
+    # (the same data pointer and shape, another weight: p.data = p.data.t() on a square one)
+    def change(m, s):
+        w = m[s % 2 * 2].weight
+        if s in (1, 2):
+            w.data = w.data.as_strided(w.shape, (1, w.shape[0]))
+        if s == 3:
+            m[0].weight.data = m[0].weight.data.t().contiguous().t()
+    _loop_with(change, steps=5)
+
+
 def test_eval_mode_and_dropout_follow_the_model():
     # In eval mode dropout is off on every replica (in train mode half the values would be 0).
     model = mlp(dropout=True)

@@ -226,9 +226,9 @@ bool plain_parameter(PyObject* p) {
          !THPVariable_Unpack(p).unsafeGetTensorImpl()->has_symbolic_sizes_strides();
 }
 
-// tuple(p.shape) (equal to the torch.Size the Python walk holds, with the same hash)
-Ref shape_tuple(const at::Tensor& t) {
-  const auto sizes = t.sizes();
+// tuple(p.shape) (equal to the torch.Size the Python walk holds, with the same hash), or
+// tuple(p.stride())
+Ref shape_tuple(c10::IntArrayRef sizes) {
   Ref out = steal(PyTuple_New(static_cast<Py_ssize_t>(sizes.size())));
   for (size_t i = 0; i < sizes.size(); ++i) {
     PyTuple_SET_ITEM(out.ptr(), static_cast<Py_ssize_t>(i),
@@ -238,6 +238,28 @@ Ref shape_tuple(const at::Tensor& t) {
 }
 
 bool slot_true(PyObject* slot) { return slot != nullptr && truth(slot); }
+
+// replicas._strides(t): t.stride() for a strided tensor, else None (read from the C object
+// for an exact nn.Parameter or torch.Tensor, through Python for another type)
+Ref strides_key(PyObject* t) {
+  const auto* type = reinterpret_cast<PyObject*>(Py_TYPE(t));
+  if ((type == classes.parameter || type == classes.tensor) &&
+      !THPVariable_Unpack(t).unsafeGetTensorImpl()->has_symbolic_sizes_strides()) {
+    const at::Tensor& v = THPVariable_Unpack(t);
+    if (v.layout() != at::kStrided) {
+      return py::none();
+    }
+    return shape_tuple(v.strides());
+  }
+  static PyObject* const strided = [] {
+    const Ref torch = steal(PyImport_ImportModule("torch"));
+    return attr(torch.ptr(), "strided").release().ptr();  // (kept for the process's life)
+  }();
+  if (attr(t, "layout").ptr() != strided) {
+    return py::none();
+  }
+  return steal(PySequence_Tuple(steal(PyObject_CallMethodNoArgs(t, interned("stride"))).ptr()));
+}
 
 py::object walk(py::handle model, bool graphed, int replicas) {
   if (classes.parameter == nullptr) {
@@ -294,13 +316,15 @@ py::object walk(py::handle model, bool graphed, int replicas) {
       bool grad_hooked;
       if (plain_parameter(p)) {
         const at::Tensor& t = THPVariable_Unpack(p);
-        append(key.ptr(), shape_tuple(t));
+        append(key.ptr(), shape_tuple(t.sizes()));
+        append(key.ptr(), strides_key(p));
         append(key.ptr(), t.requires_grad() ? Py_True : Py_False);
         const auto* var = reinterpret_cast<THPVariable*>(p);
         grad_hooked =
             slot_true(var->backward_hooks) || slot_true(var->post_accumulate_grad_hooks);
       } else {
         append(key.ptr(), attr(p, "shape"));
+        append(key.ptr(), strides_key(p));
         append(key.ptr(), attr(p, "requires_grad"));
         grad_hooked = has_grad_hooks(p);
       }
@@ -322,6 +346,7 @@ py::object walk(py::handle model, bool graphed, int replicas) {
       append(buffers.ptr(), b);
       append(key.ptr(), id_of(b));
       append(key.ptr(), attr(b, "shape"));
+      append(key.ptr(), strides_key(b));
       if (graphed) {
         append(state.ptr(), steal(PyObject_CallMethodNoArgs(b, interned("data_ptr"))));
       }

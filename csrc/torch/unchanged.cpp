@@ -18,10 +18,23 @@
 //   kTypeIs  type(object) is expected
 //   kItemIs  object is a dict whose entry name is expected (present)
 //   kKeys    object is a dict whose keys are exactly expected's, in order, each the same object
+//   kTensorIs object is a tensor of exactly expected's (type, sizes, strides, dtype, device,
+//            data_ptr, requires_grad, hooked), read from its C object; a None among the last
+//            five is not compared (hooked: a gradient hook, register_hook's or a
+//            post-accumulate-grad hook). Only for exact torch.Tensor and nn.Parameter types,
+//            whose getters are torch's.
+//   kModuleAbsent  object, an nn.Module, has no attribute name where nn.Module's attribute
+//            lookup would find one: not on its type, not in its __dict__ nor its _parameters,
+//            _buffers or _modules (without running nn.Module.__getattr__, which raises an
+//            AttributeError made in Python). expected is (nn.Module.__getattr__,
+//            object.__getattribute__), which its type must still use.
 // An error raised while reading (a property that raises) is cleared and counts as a change:
 // the Python checks then run and raise it themselves. A check that is not of this form
 // raises TypeError (a bug in the list, not a change).
 #include <Python.h>
+#include <torch/csrc/Device.h>
+#include <torch/csrc/Dtype.h>
+#include <torch/csrc/autograd/python_variable.h>
 #include <torch/extension.h>
 
 #include "unchanged.h"
@@ -36,7 +49,9 @@ enum Op : long {
   kSame = 4,
   kTypeIs = 5,
   kItemIs = 6,
-  kKeys = 7
+  kKeys = 7,
+  kTensorIs = 8,
+  kModuleAbsent = 9
 };
 
 [[noreturn]] void malformed(const char* why) {
@@ -55,14 +70,19 @@ bool attr_is(PyObject* obj, PyObject* name, PyObject* expected) {
 }
 
 bool absent(PyObject* obj, PyObject* name) {
-  PyObject* value = PyObject_GetAttr(obj, name);
-  if (value != nullptr) {
-    Py_DECREF(value);
+  PyObject* value = nullptr;
+  // (without making the AttributeError where the type's lookup need not: a function's)
+#if PY_VERSION_HEX >= 0x030D0000
+  const int found = PyObject_GetOptionalAttr(obj, name, &value);
+#else
+  const int found = _PyObject_LookupAttr(obj, name, &value);
+#endif
+  Py_XDECREF(value);
+  if (found < 0) {
+    PyErr_Clear();  // (another error than an AttributeError: a change)
     return false;
   }
-  const bool missing = PyErr_ExceptionMatches(PyExc_AttributeError);
-  PyErr_Clear();
-  return missing;
+  return found == 0;
 }
 
 bool empty(PyObject* obj) {
@@ -143,6 +163,150 @@ bool same(PyObject* obj, PyObject* expected) {
   return true;
 }
 
+// A tuple of Python ints equal to values (false, the error cleared, where one is not an int).
+bool ints_equal(PyObject* tuple, c10::IntArrayRef values) {
+  if (!PyTuple_Check(tuple)) {
+    malformed("kTensorIs expects sizes and strides as tuples of ints");
+  }
+  if (PyTuple_GET_SIZE(tuple) != static_cast<Py_ssize_t>(values.size())) {
+    return false;
+  }
+  for (size_t i = 0; i < values.size(); ++i) {
+    const long long v = PyLong_AsLongLong(PyTuple_GET_ITEM(tuple, static_cast<Py_ssize_t>(i)));
+    if (v == -1 && PyErr_Occurred()) {
+      PyErr_Clear();
+      malformed("kTensorIs expects sizes and strides as tuples of ints");
+    }
+    if (v != values[i]) {
+      return false;
+    }
+  }
+  return true;
+}
+
+bool slot_true(PyObject* slot) {
+  if (slot == nullptr) {
+    return false;
+  }
+  const int t = PyObject_IsTrue(slot);
+  if (t < 0) {
+    PyErr_Clear();
+    return true;  // (counted as hooked: the Python checks then read it themselves)
+  }
+  return t != 0;
+}
+
+bool tensor_is(PyObject* obj, PyObject* expected) {
+  if (!PyTuple_Check(expected) || PyTuple_GET_SIZE(expected) != 8) {
+    malformed("kTensorIs expects (type, sizes, strides, dtype, device, data_ptr, "
+              "requires_grad, hooked)");
+  }
+  PyObject* const* want = &PyTuple_GET_ITEM(expected, 0);
+  if (reinterpret_cast<PyObject*>(Py_TYPE(obj)) != want[0] || !THPVariable_Check(obj)) {
+    return false;
+  }
+  const at::Tensor& t = THPVariable_Unpack(obj);
+  if (!t.defined() || t.unsafeGetTensorImpl()->has_symbolic_sizes_strides() ||
+      !ints_equal(want[1], t.sizes())) {
+    return false;
+  }
+  if (!THPDtype_Check(want[3]) || !THPDevice_Check(want[4])) {
+    malformed("kTensorIs expects a torch.dtype and a torch.device");
+  }
+  if (reinterpret_cast<THPDtype*>(want[3])->scalar_type != t.scalar_type() ||
+      reinterpret_cast<THPDevice*>(want[4])->device != t.device()) {
+    return false;
+  }
+  if (want[2] != Py_None || want[5] != Py_None) {
+    if (t.layout() != at::kStrided || !t.has_storage()) {
+      return false;
+    }
+    if (want[2] != Py_None && !ints_equal(want[2], t.strides())) {
+      return false;
+    }
+    if (want[5] != Py_None) {
+      void* ptr = PyLong_AsVoidPtr(want[5]);
+      if (ptr == nullptr && PyErr_Occurred()) {
+        PyErr_Clear();
+        malformed("kTensorIs expects data_ptr as an int");
+      }
+      if (ptr != t.data_ptr()) {
+        return false;
+      }
+    }
+  }
+  if (want[6] != Py_None && t.requires_grad() != (want[6] == Py_True)) {
+    return false;
+  }
+  if (want[7] != Py_None) {
+    const auto* var = reinterpret_cast<THPVariable*>(obj);
+    const bool hooked =
+        slot_true(var->backward_hooks) || slot_true(var->post_accumulate_grad_hooks);
+    if (hooked != (want[7] == Py_True)) {
+      return false;
+    }
+  }
+  return true;
+}
+
+// An interned str made once per name (its reference kept for the life of the process).
+PyObject* interned(const char* name) {
+  PyObject* s = PyUnicode_InternFromString(name);
+  if (s == nullptr) {
+    throw py::error_already_set();
+  }
+  return s;
+}
+
+// name is not a key of the dict d (false where the lookup raised: cleared)
+bool missing_from(PyObject* d, PyObject* name) {
+  if (PyDict_GetItemWithError(d, name) != nullptr) {
+    return false;
+  }
+  if (PyErr_Occurred()) {
+    PyErr_Clear();
+    return false;
+  }
+  return true;
+}
+
+bool module_absent(PyObject* obj, PyObject* name, PyObject* expected) {
+  if (!PyTuple_Check(expected) || PyTuple_GET_SIZE(expected) != 2) {
+    malformed("kModuleAbsent expects (nn.Module.__getattr__, object.__getattribute__)");
+  }
+  static PyObject* const getattr_name = interned("__getattr__");
+  static PyObject* const getattribute_name = interned("__getattribute__");
+  static PyObject* const dict_names[] = {interned("_parameters"), interned("_buffers"),
+                                         interned("_modules")};
+  PyTypeObject* type = Py_TYPE(obj);
+  // (_PyType_Lookup: the MRO's entry, borrowed, without running Python or raising)
+  if (_PyType_Lookup(type, getattr_name) != PyTuple_GET_ITEM(expected, 0) ||
+      _PyType_Lookup(type, getattribute_name) != PyTuple_GET_ITEM(expected, 1) ||
+      _PyType_Lookup(type, name) != nullptr) {
+    return false;
+  }
+  PyObject* d = PyObject_GenericGetDict(obj, nullptr);
+  if (d == nullptr) {
+    PyErr_Clear();
+    return false;
+  }
+  const py::object owned = py::reinterpret_steal<py::object>(d);
+  if (!PyDict_Check(d) || !missing_from(d, name)) {
+    return false;
+  }
+  for (PyObject* dict_name : dict_names) {
+    PyObject* entries = PyDict_GetItemWithError(d, dict_name);  // (borrowed)
+    if (entries == nullptr) {
+      PyErr_Clear();
+      return false;
+    }
+    if (!PyDict_Check(entries) || !missing_from(entries, name)) {
+      return false;
+    }
+  }
+  return true;
+}
+
 bool holds(PyObject* check) {
   if (!PyTuple_Check(check) || PyTuple_GET_SIZE(check) != 4) {
     malformed("each check is an (op, object, name, expected) tuple");
@@ -174,6 +338,13 @@ bool holds(PyObject* check) {
       return item_is(obj, name, expected);
     case kKeys:
       return keys(obj, expected);
+    case kTensorIs:
+      return tensor_is(obj, expected);
+    case kModuleAbsent:
+      if (!PyUnicode_Check(name)) {
+        malformed("an attribute's name is not a str");
+      }
+      return module_absent(obj, name, expected);
     default:
       malformed("unknown op");
   }

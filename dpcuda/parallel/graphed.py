@@ -222,21 +222,22 @@ class GraphedSteps:
 
     # -- the step --------------------------------------------------------------------------
 
-    def unchanged(self, inputs, targets, loss_fn, optimizer, accumulate, walk):
-        """The last replay's guard if this step's checks would find what its checks found (the
-        step then replays its graph without them: replay_guard.py), else None."""
+    def unchanged(self, inputs, targets, loss_fn, optimizer, accumulate):
+        """The last replay's guard if this step's checks, and its walk of the model, would
+        find what its checks found (the step then replays its graph without them, and without
+        the walk: replay_guard.py), else None."""
         guard = self.guard
-        if guard is not None and guard.holds(inputs, targets, loss_fn, optimizer, accumulate,
-                                             walk):
+        if guard is not None and guard.holds(inputs, targets, loss_fn, optimizer, accumulate):
             return guard
         return None
 
     def step(self, dp, inputs, targets, loss_fn, optimizer, accumulate, walk=None,
              guard=None):
         """walk: the model's walk (ReplicaSet.walk) that DataParallel.step made for this step,
-        or None to make it here. guard: unchanged()'s guard, found for this step."""
+        or None to make it here. guard: unchanged()'s guard, found for this step (no walk
+        made)."""
         if guard is not None:
-            return self._replay_unchanged(dp, guard, inputs, targets, optimizer, walk)
+            return self._replay_unchanged(dp, guard, inputs, targets, optimizer)
         self.guard = None
         if dp.blocking or not isinstance(inputs, torch.Tensor) or \
                 not isinstance(targets, torch.Tensor):
@@ -311,12 +312,12 @@ class GraphedSteps:
         self.graphs.move_to_end(key)
         return self._replay(dp, graph, inputs, targets, summed, optimizer)
 
-    def _replay_unchanged(self, dp, guard, inputs, targets, optimizer, walk):
+    def _replay_unchanged(self, dp, guard, inputs, targets, optimizer):
         """step() where the guard holds: what its checks would do, done (_count_change's
-        counts: no change), then the replay. (Its graph is the most recent already: any other
-        key's step ran the checks, which dropped the guard.)"""
+        counts: no change; its last value, the model's state, is this step's, as the model is
+        unchanged), then the replay. (Its graph is the most recent already: any other key's
+        step ran the checks, which dropped the guard.)"""
         self.changes["state"] = 0
-        self.last["state"] = walk[3][1]
         if optimizer is None:
             self.changes["sgd"] = 0
         return self._replay(dp, guard.graph, inputs, targets, guard.summed, optimizer)

@@ -12,11 +12,16 @@ capture changes what it reads), just before its replay, from the objects those c
 each attribute, dict entry and list item as the object it was (csrc/torch/unchanged.cpp checks
 them in one C call). At the next step, if every one of them is still the same object, and the
 step's own arguments (the batch's type, shape, dtype and device, the loss, the optimizer,
-accumulate, grad mode, autocast) and its walk of the model are those of the guard's step, the
-checks would find what they found then, and the step replays the same graph without them.
+accumulate, grad mode, autocast) are those of the guard's step, the checks would find what they
+found then, and the step replays the same graph without them. The model is read as its walk
+(ReplicaSet.walk) reads it, so that the walk is skipped too: every module's type and __dict__
+(each attribute the same object), its hook dicts empty, the entries of its _parameters,
+_buffers and _modules, and every parameter, buffer and tensor attribute's sizes, strides,
+dtype, device, storage, requires_grad and gradient hooks, read from its C object.
 Anything else (a hook registered anywhere the checks look, a state
 entry replaced or added, a parameter group added or its members changed, a loss attribute set,
-a split weight edited) fails the guard, and the step runs the checks, which decide as before
+a split weight edited, any attribute of a module set, a parameter given new storage or
+strides) fails the guard, and the step runs the checks, which decide as before
 and make a new guard. The parameter groups' values (a scheduler's lr, momentum or betas, at
 every step) are not the guard's: the replay writes them into the plan's device array as it
 did (write_hyper, with its memo, inside opt.step(), so after what a subclass's step or a
@@ -33,7 +38,6 @@ read until the next step replaces it.
 """
 
 import collections
-import operator
 
 import torch
 from torch.nn.modules import module as _module
@@ -43,7 +47,7 @@ from . import step as _step
 from .fused_update import FusedUpdate, _global_optimizer_pre_hooks
 
 # the ops of dpcuda._C._unchanged (csrc/torch/unchanged.cpp)
-ATTR_IS, ABSENT, EMPTY, ITEMS, SAME, TYPE_IS, ITEM_IS, KEYS = range(8)
+ATTR_IS, ABSENT, EMPTY, ITEMS, SAME, TYPE_IS, ITEM_IS, KEYS, TENSOR_IS, MODULE_ABSENT = range(10)
 
 _DICTS = (dict, collections.defaultdict)
 _MODULE_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks",
@@ -53,6 +57,9 @@ _GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks",
 # (GraphedSteps._key's settings, and summed_loss's weight)
 _LOSS_SETTINGS = ("reduction", "label_smoothing", "ignore_index", "weight")
 _MISSING = object()
+# (MODULE_ABSENT's: the lookup of a module whose type uses nn.Module's)
+_MODULE_LOOKUP = (torch.nn.Module.__getattr__, object.__getattribute__)
+_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)  # (TENSOR_IS's: torch's own getters)
 
 
 class _Checks:
@@ -65,7 +72,13 @@ class _Checks:
         """obj.name as it is now (its absence included); returns it (None if absent)."""
         value = getattr(obj, name, _MISSING)
         if value is _MISSING:
-            self.list.append((ABSENT, obj, name, None))
+            cls = type(obj)
+            if isinstance(obj, torch.nn.Module) and \
+                    (cls.__getattr__, cls.__getattribute__) == _MODULE_LOOKUP:
+                # (without nn.Module.__getattr__, whose AttributeError costs a microsecond)
+                self.list.append((MODULE_ABSENT, obj, name, _MODULE_LOOKUP))
+            else:
+                self.list.append((ABSENT, obj, name, None))
             return None
         self.list.append((ATTR_IS, obj, name, value))
         return value
@@ -104,37 +117,85 @@ class _Checks:
         self.list.append((SAME, seq, None, tuple(seq)))
         return True
 
+    def tensor(self, t, grad=False):
+        """t's sizes, strides, dtype, device and storage as they are now (grad: its
+        requires_grad and gradient hooks too), read from its C object; False where t is not
+        a plain strided tensor with storage of torch's own types."""
+        if type(t) not in _TENSOR_TYPES or t.layout != torch.strided:
+            return False
+        try:
+            ptr = t.data_ptr()
+        except RuntimeError:  # (no storage)
+            return False
+        hooked = bool(t._backward_hooks or t._post_accumulate_grad_hooks) if grad else None
+        self.list.append((TENSOR_IS, t, None, (
+            type(t), tuple(t.shape), t.stride(), t.dtype, t.device, ptr,
+            t.requires_grad if grad else None, hooked)))
+        return True
+
+    def model(self, model):
+        """What the step's walk of the model (ReplicaSet.walk) reads, as it is now: every
+        module's type, __dict__ (its attributes, hook dicts, _parameters, _buffers and
+        _modules, each the same object), its hook dicts empty, the entries of its _parameters,
+        _buffers and _modules, and every parameter, buffer and tensor attribute (tensor()).
+        False where the walk reads what this does not (a module whose dicts are not plain, a
+        tensor tensor() does not read, a hook: the walk's checks then run at every step)."""
+        stack, seen = [model], set()
+        while stack:
+            m = stack.pop()
+            if id(m) in seen:
+                continue
+            seen.add(id(m))
+            self.list.append((TYPE_IS, m, None, type(m)))
+            d = self.attr(m, "__dict__")
+            if type(d) is not dict or not self.items(d):
+                return False
+            for name in _MODULE_HOOKS:
+                hooks = d.get(name)
+                if hooks is None or len(hooks) != 0:
+                    return False
+                self.list.append((EMPTY, hooks, None, None))
+            entries = [d.get(name) for name in ("_parameters", "_buffers", "_modules")]
+            if not all(map(self.items, entries)):
+                return False
+            parameters, buffers, modules = entries
+            for tensors, grad in ((parameters, True), (buffers, False)):
+                for t in tensors.values():
+                    if t is not None and id(t) not in seen:
+                        seen.add(id(t))
+                        if (grad and type(t) is not torch.nn.Parameter) or \
+                                not self.tensor(t, grad):
+                            return False
+            for k, v in d.items():  # (the walk's public attributes: a tensor by its storage)
+                if k[:1] != "_" and isinstance(v, torch.Tensor) and not self.tensor(v):
+                    return False
+            stack.extend(reversed([c for c in modules.values() if c is not None]))
+        return True
+
 
 class ReplayGuard:
     """The module docstring: made by make_guard, checked by holds()."""
 
-    def __init__(self, checks, graph, summed, plan, args, params, rs):
+    def __init__(self, checks, graph, summed, plan, args):
         self.checks = tuple(checks)
         self.graph, self.summed = graph, summed
         # a plan on the CPU, whose uniformity ready() reads at every step
         self.cpu_plan = plan if plan is not None and plan.device.type == "cpu" else None
         self.plan_structure = None if plan is None else {plan.keys}
         (self.inputs_of, self.targets_of, self.loss_fn, self.optimizer, self.accumulate,
-         self.grad, self.kind, self.state) = args
-        self.params = tuple(params)
-        # what the checks compare the walk's structure and the parameters' storage with (the
-        # same objects: checked)
-        self.structure, self.pointers = rs._structure, rs._pointers
+         self.grad, self.kind) = args
 
-    def holds(self, inputs, targets, loss_fn, optimizer, accumulate, walk):
-        """Whether this step's checks would find what the guard's step found."""
+    def holds(self, inputs, targets, loss_fn, optimizer, accumulate):
+        """Whether this step's checks would find what the guard's step found (its model's
+        walk among them: the guard's checks read what the walk reads)."""
         if loss_fn is not self.loss_fn or optimizer is not self.optimizer or \
-                accumulate != self.accumulate or _tensor_of(inputs) != self.inputs_of or \
-                _tensor_of(targets) != self.targets_of:
-            return False
-        params, _, structure, (hooked, state, _) = walk
-        if hooked or structure != self.structure or state != self.state or \
-                len(params) != len(self.params) or \
-                not all(map(operator.is_, params, self.params)):
+                accumulate != self.accumulate:
             return False
         if torch.is_grad_enabled() is not self.grad or torch.is_autocast_enabled(self.kind):
             return False
-        if not _C._unchanged(self.checks) or [p.data_ptr() for p in params] != self.pointers:
+        if not _C._unchanged(((TENSOR_IS, inputs, None, self.inputs_of),
+                              (TENSOR_IS, targets, None, self.targets_of))) or \
+                not _C._unchanged(self.checks):
             return False
         if optimizer is not None and {FusedUpdate._structure(optimizer, group) for group in
                                       optimizer.param_groups} != self.plan_structure:
@@ -147,11 +208,12 @@ class ReplayGuard:
         return True
 
 
-def _tensor_of(t):
-    """What the checks read of the batch (a batch that is not a tensor: its type)."""
-    if not isinstance(t, torch.Tensor):
-        return (type(t),)
-    return type(t), t.shape, t.dtype, t.device
+def _batch_of(t):
+    """TENSOR_IS's expectation of a batch: what the checks read of it (its type, shape, dtype
+    and device); None where it is not a tensor of torch's own types."""
+    if type(t) not in _TENSOR_TYPES:
+        return None
+    return type(t), tuple(t.shape), None, t.dtype, t.device, None, None, None
 
 
 def make_guard(dp, graph, inputs, targets, loss_fn, optimizer, accumulate, walk, summed):
@@ -219,9 +281,14 @@ def make_guard(dp, graph, inputs, targets, loss_fn, optimizer, accumulate, walk,
             return None
         for name in ("bound", "is_uniform"):
             c.attr(plan, name)
-    params, _, structure, (hooked, model_state, _) = walk
+    params, _, structure, (hooked, _, _) = walk
     if hooked or structure != rs._structure or [p.data_ptr() for p in params] != rs._pointers:
         return None
-    args = (_tensor_of(inputs), _tensor_of(targets), loss_fn, optimizer, accumulate,
-            torch.is_grad_enabled(), kind, model_state)
-    return ReplayGuard(c.list, graph, summed, plan, args, params, rs)
+    # the model as its walk read it (the next step's walk is then skipped: StepMixin.step)
+    if not c.model(c.attr(rs, "model")):
+        return None
+    batch = _batch_of(inputs), _batch_of(targets)
+    if None in batch or not _C._unchanged(tuple(c.list)):
+        return None  # (a check that does not hold now would fail at every step)
+    args = batch + (loss_fn, optimizer, accumulate, torch.is_grad_enabled(), kind)
+    return ReplayGuard(c.list, graph, summed, plan, args)

@@ -266,6 +266,13 @@ def _replicate_tree(model, pmap, bmap):
 _VALUES = (bool, int, float, str, type(None), torch.Size, torch.device, torch.dtype)
 
 
+def _strides(t):
+    """A parameter's or buffer's strides as the structure's key holds them (None: a layout
+    without strides). A tensor given other strides over the same storage (p.data =
+    p.data.t(), as_strided) is another structure: the replicas' flat views are built again."""
+    return t.stride() if t.layout == torch.strided else None
+
+
 def _attribute_key(v, objects):
     """A module attribute as a graph's key holds it: a plain value (a tuple of them) as it is
     (NaN as "nan", which equals itself); a tensor by its storage, dtype and shape; any other
@@ -370,7 +377,7 @@ class ReplicaSet:
                             f"it as an nn.Parameter")
                     seen.add(id(p))
                     params.append(p)
-                    key += (id(p), p.shape, p.requires_grad)
+                    key += (id(p), p.shape, _strides(p), p.requires_grad)
                     grad_hooked = _has_grad_hooks(p)
                     hooked = hooked or graphed and grad_hooked
                     if replicas > 1 and grad_hooked:
@@ -379,7 +386,7 @@ class ReplicaSet:
                 if b is not None and id(b) not in seen:
                     seen.add(id(b))
                     buffers.append(b)
-                    key += (id(b), b.shape)
+                    key += (id(b), b.shape, _strides(b))
                     if graphed:
                         state.append(b.data_ptr())
             children = [c for c in m._modules.values() if c is not None]
@@ -472,7 +479,9 @@ class ReplicaSet:
                         r.momentum[o:o + n].copy_(m.reshape(-1))
             for i in self.replicas[0].trainable:
                 self._parked.pop(params[i], None)
-        self._structure = key
+        # (walked again: the trainable parameters are now views of the flat weights, with
+        # strides of their own)
+        self._structure = self.walk(False)[2]
         self.generation += 1
         self._pointers = [p.data_ptr() for p in params]
         self._record_versions(params, buffers)

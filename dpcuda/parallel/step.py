@@ -127,14 +127,14 @@ class StepMixin(LabelChecks, PendingSteps, UpdateMixin):
         if not self._reduction.sync:
             raise RuntimeError("dpcuda DataParallel: step() inside no_sync(): a step applies "
                                "its update at once, with nothing to defer")
-        # One walk over the model for the step's checks and its first sync, handed down as an
-        # argument (no user code runs in between); a graphed step's checks read it too
-        # (graphed.py).
-        walk = self._set.walk(self._graphed is not None)
-        # A graphed step whose checks would find what the last one found skips them
-        # (replay_guard.py), this one included.
+        # A graphed step whose checks would find what the last one found skips them and the
+        # model's walk (replay_guard.py), this one included.
         guard = None if self._graphed is None else self._graphed.unchanged(
-            inputs, targets, loss_fn, optimizer, accumulate, walk)
+            inputs, targets, loss_fn, optimizer, accumulate)
+        # Otherwise one walk over the model for the step's checks and its first sync, handed
+        # down as an argument (no user code runs in between); a graphed step's checks read it
+        # too (graphed.py).
+        walk = None if guard is not None else self._set.walk(self._graphed is not None)
         if optimizer is not None and guard is None:
             self._check_optimizer(optimizer, walk[0])
         # On CUDA each step is ordered after the previous one and after the caller's work,
