@@ -23,8 +23,8 @@ from dpcuda.parallel import DataParallel
 from dpcuda.parallel import fused_update
 from dpcuda.parallel import graphed as graphed_module
 from dpcuda.parallel import replay_guard
-from dpcuda.parallel.replay_guard import (ABSENT, ATTR_IS, EMPTY, ITEM_IS, ITEMS, KEYS,
-                                          MODULE_ABSENT, SAME, TENSOR_IS, TYPE_IS)
+from dpcuda.parallel.unchanged import (ABSENT, ATTR_IS, EMPTY, ITEM_IS, ITEMS, KEYS,
+                                       MODULE_ABSENT, SAME, TENSOR_IS, TYPE_IS)
 from test_graphed import closure, make  # noqa: F401 (closure: a fixture)
 from test_nonblocking import batches
 
@@ -422,6 +422,15 @@ def _doubled_cross_entropy(out, y):
     return _CROSS_ENTROPY(out, y) * 2
 
 
+def _tripled_forward(s):
+    s.loss_fn.forward = lambda out, y: 3 * torch.nn.functional.cross_entropy(out, y)
+
+
+@_undo
+def _own_forward_dropped(s):
+    del s.loss_fn.forward
+
+
 def _weighted(s):
     s.loss_fn.weight = torch.linspace(0.5, 1.5, 5)
 
@@ -445,6 +454,7 @@ COMMON = [
     _hook(lambda s: torch.nn.modules.module.register_module_forward_hook(lambda *a: None)),
     _unhook,
     _hook(lambda s: s.loss_fn.register_forward_pre_hook(lambda *a: None)), _unhook,
+    _tripled_forward, _own_forward_dropped,
     _new_storage, _restride, _set("note", 3, on="model"), _set("_private", 3, on="model"),
     _tensor_attribute, _tensor_attribute_data, _batch(rows=16), _batch(),
     _batch(dtype=torch.int32), _batch(), _grad(False), _undo(_grad(True)),
@@ -553,6 +563,120 @@ def test_what_the_optimizers_own_step_changes_reaches_the_replay(closure):
     assert not differences and unchecked >= 10, differences[:3]
     differences, unchecked, unarmed = lockstep("SGD", {8: _wrap_step}, steps=30)
     assert not differences and not unarmed and unchecked >= 10, differences[:3]
+
+
+def _stepping(base):
+    """_SteppingSGD's step() over base (dpcuda.optim.SGD or torch.optim.SGD, the oracle)."""
+    class Stepping(base):
+        calls = 0
+
+        def step(self, closure=None):
+            self.calls += 1
+            if self.calls % 7 == 0:
+                for group in self.param_groups:
+                    group["lr"] *= 0.5
+            if self.calls % 11 == 0:
+                for state in self.state.values():
+                    state.pop("momentum_buffer", None)
+            return super().step(closure)
+    return Stepping
+
+
+@pytest.mark.parametrize("mode", ["blocking", "nonblocking", "graphed"])
+def test_what_the_optimizers_own_step_changes_is_torchs(closure, monkeypatch, mode):
+    """An lr halved and the momentum buffers dropped inside opt.step() (a subclass's step,
+    after the step's checks): torch's training, in every mode. The graphed step binds the plan
+    again on the host before the replay (a CUDA graph's replay runs no Python: the CPU
+    stand-in's body would bind it again itself)."""
+    def model():
+        torch.manual_seed(1)
+        return torch.nn.Sequential(torch.nn.Linear(12, 16), torch.nn.Tanh(),
+                                   torch.nn.Linear(16, 5)).double()
+    data = [(x.double(), y) for x, y in batches(30)]
+    ref = model()
+    ref_opt = _stepping(torch.optim.SGD)(ref.parameters(), lr=0.05, momentum=0.9)
+    for x, y in data:
+        ref_opt.zero_grad()
+        torch.nn.functional.cross_entropy(ref(x), y).backward()
+        ref_opt.step()
+    binds_outside = []
+    bind, replay = fused_update._Plan.bind, graphed_module._ClosureGraph.replay
+    replaying = [False]
+
+    def in_graph(self):
+        replaying[0] = True
+        try:
+            return replay(self)
+        finally:
+            replaying[0] = False
+
+    def binding(self, opt):
+        if not replaying[0]:
+            binds_outside.append(opt.calls)
+        return bind(self, opt)
+    monkeypatch.setattr(fused_update._Plan, "bind", binding)
+    monkeypatch.setattr(graphed_module._ClosureGraph, "replay", in_graph)
+    m = model()
+    dp = DataParallel(m, ["cpu"] * 2, graphs=mode == "graphed",
+                      **({} if mode == "graphed" else {"blocking": mode == "blocking"}))
+    opt = _stepping(dpcuda.optim.SGD)(m.parameters(), lr=0.05, momentum=0.9)
+    loss_fn = torch.nn.CrossEntropyLoss()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the NaN step of batches)
+        for x, y in data:
+            dp.step(x, y, loss_fn, optimizer=opt)
+    dp.synchronize()
+    for a, b in zip(m.parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    # (the drops at calls 11 and 22, each bound again before its update)
+    assert {11, 22} <= set(binds_outside), binds_outside
+
+
+def test_a_state_left_at_two_points_inside_the_step_raises():
+    class Half(dpcuda.optim.SGD):
+        def step(self, closure=None):
+            first = self.param_groups[0]["params"][0]
+            self.state[first].pop("momentum_buffer", None)
+            return super().step(closure)
+    model = make()
+    dp = DataParallel(model, ["cpu"] * 2, blocking=True)
+    opt = dpcuda.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    (x, y), = batches(1)
+    dp.step(x, y, SoftmaxCrossEntropyLoss(), optimizer=opt)
+    opt.__class__ = Half
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match="different points"):
+        dp.step(x, y, SoftmaxCrossEntropyLoss(), optimizer=opt)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+@pytest.mark.parametrize("mode", ["blocking", "nonblocking", "graphed"])
+def test_a_loss_whose_forward_is_set_on_the_instance(closure, mode):
+    """A cross-entropy loss with a forward of its own, set on the instance (from the start, or
+    after the guard is made): computed as it says, on the gathered output."""
+    for when in (0, 8):
+        model = make(fused=False)
+        ref = copy.deepcopy(model)
+        dp = DataParallel(model, ["cpu"] * 2, lr=0.05, graphs=mode == "graphed",
+                          **({} if mode == "graphed" else {"blocking": mode == "blocking"}))
+        loss_fn = torch.nn.CrossEntropyLoss()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for i, (x, y) in enumerate(batches(14, nan_steps=())):
+                if i == when:
+                    loss_fn.forward = lambda out, y: 3 * torch.nn.functional.cross_entropy(out, y)
+                want = (3 if i >= when else 1) * torch.nn.functional.cross_entropy(ref(x), y)
+                ref.zero_grad()
+                want.backward()
+                with torch.no_grad():
+                    for p in ref.parameters():
+                        p -= 0.05 * p.grad
+                got = dp.step(x, y, loss_fn)
+                torch.testing.assert_close(torch.as_tensor(got, dtype=torch.float64),
+                                           want.detach().double(), rtol=1e-5, atol=1e-6)
+        dp.synchronize()
+        for a, b in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("opt_name", [None, "SGD", "AdamW"])

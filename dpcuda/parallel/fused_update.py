@@ -23,7 +23,9 @@ import operator
 import torch
 from torch.optim.optimizer import _global_optimizer_pre_hooks  # (a dict torch fills in place)
 
+from .. import _C
 from ..optim import _FIRST, _FLAGS, _HYPER, _STEP, _FusedOptimizer
+from .unchanged import items_of
 
 
 def shard_range(n, replicas, k, align):
@@ -132,6 +134,7 @@ class _Plan:
         self.buffers = [r.flat_param for r in replicas], [r.flat_grad for r in replicas]
         self.device = r0.device
         self.bound = False
+        self.seen = ()  # the optimizer's state as bind() and finish() left it (see_state)
 
     def bind(self, opt):
         """The optimizer's state entries as views of the flat buffers (values it holds that
@@ -169,6 +172,7 @@ class _Plan:
                      for f in self.firsts], dtype=torch.float64))
         self.bound = True
         self.is_uniform = self.uniform(opt)
+        self.see_state(opt)
         # (the optimizer calls it before its own step() and its state_dict())
         opt.__dict__["_plan_settle"] = self.settle
 
@@ -192,6 +196,13 @@ class _Plan:
                     if state is not None and state.get("momentum_buffer") is views[i]:
                         del state["momentum_buffer"]
         self.bound = False
+
+    def see_state(self, opt):
+        """The optimizer's state as it is now, as checks of dpcuda._C._unchanged: its entries
+        and each parameter's, the same objects (FusedUpdate.recheck compares)."""
+        state = opt.state
+        self.seen = (items_of(state),) + tuple(
+            items_of(s) for s in map(state.get, self.params) if s is not None)
 
     def uniform(self, opt):
         """Whether each group's parameters are at the same point (Adam: the same step count;
@@ -282,11 +293,13 @@ class FusedUpdate:
         values into the plan's device array), device_update (device work only: what a graph
         captures) and finish (the host's bookkeeping after an update)."""
         self.issued = False
-        self.write_hyper(opt)
         for r in replicas:
             r.drop_grads()
 
         def run():
+            # (inside opt.step(): after what a subclass's step or a wrapper of it changes)
+            self.recheck(opt)
+            self.write_hyper(opt)
             self.device_update(opt, replicas, algorithm, records, scaled_by, loss_out)
             self.finish(opt)
         # Through opt.step(), so that what wraps it runs as for any step: its post-hooks, the
@@ -296,6 +309,25 @@ class FusedUpdate:
             opt.step()
         finally:
             opt.__dict__.pop("_fused_step", None)
+
+    def recheck(self, opt):
+        """Inside opt.step(), before the update: where the optimizer's own step (a subclass's,
+        a wrapper's) changed its state after ready() bound the plan (a momentum buffer dropped,
+        a state entry replaced), the plan binds it again, so that the update starts SGD's
+        momentum afresh where torch would and takes the values put in; a group whose
+        parameters are then at different points raises (one update per group cannot apply;
+        nothing was updated). One C call when nothing changed."""
+        plan = self._plan
+        if _C._unchanged(plan.seen):
+            return
+        plan.bind(opt)
+        if not plan.is_uniform:
+            raise RuntimeError(
+                f"dpcuda: {type(opt).__name__}.step() changed the optimizer's state so that "
+                f"the parameters of a group are at different points (some with a momentum "
+                f"buffer or a step count, some without) inside DataParallel.step, whose update "
+                f"is fused into its reduction; change the state before dp.step(), where the "
+                f"step checks it")
 
     def write_hyper(self, opt, graphed=False):
         """Each group's hyperparameters (as the optimizer holds them now: a scheduler's lr)
@@ -396,11 +428,12 @@ class FusedUpdate:
         next update starts afresh, as the device's flag says)."""
         plan = self._plan
         torch.autograd.graph.increment_version(plan.params)
-        if opt._op == "sgd" and plan.keys:
+        if opt._op == "sgd" and plan.keys and self._first:
             for index in self._first:
                 for i in plan.members[index]:
                     opt.state[plan.params[i]]["momentum_buffer"] = \
                         plan.views["momentum_buffer"][i]
+            plan.see_state(opt)
 
     @property
     def _flat(self):  # (tests: the flat state buffers)

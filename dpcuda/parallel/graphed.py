@@ -227,7 +227,8 @@ class GraphedSteps:
         find what its checks found (the step then replays its graph without them, and without
         the walk: replay_guard.py), else None."""
         guard = self.guard
-        if guard is not None and guard.holds(inputs, targets, loss_fn, optimizer, accumulate):
+        if guard is not None and self.guarded and \
+                guard.holds(inputs, targets, loss_fn, optimizer, accumulate):
             return guard
         return None
 
@@ -397,7 +398,8 @@ class GraphedSteps:
             return None
         finally:
             dp._optimizer = None
-        captured = _Graph(objects, graph, static_x, static_y,
+        # (the optimizer kept alive with the graph: the key holds it by its id)
+        captured = _Graph(list(objects) + [optimizer], graph, static_x, static_y,
                           dp._fused_update._plan if optimizer is not None else None, sink)
         self.graphs[key] = captured
         while len(self.graphs) > MAX_GRAPHS:
@@ -422,6 +424,7 @@ class GraphedSteps:
         def run():
             # (inside opt.step(): after what a subclass's step or a wrapper of it changes)
             if optimizer is not None:
+                dp._fused_update.recheck(optimizer)
                 dp._fused_update.write_hyper(optimizer, graphed=True)
             graph.graph.replay()
             replayed.append(True)

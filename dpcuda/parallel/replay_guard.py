@@ -45,9 +45,9 @@ from torch.nn.modules import module as _module
 from .. import _C
 from . import step as _step
 from .fused_update import FusedUpdate, _global_optimizer_pre_hooks
+from .unchanged import (ABSENT, ATTR_IS, EMPTY, ITEM_IS, ITEMS, KEYS, MODULE_ABSENT, SAME,
+                        TENSOR_IS, TYPE_IS, items_of)
 
-# the ops of dpcuda._C._unchanged (csrc/torch/unchanged.cpp)
-ATTR_IS, ABSENT, EMPTY, ITEMS, SAME, TYPE_IS, ITEM_IS, KEYS, TENSOR_IS, MODULE_ABSENT = range(10)
 
 _DICTS = (dict, collections.defaultdict)
 _MODULE_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks",
@@ -95,7 +95,7 @@ class _Checks:
         """d's items as they are now; False if d is not a plain dict."""
         if type(d) not in _DICTS:
             return False
-        self.list.append((ITEMS, d, None, tuple(d.items())))
+        self.list.append(items_of(d))
         return True
 
     def keys(self, d):
@@ -243,6 +243,10 @@ def make_guard(dp, graph, inputs, targets, loss_fn, optimizer, accumulate, walk,
     # the loss (summed_loss, _why_not's hooks, _key's settings)
     if isinstance(loss_fn, torch.nn.Module):
         c.list.append((TYPE_IS, loss_fn, None, type(loss_fn)))
+        # (its instance attributes' names: a forward set on it is another loss, summed_loss's
+        # _plain)
+        if not c.keys(c.attr(loss_fn, "__dict__")):
+            return None
         if not all(c.empty(loss_fn, name) for name in
                    _MODULE_HOOKS + ("_modules", "_parameters")):
             return None  # (hooks, or a loss whose modules the checks walk)

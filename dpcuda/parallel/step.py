@@ -27,10 +27,18 @@ from .streams import StepStreams
 from .update import UpdateMixin
 
 
+# what an instance may set to compute something else than its class (nn.Module.__call__'s)
+_CALL_ATTRIBUTES = ("forward", "_call_impl", "_wrapped_call_impl")
+
+
 def _plain(loss_fn, cls):
     """loss_fn is exactly a cls (not a subclass, which may have a forward of its own) with no
-    hooks, so that its result is known without calling it."""
-    return type(loss_fn) is cls and not _has_hooks(loss_fn)
+    hooks and no forward set on the instance, so that its result is known without calling
+    it."""
+    if type(loss_fn) is not cls or _has_hooks(loss_fn):
+        return False
+    d = loss_fn.__dict__
+    return not any(name in d for name in _CALL_ATTRIBUTES)
 
 
 def summed_loss(loss_fn, targets):
