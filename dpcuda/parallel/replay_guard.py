@@ -17,18 +17,17 @@ found then, and the step replays the same graph without them. The model is read 
 (ReplicaSet.walk) reads it, so that the walk is skipped too: every module's type and __dict__
 (each attribute the same object), its hook dicts empty, the entries of its _parameters,
 _buffers and _modules, and every parameter, buffer and tensor attribute's sizes, strides,
-dtype, device, storage, requires_grad and gradient hooks, read from its C object.
-Anything else (a hook registered anywhere the checks look, a state
-entry replaced or added, a parameter group added or its members changed, a loss attribute set,
-a split weight edited, any attribute of a module set, a parameter given new storage or
-strides) fails the guard, and the step runs the checks, which decide as before
-and make a new guard. The parameter groups' values (a scheduler's lr, momentum or betas, at
-every step) are not the guard's: the replay writes them into the plan's device array as it
-did (write_hyper, with its memo, inside opt.step(), so after what a subclass's step or a
-wrapper of it changes), and holds() checks the one thing the checks read from them, the plan's
-kind of state (SGD's momentum 0 or not, Adam's amsgrad). A guard is never made for a loss with
-submodules or hooks, an optimizer with step pre-hooks, or under autocast: those steps run the checks every
-time.
+dtype, device, storage, requires_grad and gradient hooks, read from its C object. Anything else
+(a hook registered anywhere the checks look, a state entry replaced or added, a parameter group
+added or its members changed, a loss attribute set, a split weight edited, any attribute of a
+module set, a parameter given new storage or strides) fails the guard, and the step runs the
+checks, which decide as before and make a new guard. The parameter groups' values (a
+scheduler's lr, momentum or betas, at every step) are not the guard's: the replay writes them
+into the plan's device array as it did (write_hyper, with its memo, inside opt.step(), so after
+what a subclass's step or a wrapper of it changes), and holds() checks the one thing the checks
+read from them, the plan's kind of state (SGD's momentum 0 or not, Adam's amsgrad). A guard is
+never made for a loss with submodules or hooks, an optimizer with step pre-hooks, or under
+autocast: those steps run the checks every time.
 
 What a step itself changes (SGD's first momentum buffers, a state bound to the plan) is seen
 at the next step, which runs the checks once more before the guard holds again. Adam's step
