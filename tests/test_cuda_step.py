@@ -218,6 +218,26 @@ def test_cuda_graphed_training_is_the_eager_training_bit_for_bit(replicas, name)
 
 
 @pytest.mark.parametrize("replicas", [1, 2])
+@pytest.mark.parametrize("name", ["SGD", "AdamW"])
+def test_cuda_graphed_training_with_changes_is_the_eager_training(replicas, name):
+    # The replay guard (dpcuda/parallel/replay_guard.py) over real graphs: between steps a
+    # hook, loss settings, new storage and other strides for a weight, a module's attributes,
+    # a tensor attribute and its storage, the optimizer's state replaced and reloaded, the
+    # batch's shape, group values (tests/test_replay_guard.py's TRAINING_CHANGES), each met
+    # by a guard. A replay of a stale graph shows here in the numbers (on the CPU stand-in a
+    # replay runs the step's Python again): bit for bit the eager non-blocking training, with
+    # the guard and without it.
+    from test_replay_guard import _equal, changed_training
+    devices = ("cuda:0",) * replicas
+    want, state, _ = changed_training(name, devices, "eager")
+    for mode in ("graphed", "checked"):
+        losses, got, unchecked = changed_training(name, devices, mode)
+        assert losses == pytest.approx(want, rel=0, abs=0, nan_ok=True), mode
+        assert _equal(got, state), mode
+        assert (unchecked >= 40) if mode == "graphed" else not unchecked, (mode, unchecked)
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
 def test_cuda_warmed_up_graphed_steps_allocate_only_their_outputs(replicas):
     # The CUDA caching allocator's counters over 20 replayed steps (the ring's copy to the host
     # falls outside them: RING is 16, and the window starts right after a flush): each step

@@ -25,7 +25,7 @@ from torch.optim.optimizer import _global_optimizer_pre_hooks  # (a dict torch f
 
 from .. import _C
 from ..optim import _FIRST, _FLAGS, _HYPER, _STEP, _FusedOptimizer
-from .unchanged import items_of
+from .unchanged import ATTR_IS, ITEM_IS, KEYS, items_of
 
 
 def shard_range(n, replicas, k, align):
@@ -198,11 +198,19 @@ class _Plan:
         self.bound = False
 
     def see_state(self, opt):
-        """The optimizer's state as it is now, as checks of dpcuda._C._unchanged: its entries
-        and each parameter's, the same objects (FusedUpdate.recheck compares)."""
+        """What the plan reads of the optimizer's state, as it is now, as checks of
+        dpcuda._C._unchanged (FusedUpdate.recheck compares): opt.state and its entries, each
+        of the plan's parameters' state dicts (their keys: a value of another entry, a
+        subclass's own, is free) and their entries of the plan's kind (the same objects)."""
         state = opt.state
-        self.seen = (items_of(state),) + tuple(
-            items_of(s) for s in map(state.get, self.params) if s is not None)
+        seen = [(ATTR_IS, opt, "state", state), items_of(state)]
+        names = self.keys + (("step",) if opt._op == "adam" else ())
+        for s in map(state.get, self.params):
+            if s is None:
+                continue
+            seen.append((KEYS, s, None, tuple(s)))
+            seen += [(ITEM_IS, s, k, s[k]) for k in names if k in s]
+        self.seen = tuple(seen)
 
     def uniform(self, opt):
         """Whether each group's parameters are at the same point (Adam: the same step count;
@@ -226,6 +234,14 @@ class _Plan:
                 return False
         return opt._op != "adam" or all(map(
             operator.is_, map(dict.get, states, itertools.repeat("step")), self.step_views))
+
+
+def _changed_in_step(opt, what):
+    return RuntimeError(
+        f"dpcuda: {type(opt).__name__}.step() (a subclass's, or a wrapper's) left {what} "
+        f"inside DataParallel.step, whose update is fused into its reduction and was set up "
+        f"before it; nothing was updated. Make such changes before dp.step(), where the step "
+        f"checks them")
 
 
 class FusedUpdate:
@@ -319,15 +335,18 @@ class FusedUpdate:
         nothing was updated). One C call when nothing changed."""
         plan = self._plan
         if _C._unchanged(plan.seen):
-            return
-        plan.bind(opt)
-        if not plan.is_uniform:
-            raise RuntimeError(
-                f"dpcuda: {type(opt).__name__}.step() changed the optimizer's state so that "
-                f"the parameters of a group are at different points (some with a momentum "
-                f"buffer or a step count, some without) inside DataParallel.step, whose update "
-                f"is fused into its reduction; change the state before dp.step(), where the "
-                f"step checks it")
+            if plan.device.type != "cpu" or plan.uniform(opt):
+                return
+        else:
+            # (settled first: the groups whose momentum the device has not begun drop their
+            # buffers, as bind() reads "begun" from their presence)
+            plan.settle(opt)
+            plan.bind(opt)
+            if plan.is_uniform:
+                return
+        raise _changed_in_step(opt, "the parameters of a group at different points (some "
+                                    "with a momentum buffer or a step count, some without, "
+                                    "or with other step counts)")
 
     def write_hyper(self, opt, graphed=False):
         """Each group's hyperparameters (as the optimizer holds them now: a scheduler's lr)
@@ -349,10 +368,20 @@ class FusedUpdate:
             if last is not None and len(inputs) == len(last) and \
                     all(map(_same_objects, inputs, last)):
                 return
+        groups = opt.param_groups
+        if len(groups) != len(plan.members):
+            raise _changed_in_step(opt, "another number of parameter groups")
         rows = []
-        for index, group in enumerate(opt.param_groups):
-            rows.append(opt._values(group, 0.0 if adam else False) if plan.members[index]
-                        else [0.0] * _HYPER)
+        for index, group in enumerate(groups):
+            if not plan.members[index]:
+                rows.append([0.0] * _HYPER)
+                continue
+            # (the plan's kind of state, which ready() checked: changed since, it was changed
+            # inside opt.step(); the values' memo above holds only where no entry changed)
+            if self._structure(opt, group) != plan.keys:
+                raise _changed_in_step(opt, "another kind of state in a group (SGD's "
+                                            "momentum 0 or not, Adam's amsgrad)")
+            rows.append(opt._values(group, 0.0 if adam else False))
         plan.hyper_rows[:] = rows
         if graphed:
             # (compared by their bits: -0.0 is not 0.0 here, and a NaN equals itself)

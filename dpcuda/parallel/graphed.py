@@ -256,10 +256,13 @@ class GraphedSteps:
                 warnings.warn(f"dpcuda DataParallel(graphs=True): this step runs eagerly: "
                               f"{reason}", RuntimeWarning, stacklevel=3)
             return self._eager(dp, inputs, targets, loss_fn, optimizer, accumulate, walk)
-        # A changed model is built again first.
+        # A changed model is built again first (and walked again: the build gives the
+        # trainable parameters the strides of their flat views).
         if structure != dp._set._structure or \
                 [p.data_ptr() for p in params] != dp._set._pointers:
             dp._sync(walk)
+            walk = dp._set.walk()
+            params, _, structure, (hooked, state, objects) = walk
         shape, key = self._key(dp, inputs, targets, loss_fn, optimizer, accumulate, state)
         # A model whose attributes or buffers change at every step (a forward that keeps a new
         # object, a buffer given new storage) is never replayed: said once.

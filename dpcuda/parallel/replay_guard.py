@@ -61,6 +61,14 @@ _MODULE_LOOKUP = (torch.nn.Module.__getattr__, object.__getattribute__)
 _TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)  # (TENSOR_IS's: torch's own getters)
 
 
+def _plain_type(cls):
+    """A tensor type whose attributes are its C object's: torch.Tensor, nn.Parameter, or a
+    subclass of nn.Parameter that keeps its __torch_function__ off (as nn.Parameter does)."""
+    return cls in _TENSOR_TYPES or (
+        issubclass(cls, torch.nn.Parameter) and
+        cls.__torch_function__ is torch._C._disabled_torch_function_impl)
+
+
 class _Checks:
     """The list of (op, object, name, expected) checks, made as the objects are read."""
 
@@ -120,16 +128,15 @@ class _Checks:
         """t's sizes, strides, dtype, device and storage as they are now (grad: its
         requires_grad and gradient hooks too), read from its C object; False where t is not
         a plain strided tensor with storage of torch's own types."""
-        if type(t) not in _TENSOR_TYPES or t.layout != torch.strided:
+        if not _plain_type(type(t)) or t.layout != torch.strided or t.is_nested:
             return False
         try:
-            ptr = t.data_ptr()
-        except RuntimeError:  # (no storage)
+            expected = (type(t), tuple(t.shape), t.stride(), t.dtype, t.device, t.data_ptr())
+        except RuntimeError:  # (no storage, or sizes it does not have)
             return False
         hooked = bool(t._backward_hooks or t._post_accumulate_grad_hooks) if grad else None
-        self.list.append((TENSOR_IS, t, None, (
-            type(t), tuple(t.shape), t.stride(), t.dtype, t.device, ptr,
-            t.requires_grad if grad else None, hooked)))
+        self.list.append((TENSOR_IS, t, None,
+                          expected + (t.requires_grad if grad else None, hooked)))
         return True
 
     def model(self, model):
@@ -162,7 +169,7 @@ class _Checks:
                 for t in tensors.values():
                     if t is not None and id(t) not in seen:
                         seen.add(id(t))
-                        if (grad and type(t) is not torch.nn.Parameter) or \
+                        if (grad and not isinstance(t, torch.nn.Parameter)) or \
                                 not self.tensor(t, grad):
                             return False
             for k, v in d.items():  # (the walk's public attributes: a tensor by its storage)
