@@ -335,7 +335,9 @@ class FusedUpdate:
         nothing was updated). One C call when nothing changed."""
         plan = self._plan
         if _C._unchanged(plan.seen):
-            if plan.device.type != "cpu" or plan.uniform(opt):
+            # (SGD's momentum buffers' presence is in seen; Adam's step counts on the CPU are
+            # values, read as ready() reads them; on a GPU the plan's own updates keep them)
+            if plan.device.type != "cpu" or opt._op != "adam" or plan.uniform(opt):
                 return
         else:
             # (settled first: the groups whose momentum the device has not begun drop their

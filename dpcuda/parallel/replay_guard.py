@@ -185,8 +185,10 @@ class ReplayGuard:
     def __init__(self, checks, graph, summed, plan, args):
         self.checks = tuple(checks)
         self.graph, self.summed = graph, summed
-        # a plan on the CPU, whose uniformity ready() reads at every step
-        self.cpu_plan = plan if plan is not None and plan.device.type == "cpu" else None
+        # a plan of Adam on the CPU, whose step counts' uniformity ready() reads at every step
+        # (SGD's: whether each parameter has a momentum buffer, the state's items, checked)
+        self.cpu_plan = plan if plan is not None and plan.device.type == "cpu" and \
+            args[3]._op == "adam" else None
         self.plan_structure = None if plan is None else {plan.keys}
         (self.inputs_of, self.targets_of, self.loss_fn, self.optimizer, self.accumulate,
          self.grad, self.kind) = args
