@@ -218,6 +218,39 @@ def _equal(a, b):
         y.view(torch.int8) if y.dtype.is_floating_point else y) for x, y in zip(a, b))
 
 
+def _calls(mp, cls, name):
+    """Patches cls.name to count its calls: returns the list that grows by one at each."""
+    calls, original = [], getattr(cls, name)
+
+    def counting(*args, **kw):
+        calls.append(True)
+        return original(*args, **kw)
+    mp.setattr(cls, name, counting)
+    return calls
+
+
+def _binds_outside_replays(mp, record):
+    """Patches the fused plan's bind so that record(opt) is called for each bind outside a
+    replay of the CPU stand-in's graph (whose body runs the step's Python again, binding there
+    too; a CUDA graph's replay runs no Python)."""
+    graph_replay, bind = graphed_module._ClosureGraph.replay, fused_update._Plan.bind
+    replaying = [False]
+
+    def in_graph(self):
+        replaying[0] = True
+        try:
+            return graph_replay(self)
+        finally:
+            replaying[0] = False
+
+    def binding(self, opt):
+        if not replaying[0]:
+            record(opt)
+        return bind(self, opt)
+    mp.setattr(graphed_module._ClosureGraph, "replay", in_graph)
+    mp.setattr(fused_update._Plan, "bind", binding)
+
+
 def _decisions(mp, current):
     """Patches GraphedSteps so that each run records what each step did: ("eager",) or
     ("replay", n) for the graph of its n-th capture, and ("bind",) for the fused plan bound to
@@ -227,22 +260,7 @@ def _decisions(mp, current):
     log = {}
     cls = graphed_module.GraphedSteps
     replay, eager, capture = cls._replay, cls._eager, cls._capture
-    graph_replay, bind = graphed_module._ClosureGraph.replay, fused_update._Plan.bind
-    replaying_graph = [False]
-
-    def in_graph(self):
-        replaying_graph[0] = True
-        try:
-            return graph_replay(self)
-        finally:
-            replaying_graph[0] = False
-
-    def binding(self, opt):
-        if not replaying_graph[0]:
-            log.setdefault(current[0], []).append(("bind",))
-        return bind(self, opt)
-    mp.setattr(graphed_module._ClosureGraph, "replay", in_graph)
-    mp.setattr(fused_update._Plan, "bind", binding)
+    _binds_outside_replays(mp, lambda opt: log.setdefault(current[0], []).append(("bind",)))
 
     def replaying(self, dp, graph, *args, **kw):
         log.setdefault(id(self), []).append(("replay", graph.ordinal))
@@ -274,15 +292,9 @@ def lockstep(opt_name, changes, steps=44, trace=None, **kw):
     found no guard made: each change should meet one, or it tests nothing)."""
     runs = [_setup(opt_name, guarded, **kw) for guarded in (False, True)]
     data = batches(steps, nan_steps=(7,))
-    unchecked = [0]
-    original = graphed_module.GraphedSteps._replay_unchanged
-
-    def counting(self, *args):
-        unchecked[0] += 1
-        return original(self, *args)
     differences, unarmed = [], []
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(graphed_module.GraphedSteps, "_replay_unchanged", counting)
+        unchecked = _calls(mp, graphed_module.GraphedSteps, "_replay_unchanged")
         current = [None]
         log = _decisions(mp, current)
         for i, (x, y) in enumerate(data):
@@ -319,9 +331,9 @@ def lockstep(opt_name, changes, steps=44, trace=None, **kw):
             same = a[0] == b[0] and (_equal([a[1]], [b[1]]) if a[0] == "loss" else a == b)
             if not same or da != db or wa != wb or not _equal(sa, sb):
                 differences.append((i, a[:1] + a[2:], b[:1] + b[2:], da, db, wa, wb))
-    print(f"{unchecked[0]} of {steps} steps replayed without their checks; changes made "
+    print(f"{len(unchecked)} of {steps} steps replayed without their checks; changes made "
           f"without a guard to test: {unarmed}")
-    return differences, unchecked[0], unarmed
+    return differences, len(unchecked), unarmed
 
 
 def _group(key, value):
@@ -504,14 +516,9 @@ def changed_training(opt_name, devices, mode, spacing=SPACING):
                **({"blocking": False} if mode == "eager" else {}))
     changes = {spacing * (i + 1): change for i, change in enumerate(TRAINING_CHANGES)}
     device = devices[0]
-    losses, unchecked = [], [0]
-    original = graphed_module.GraphedSteps._replay_unchanged
-
-    def counting(self, *args):
-        unchecked[0] += 1
-        return original(self, *args)
+    losses = []
     with pytest.MonkeyPatch.context() as mp, warnings.catch_warnings():
-        mp.setattr(graphed_module.GraphedSteps, "_replay_unchanged", counting)
+        unchecked = _calls(mp, graphed_module.GraphedSteps, "_replay_unchanged")
         warnings.simplefilter("ignore")  # (the NaN step, the eager steps' reasons)
         for i, (x, y) in enumerate(batches(spacing * (len(changes) + 2), nan_steps=(7,))):
             if i in changes:
@@ -520,7 +527,7 @@ def changed_training(opt_name, devices, mode, spacing=SPACING):
             xi, yi = s.extra(x, y) if s.extra else (x, y)
             losses.append(s.dp.step(xi, yi, s.loss_fn, optimizer=s.opt))
         s.dp.synchronize()
-    return [float(v) for v in losses], _snapshot(s), unchecked[0]
+    return [float(v) for v in losses], _snapshot(s), len(unchecked)
 
 
 @pytest.mark.parametrize("opt_name", ["SGD", "AdamW"])
@@ -685,22 +692,7 @@ def test_what_the_optimizers_own_step_changes_is_torchs(closure, monkeypatch, mo
         torch.nn.functional.cross_entropy(ref(x), y).backward()
         ref_opt.step()
     binds_outside = []
-    bind, replay = fused_update._Plan.bind, graphed_module._ClosureGraph.replay
-    replaying = [False]
-
-    def in_graph(self):
-        replaying[0] = True
-        try:
-            return replay(self)
-        finally:
-            replaying[0] = False
-
-    def binding(self, opt):
-        if not replaying[0]:
-            binds_outside.append(opt.calls)
-        return bind(self, opt)
-    monkeypatch.setattr(fused_update._Plan, "bind", binding)
-    monkeypatch.setattr(graphed_module._ClosureGraph, "replay", in_graph)
+    _binds_outside_replays(monkeypatch, lambda opt: binds_outside.append(opt.calls))
     m = model()
     dp = DataParallel(m, ["cpu"] * 2, graphs=mode == "graphed",
                       **({} if mode == "graphed" else {"blocking": mode == "blocking"}))
@@ -854,13 +846,7 @@ def test_the_guard_holds_with_a_parameter_subclass_and_leaves_a_nested_tensor(
     """A subclass of nn.Parameter (its __torch_function__ off, as nn.Parameter's) is read
     from its C object: the guard holds. A nested tensor among a module's attributes, whose
     sizes cannot be read, leaves the guard off (every step checked) and trains as before."""
-    unchecked = []
-    original = graphed_module.GraphedSteps._replay_unchanged
-
-    def counting(self, *args):
-        unchecked.append(True)
-        return original(self, *args)
-    monkeypatch.setattr(graphed_module.GraphedSteps, "_replay_unchanged", counting)
+    unchecked = _calls(monkeypatch, graphed_module.GraphedSteps, "_replay_unchanged")
     s = _setup("SGD", True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # (nested tensors: a prototype)
@@ -879,13 +865,7 @@ def test_a_restrided_weight_builds_the_replicas_once(closure, monkeypatch):
     step walks the model again after it, as the build gives the weight its flat view's
     strides)."""
     from dpcuda.parallel import replicas as replicas_module
-    builds = []
-    original = replicas_module.ReplicaSet._build
-
-    def build(self, *args):
-        builds.append(True)
-        return original(self, *args)
-    monkeypatch.setattr(replicas_module.ReplicaSet, "_build", build)
+    builds = _calls(monkeypatch, replicas_module.ReplicaSet, "_build")
     s = _setup("SGD", True)
     for i, (x, y) in enumerate(batches(12)):
         if i == 8:
