@@ -21,8 +21,10 @@
 //   kTensorIs object is a tensor of exactly expected's (type, sizes, strides, dtype, device,
 //            data_ptr, requires_grad, hooked), read from its C object; a None among the last
 //            five is not compared (hooked: a gradient hook, register_hook's or a
-//            post-accumulate-grad hook). Only for exact torch.Tensor and nn.Parameter types,
-//            whose getters are torch's.
+//            post-accumulate-grad hook). Only for types whose getters are torch's (exact
+//            torch.Tensor and nn.Parameter, and nn.Parameter's subclasses that keep their
+//            __torch_function__ off); a tensor whose sizes, strides or storage cannot be read
+//            (nested, sparse, without storage) is a change.
 //   kModuleAbsent  object, an nn.Module, has no attribute name where nn.Module's attribute
 //            lookup would find one: not on its type, not in its __dict__ nor its _parameters,
 //            _buffers or _modules (without running nn.Module.__getattr__, which raises an
@@ -196,17 +198,13 @@ bool slot_true(PyObject* slot) {
   return t != 0;
 }
 
-bool tensor_is(PyObject* obj, PyObject* expected) {
-  if (!PyTuple_Check(expected) || PyTuple_GET_SIZE(expected) != 8) {
-    malformed("kTensorIs expects (type, sizes, strides, dtype, device, data_ptr, "
-              "requires_grad, hooked)");
-  }
-  PyObject* const* want = &PyTuple_GET_ITEM(expected, 0);
+bool tensor_is_unchecked(PyObject* obj, PyObject* const* want) {
   if (reinterpret_cast<PyObject*>(Py_TYPE(obj)) != want[0] || !THPVariable_Check(obj)) {
     return false;
   }
   const at::Tensor& t = THPVariable_Unpack(obj);
-  if (!t.defined() || t.unsafeGetTensorImpl()->has_symbolic_sizes_strides() ||
+  if (!t.defined() || t.is_nested() ||
+      t.unsafeGetTensorImpl()->has_symbolic_sizes_strides() ||
       !ints_equal(want[1], t.sizes())) {
     return false;
   }
@@ -247,6 +245,18 @@ bool tensor_is(PyObject* obj, PyObject* expected) {
     }
   }
   return true;
+}
+
+bool tensor_is(PyObject* obj, PyObject* expected) {
+  if (!PyTuple_Check(expected) || PyTuple_GET_SIZE(expected) != 8) {
+    malformed("kTensorIs expects (type, sizes, strides, dtype, device, data_ptr, "
+              "requires_grad, hooked)");
+  }
+  try {
+    return tensor_is_unchecked(obj, &PyTuple_GET_ITEM(expected, 0));
+  } catch (const c10::Error&) {
+    return false;  // (torch refused to read it: a change; the Python checks then run)
+  }
 }
 
 // An interned str made once per name (its reference kept for the life of the process).
