@@ -17,10 +17,10 @@
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/extension.h>
 
-#include <unordered_map>
 #include <unordered_set>
 #include <vector>
 
+#include "interned.h"
 #include "model_walk.h"
 
 namespace {
@@ -46,21 +46,7 @@ Ref steal(PyObject* o) {
   return py::reinterpret_steal<py::object>(o);
 }
 
-// An attribute name as an interned string, made once per name: PyObject_GetAttrString would
-// make and hash a new string at every call, which was the walk's largest cost.
-PyObject* interned(const char* name) {
-  static std::unordered_map<const char*, PyObject*> names;
-  auto found = names.find(name);
-  if (found != names.end()) {
-    return found->second;
-  }
-  PyObject* s = PyUnicode_InternFromString(name);
-  if (s == nullptr) {
-    throw py::error_already_set();
-  }
-  names.emplace(name, s);  // (kept for the life of the process)
-  return s;
-}
+using dpcuda::interned;
 
 Ref attr(PyObject* o, const char* name) { return steal(PyObject_GetAttr(o, interned(name))); }
 

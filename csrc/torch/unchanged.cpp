@@ -39,6 +39,7 @@
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/extension.h>
 
+#include "interned.h"
 #include "unchanged.h"
 
 namespace {
@@ -259,14 +260,7 @@ bool tensor_is(PyObject* obj, PyObject* expected) {
   }
 }
 
-// An interned str made once per name (its reference kept for the life of the process).
-PyObject* interned(const char* name) {
-  PyObject* s = PyUnicode_InternFromString(name);
-  if (s == nullptr) {
-    throw py::error_already_set();
-  }
-  return s;
-}
+using dpcuda::interned;
 
 // name is not a key of the dict d (false where the lookup raised: cleared)
 bool missing_from(PyObject* d, PyObject* name) {
@@ -284,14 +278,10 @@ bool module_absent(PyObject* obj, PyObject* name, PyObject* expected) {
   if (!PyTuple_Check(expected) || PyTuple_GET_SIZE(expected) != 2) {
     malformed("kModuleAbsent expects (nn.Module.__getattr__, object.__getattribute__)");
   }
-  static PyObject* const getattr_name = interned("__getattr__");
-  static PyObject* const getattribute_name = interned("__getattribute__");
-  static PyObject* const dict_names[] = {interned("_parameters"), interned("_buffers"),
-                                         interned("_modules")};
   PyTypeObject* type = Py_TYPE(obj);
   // (_PyType_Lookup: the MRO's entry, borrowed, without running Python or raising)
-  if (_PyType_Lookup(type, getattr_name) != PyTuple_GET_ITEM(expected, 0) ||
-      _PyType_Lookup(type, getattribute_name) != PyTuple_GET_ITEM(expected, 1) ||
+  if (_PyType_Lookup(type, interned("__getattr__")) != PyTuple_GET_ITEM(expected, 0) ||
+      _PyType_Lookup(type, interned("__getattribute__")) != PyTuple_GET_ITEM(expected, 1) ||
       _PyType_Lookup(type, name) != nullptr) {
     return false;
   }
@@ -304,8 +294,8 @@ bool module_absent(PyObject* obj, PyObject* name, PyObject* expected) {
   if (!PyDict_Check(d) || !missing_from(d, name)) {
     return false;
   }
-  for (PyObject* dict_name : dict_names) {
-    PyObject* entries = PyDict_GetItemWithError(d, dict_name);  // (borrowed)
+  for (const char* dict_name : {"_parameters", "_buffers", "_modules"}) {
+    PyObject* entries = PyDict_GetItemWithError(d, interned(dict_name));  // (borrowed)
     if (entries == nullptr) {
       PyErr_Clear();
       return false;
