@@ -185,13 +185,13 @@ class ReplayGuard:
     def __init__(self, checks, graph, summed, plan, args):
         self.checks = tuple(checks)
         self.graph, self.summed = graph, summed
+        (self.inputs_of, self.targets_of, self.loss_fn, self.optimizer, self.accumulate,
+         self.grad, self.kind) = args
         # a plan of Adam on the CPU, whose step counts' uniformity ready() reads at every step
         # (SGD's: whether each parameter has a momentum buffer, the state's items, checked)
         self.cpu_plan = plan if plan is not None and plan.device.type == "cpu" and \
-            args[3]._op == "adam" else None
+            self.optimizer._op == "adam" else None
         self.plan_structure = None if plan is None else {plan.keys}
-        (self.inputs_of, self.targets_of, self.loss_fn, self.optimizer, self.accumulate,
-         self.grad, self.kind) = args
 
     def holds(self, inputs, targets, loss_fn, optimizer, accumulate):
         """Whether this step's checks would find what the guard's step found (its model's
