@@ -60,9 +60,9 @@ def _check_tensor(value, name):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
 
 
-def _one_device_type(first, name, unread=(), **others):
+def _one_device_type(ref, name, unread=(), **others):
     """A meta tensor among real ones would send the call here, where nothing is computed: a
-    silent wrong result. Every tensor must be on first's device type; those named in `unread`
+    silent wrong result. Every tensor must be on ref's device type; those named in `unread`
     (that the kernel does not read: saved for "none", an output the mask leaves out) may lie on
     any device, as the real kernels allow, only not meta among real ones or real among meta."""
     for other, value in others.items():
@@ -70,12 +70,12 @@ def _one_device_type(first, name, unread=(), **others):
             if t is None:
                 continue
             if other in unread:
-                wrong = (t.device.type == "meta") != (first.device.type == "meta")
+                wrong = (t.device.type == "meta") != (ref.device.type == "meta")
             else:
-                wrong = t.device.type != first.device.type
+                wrong = t.device.type != ref.device.type
             if wrong:
                 where = f"{other}[{i}]" if isinstance(value, (list, tuple)) else other
-                raise ValueError(f"{where} is on {t.device} but {name} is on {first.device}")
+                raise ValueError(f"{where} is on {t.device} but {name} is on {ref.device}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -318,6 +318,21 @@ def _optim_update_fake(params, grads, state1, state2, state3, hyper, optimizer):
         raise ValueError("params must hold at least one tensor")
     _one_device_type(params[0], "params[0]", params=params, grads=grads, state1=state1,
                      state2=state2, state3=state3, hyper=hyper)
+    return None
+
+
+@torch.library.register_fake("dpcuda::update_hyper_")
+def _update_hyper_fake(hyper, base, counts, first, optimizer):
+    _one_device_type(hyper, "hyper", base=base, counts=counts, first=first)
+    return None
+
+
+@torch.library.register_fake("dpcuda::update_counts_")
+def _update_counts_fake(status, counts, ring, slot, optimizer):
+    ref = status[0] if status else counts if counts is not None else ring
+    if ref is not None:
+        _one_device_type(ref, "status[0]" if status else "counts" if counts is not None
+                         else "ring", status=status, counts=counts, ring=ring, slot=slot)
     return None
 
 

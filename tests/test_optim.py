@@ -846,3 +846,147 @@ def test_a_compiled_training_loop_steps_as_torch_eager(name):
     assert dl == pytest.approx(tl, rel=1e-6, abs=1e-6)
     for a, b in zip(dw, tw):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+# The fused update's bookkeeping ops (csrc/kernels/optim/counts.h), against the torch ops they
+# replace in DataParallel's non-blocking and graphed steps: the same bits.
+_STEP, _FLAGS, _FIRST = 9, 11, 8
+
+
+def _records(generator, replicas):
+    """Random step_status records: a loss, and NaN/Inf and bad-label slots that are 0 mostly,
+    sometimes 1, 2 or NaN (a NaN says skip, as the update reads it)."""
+    flags = torch.tensor([0.0, 0.0, 0.0, 1.0, 2.0, math.nan])
+    out = []
+    for _ in range(replicas):
+        pick = torch.randint(0, 6, (2,), generator=generator)
+        bad = torch.rand(2, generator=generator) < 0.25
+        rec = torch.tensor([torch.randn(1, generator=generator).item(), 0.0, 0.0,
+                            float(torch.randint(0, 300, (1,), generator=generator))],
+                           dtype=torch.float64)
+        rec[1:3] = torch.where(bad, flags[pick], torch.zeros(2, dtype=torch.float64))
+        out.append(rec)
+    return out
+
+
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if dpcuda.cuda_available() else []))
+def test_the_bookkeeping_ops_give_the_bits_of_the_torch_ops_they_replace(device):
+    generator = torch.Generator().manual_seed(5)
+    for trial in range(60):
+        groups = int(torch.randint(1, 5, (1,), generator=generator))
+        n = int(torch.randint(1, 9, (1,), generator=generator))
+        replicas = int(torch.randint(1, 6, (1,), generator=generator))
+        base = torch.randn(groups, 16, generator=generator, dtype=torch.float64)
+        base[:, _FLAGS] = torch.randint(0, 64, (groups,), generator=generator).double()
+        steps = torch.randint(0, 1000, (n,), generator=generator).float()
+        started = torch.randint(0, 2, (groups,), generator=generator).float()
+        first = torch.randint(0, n, (groups,), generator=generator)
+        records = _records(generator, replicas)
+        slots = int(torch.randint(1, 5, (1,), generator=generator))
+        slot = torch.randint(-2 * slots, 2 * slots, (1,), generator=generator)
+        ring = torch.randn(slots, replicas, 4, generator=generator, dtype=torch.float64)
+        on = [t.to(device) for t in (base, steps, started, first, slot, ring)]
+        d_base, d_steps, d_started, d_first, d_slot, d_ring = on
+        d_records = [r.to(device) for r in records]
+        graphed = trial % 2 == 0
+        for op in ("adam", "sgd"):
+            counts = steps if op == "adam" else started
+            # what fused_update.py did with torch ops
+            hyper = torch.randn(groups, 16, generator=generator, dtype=torch.float64)
+            want = base.clone() if graphed else hyper.clone()
+            if op == "adam":
+                want[:, _STEP].copy_(steps.index_select(0, first)).add_(1)
+            else:
+                want[:, _FLAGS].add_(started.double().neg().add_(1).mul_(_FIRST))
+            ok = torch.stack(records)[:, 1:3].eq(0).all()
+            want_counts = counts + ok if op == "adam" else torch.maximum(counts, ok.float())
+            want_ring = ring.clone()
+            s = int(slot) % slots
+            want_ring[s] = torch.stack(records)
+            got = hyper.to(device)
+            d_counts = (d_steps if op == "adam" else d_started).clone()
+            got_ring = d_ring.clone()
+            got_slot = d_slot.clone()
+            torch.ops.dpcuda.update_hyper_(got, d_base if graphed else None, d_counts,
+                                           d_first if op == "adam" else None, op)
+            torch.ops.dpcuda.update_counts_(d_records, d_counts, got_ring, got_slot, op)
+            assert torch.equal(got.cpu(), want), (trial, op)
+            assert torch.equal(d_counts.cpu(), want_counts), (trial, op)
+            # (the bits: a NaN record copied is the same NaN)
+            assert torch.equal(got_ring.cpu().view(torch.long), want_ring.view(torch.long))
+            assert int(got_slot) == (s + 1) % slots
+    # SGD without momentum: no counts (the graph's copy of the rows only); no records: applied
+    hyper = torch.zeros(2, 16, dtype=torch.float64, device=device)
+    base = torch.randn(2, 16, dtype=torch.float64, device=device)
+    torch.ops.dpcuda.update_hyper_(hyper, base, None, None, "sgd")
+    assert torch.equal(hyper, base)
+    counts = torch.tensor([3.0, 7.0], device=device)
+    torch.ops.dpcuda.update_counts_([], counts, None, None, "adam")
+    assert counts.tolist() == [4.0, 8.0]
+    flags = torch.tensor([0.0, 1.0], device=device)
+    torch.ops.dpcuda.update_counts_([], flags, None, None, "sgd")
+    assert flags.tolist() == [1.0, 1.0]
+
+
+def test_the_bookkeeping_ops_name_their_bad_arguments():
+    h = torch.zeros(2, 16, dtype=torch.float64)
+    steps, first = torch.zeros(3), torch.tensor([0, 2])
+    rec = [torch.zeros(4, dtype=torch.float64)] * 2
+    ring, slot = torch.zeros(4, 2, 4, dtype=torch.float64), torch.zeros(1, dtype=torch.long)
+    op = torch.ops.dpcuda.update_hyper_
+    with pytest.raises(TypeError, match="hyper must be float64"):
+        op(h.float(), None, steps, first, "adam")
+    with pytest.raises(ValueError, match=r"hyper must be a contiguous \(groups, 16\)"):
+        op(h[:, :8], None, steps, first, "adam")
+    with pytest.raises(ValueError, match="base must be contiguous with hyper's shape"):
+        op(h, torch.zeros(3, 16, dtype=torch.float64), steps, first, "adam")
+    with pytest.raises(ValueError, match="base and hyper share memory"):
+        op(h, h, steps, first, "adam")
+    with pytest.raises(ValueError, match="needs counts"):
+        op(h, None, None, first, "adam")
+    with pytest.raises(TypeError, match="counts must be float32"):
+        op(h, None, steps.double(), first, "adam")
+    with pytest.raises(ValueError, match="one index per group"):
+        op(h, None, steps, torch.tensor([0]), "adam")
+    with pytest.raises(IndexError, match=r"first\[1\] = 3 is not an index of counts"):
+        op(h, None, steps, torch.tensor([0, 3]), "adam")
+    with pytest.raises(ValueError, match="takes none"):
+        op(h, None, torch.zeros(2), first, "sgd")
+    with pytest.raises(ValueError, match=r"one flag per group \(2\)"):
+        op(h, None, steps, None, "sgd")
+    with pytest.raises(ValueError, match="optimizer must be sgd or adam"):
+        op(h, None, steps, first, "adamw")
+    assert torch.equal(h, torch.zeros(2, 16, dtype=torch.float64))  # (nothing written)
+    op = torch.ops.dpcuda.update_counts_
+    with pytest.raises(ValueError, match="ring and slot go together"):
+        op(rec, steps, ring, None, "adam")
+    with pytest.raises(ValueError, match="a ring needs status records"):
+        op([], steps, ring[:, :0].contiguous(), slot, "adam")
+    with pytest.raises(ValueError, match=r"status\[1\] must be a step_status record"):
+        op([rec[0], torch.zeros(3, dtype=torch.float64)], steps, None, None, "adam")
+    with pytest.raises(ValueError, match=r"ring must be a contiguous \(slots, 3, 4\)"):
+        op(rec + [rec[0].clone()], steps, ring, slot, "adam")
+    with pytest.raises(TypeError, match="slot must be int64"):
+        op(rec, steps, ring, slot.double(), "adam")
+    record = torch.zeros(4, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"status\[0\] and counts\[0\] share memory"):
+        op([record], record.view(torch.float32), None, None, "adam")
+    with pytest.raises(ValueError, match=r"slot\[0\] and ring\[0\] share memory"):
+        op(rec, steps, ring, ring.view(torch.long)[0, 0, :1], "adam")
+    assert steps.tolist() == [0.0] * 3 and torch.equal(ring, torch.zeros(4, 2, 4,
+                                                                          dtype=torch.float64))
+
+
+def test_the_bookkeeping_ops_trace_and_run_on_meta():
+    h = torch.zeros(2, 16, dtype=torch.float64)
+    steps, first = torch.zeros(3), torch.tensor([0, 2])
+    rec = [torch.zeros(4, dtype=torch.float64)] * 2
+    ring, slot = torch.zeros(4, 2, 4, dtype=torch.float64), torch.zeros(1, dtype=torch.long)
+    torch.library.opcheck(torch.ops.dpcuda.update_hyper_.default,
+                          (h, h.clone(), steps, first, "adam"))
+    torch.library.opcheck(torch.ops.dpcuda.update_counts_.default,
+                          (rec, steps, ring, slot, "adam"))
+    meta = [t.to("meta") for t in (h, steps, first)]
+    torch.ops.dpcuda.update_hyper_(meta[0], None, meta[1], meta[2], "adam")
+    with pytest.raises(ValueError, match="counts is on cpu but hyper is on meta"):
+        torch.ops.dpcuda.update_hyper_(meta[0], None, steps, meta[2], "adam")

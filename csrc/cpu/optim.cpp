@@ -73,5 +73,29 @@ template void optim_update<float>(optim::Kind, const double*, OptimTensor<float>
 template void optim_update<double>(optim::Kind, const double*, OptimTensor<double>, int64_t,
                                    int64_t);
 
+void update_hyper(optim::Kind kind, double* hyper, int64_t groups, const double* base,
+                  const float* counts, int64_t n, const int64_t* first) {
+  for (int64_t g = 0; g < groups; ++g) {
+    optim::complete_row(kind, hyper + g * optim::kHyper,
+                        base != nullptr ? base + g * optim::kHyper : nullptr, counts, n, first,
+                        g);
+  }
+}
+
+void update_counts(optim::Kind kind, const double* const* records, int replicas, float* counts,
+                   int64_t n, double* ring, int64_t slots, int64_t* slot) {
+  const bool applied = optim::update_applied(records, replicas);
+  for (int64_t i = 0; counts != nullptr && i < n; ++i) {
+    counts[i] = optim::advanced_count(kind, counts[i], applied);
+  }
+  if (ring == nullptr) return;
+  const int64_t s = optim::ring_slot(*slot, slots);
+  double* row = ring + s * replicas * optim::kStatusRecord;
+  for (int r = 0; r < replicas; ++r) {
+    for (int k = 0; k < optim::kStatusRecord; ++k) row[r * optim::kStatusRecord + k] = records[r][k];
+  }
+  *slot = (s + 1) % slots;
+}
+
 }  // namespace cpu
 }  // namespace dpcuda

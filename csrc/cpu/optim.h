@@ -5,6 +5,7 @@
 
 #include <cstdint>
 
+#include "../kernels/optim/counts.h"
 #include "../kernels/optim/update.h"
 
 namespace dpcuda {
@@ -27,6 +28,14 @@ struct OptimTensor {
 template <typename T>
 void optim_update(optim::Kind kind, const double* hyper, OptimTensor<T> t, int64_t begin,
                   int64_t end);
+
+// The update's bookkeeping (csrc/kernels/optim/counts.h): update_hyper over `groups` rows of
+// optim::kHyper values, and update_counts from `replicas` step_status records, with the formulas
+// the CUDA kernels apply.
+void update_hyper(optim::Kind kind, double* hyper, int64_t groups, const double* base,
+                  const float* counts, int64_t n, const int64_t* first);
+void update_counts(optim::Kind kind, const double* const* records, int replicas, float* counts,
+                   int64_t n, double* ring, int64_t slots, int64_t* slot);
 
 }  // namespace cpu
 }  // namespace dpcuda

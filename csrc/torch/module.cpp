@@ -98,6 +98,23 @@ TORCH_LIBRARY(dpcuda, m) {
   // from `hyper` (float64, csrc/kernels/optim/update.h's layout) on the params' device.
   m.def("optim_update_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] state1,"
         " Tensor(c!)[] state2, Tensor(d!)[] state3, Tensor hyper, str optimizer) -> ()");
+  // The bookkeeping around a reduce_update_ that a step keeps on the device (DataParallel's
+  // non-blocking and graphed steps; csrc/kernels/optim/counts.h), one kernel each on CUDA.
+  // update_hyper_, before the update: hyper (groups x 16 float64 rows) completed from the
+  // counts: base (a graph's copy of the host's rows) copied over it first where given; "adam":
+  // each row's step slot = counts[first[g]] + 1 (counts: each parameter's step count, float32;
+  // first: int64, the parameter whose count stands for group g); "sgd": where counts (each
+  // group's momentum begun, float32 0 or 1) is given, the first-step flag added to the rows
+  // whose momentum has not begun.
+  m.def("update_hyper_(Tensor(a!) hyper, Tensor? base, Tensor? counts, Tensor? first,"
+        " str optimizer) -> ()");
+  // update_counts_, after the update, from the replicas' step_status records (none: the update
+  // applied): the update applied unless a record says NaN/Inf or a bad label; "adam": every
+  // count + 1 where it applied; "sgd": every count 1 where it applied; ring and slot given:
+  // the records into row `slot` of ring (slots x replicas x 4 float64), slot (one int64)
+  // advanced modulo the slots.
+  m.def("update_counts_(Tensor[] status, Tensor(a!)? counts, Tensor(b!)? ring,"
+        " Tensor(c!)? slot, str optimizer) -> ()");
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

@@ -1,5 +1,6 @@
-// ATen adapter of dpcuda's optimizer update (dpcuda::optim_update_): argument checks, dtype
-// dispatch and the pointers. The element formulas are csrc/kernels/optim/update.h, shared by the
+// ATen adapter of dpcuda's optimizer update (dpcuda::optim_update_) and of the fused update's
+// bookkeeping on the device (dpcuda::update_hyper_, dpcuda::update_counts_: csrc/kernels/optim/
+// counts.h): argument checks, dtype dispatch and the pointers. The element formulas are csrc/kernels/optim/update.h, shared by the
 // CPU loops (csrc/cpu/optim.h, threads over pieces of every tensor) and the CUDA kernel
 // (csrc/kernels/optim: one launch per kOptimMaxTensors tensors, on the current stream), so both
 // give the same bits. The hyperparameters are a float64 tensor of optim::kHyper values on the
@@ -168,6 +169,144 @@ void optim_update_cpu(at::TensorList params, at::TensorList grads, at::TensorLis
 }
 
 // ---------------------------------------------------------------------------------------------
+// The fused update's bookkeeping (csrc/kernels/optim/counts.h): the same checks for both
+// backends, then the CPU loops or one CUDA launch.
+
+constexpr int64_t kStatus = optim::kStatusRecord;
+
+void check_on(const Tensor& t, const char* name, const Tensor& ref, const char* ref_name) {
+  TORCH_CHECK_VALUE(t.device() == ref.device(), name, " is on ", t.device(), " but ", ref_name,
+                    " is on ", ref.device());
+}
+
+void check_counts(const c10::optional<Tensor>& counts, const Tensor& ref, const char* ref_name) {
+  if (!counts.has_value()) return;
+  TORCH_CHECK_TYPE(counts->scalar_type() == at::kFloat, "counts must be float32, got ",
+                   counts->scalar_type());
+  TORCH_CHECK_VALUE(counts->dim() == 1 && counts->is_contiguous(),
+                    "counts must be a contiguous 1-D tensor, got shape ", counts->sizes());
+  check_on(*counts, "counts", ref, ref_name);
+}
+
+void check_update_hyper(const Tensor& hyper, const c10::optional<Tensor>& base,
+                        const c10::optional<Tensor>& counts, const c10::optional<Tensor>& first,
+                        optim::Kind kind) {
+  TORCH_CHECK_TYPE(hyper.scalar_type() == at::kDouble, "hyper must be float64, got ",
+                   hyper.scalar_type());
+  TORCH_CHECK_VALUE(hyper.dim() == 2 && hyper.size(1) == optim::kHyper && hyper.is_contiguous(),
+                    "hyper must be a contiguous (groups, ", int(optim::kHyper), ") tensor, got ",
+                    "shape ", hyper.sizes());
+  const int64_t groups = hyper.size(0);
+  if (base.has_value()) {
+    TORCH_CHECK_TYPE(base->scalar_type() == at::kDouble, "base must be float64, got ",
+                     base->scalar_type());
+    TORCH_CHECK_VALUE(base->sizes() == hyper.sizes() && base->is_contiguous(), "base must be ",
+                      "contiguous with hyper's shape ", hyper.sizes(), ", got ", base->sizes());
+    check_on(*base, "base", hyper, "hyper");
+    TORCH_CHECK_VALUE(!overlap(*base, hyper), "base and hyper share memory");
+  }
+  check_counts(counts, hyper, "hyper");
+  if (counts.has_value()) {
+    TORCH_CHECK_VALUE(!overlap(*counts, hyper), "counts and hyper share memory");
+  }
+  if (kind == optim::Kind::kAdam) {
+    TORCH_CHECK_VALUE(counts.has_value() && first.has_value(), "optimizer 'adam' needs counts ",
+                      "(each parameter's step count) and first (a parameter per group)");
+    TORCH_CHECK_TYPE(first->scalar_type() == at::kLong, "first must be int64, got ",
+                     first->scalar_type());
+    TORCH_CHECK_VALUE(first->dim() == 1 && first->numel() == groups && first->is_contiguous(),
+                      "first must be a contiguous 1-D tensor of one index per group (", groups,
+                      "), got shape ", first->sizes());
+    check_on(*first, "first", hyper, "hyper");
+    TORCH_CHECK_VALUE(!overlap(*first, hyper), "first and hyper share memory");
+  } else {
+    TORCH_CHECK_VALUE(!first.has_value(), "first is Adam's; optimizer 'sgd' takes none");
+    TORCH_CHECK_VALUE(!counts.has_value() || counts->numel() == groups, "counts must hold one ",
+                      "flag per group (", groups, ") for optimizer 'sgd', got ",
+                      counts->numel());
+  }
+}
+
+// The records and the ring of update_counts_, checked; the device they share.
+void check_update_counts(const std::vector<Tensor>& status, const c10::optional<Tensor>& counts,
+                         const c10::optional<Tensor>& ring, const c10::optional<Tensor>& slot) {
+  TORCH_CHECK_VALUE(ring.has_value() == slot.has_value(), "ring and slot go together: got ",
+                    ring.has_value() ? "a ring without a slot" : "a slot without a ring");
+  const Tensor* ref = !status.empty() ? &status[0] : counts.has_value() ? &*counts
+                      : ring.has_value() ? &*ring : nullptr;
+  std::vector<Tensor> counts_list, ring_list, slot_list;
+  for (size_t i = 0; i < status.size(); ++i) {
+    const Tensor& r = status[i];
+    TORCH_CHECK_VALUE(r.scalar_type() == at::kDouble && r.dim() == 1 && r.numel() == kStatus &&
+                          r.is_contiguous(),
+                      "status[", i, "] must be a step_status record (", kStatus, " contiguous ",
+                      "float64), got ", r.scalar_type(), " of shape ", r.sizes());
+    TORCH_CHECK_VALUE(r.device() == ref->device(), "status[", i, "] is on ", r.device(),
+                      " but status[0] is on ", ref->device());
+  }
+  if (counts.has_value()) {
+    check_counts(counts, *ref, status.empty() ? "counts" : "status[0]");
+    counts_list.push_back(*counts);
+  }
+  if (ring.has_value()) {
+    TORCH_CHECK_VALUE(!status.empty(), "a ring needs status records to write");
+    TORCH_CHECK_TYPE(ring->scalar_type() == at::kDouble, "ring must be float64, got ",
+                     ring->scalar_type());
+    TORCH_CHECK_VALUE(ring->dim() == 3 && ring->size(0) > 0 &&
+                          ring->size(1) == static_cast<int64_t>(status.size()) &&
+                          ring->size(2) == kStatus && ring->is_contiguous(),
+                      "ring must be a contiguous (slots, ", status.size(), ", ", kStatus,
+                      ") tensor with at least one slot, got shape ", ring->sizes());
+    TORCH_CHECK_TYPE(slot->scalar_type() == at::kLong, "slot must be int64, got ",
+                     slot->scalar_type());
+    TORCH_CHECK_VALUE(slot->numel() == 1, "slot must be one int64, got ", slot->numel(),
+                      " elements");
+    check_on(*ring, "ring", *ref, "status[0]");
+    check_on(*slot, "slot", *ref, "status[0]");
+    ring_list.push_back(*ring);
+    slot_list.push_back(*slot);
+  }
+  // What the call writes is its own: it shares memory with no other tensor of the call.
+  check_disjoint({{"counts", &counts_list}, {"ring", &ring_list}, {"slot", &slot_list},
+                  {"status", &status}});
+}
+
+void update_hyper_cpu(const Tensor& hyper, const c10::optional<Tensor>& base,
+                      const c10::optional<Tensor>& counts, const c10::optional<Tensor>& first,
+                      c10::string_view optimizer) {
+  const optim::Kind kind = parse_optimizer(optimizer);
+  check_update_hyper(hyper, base, counts, first, kind);
+  const int64_t n = counts.has_value() ? counts->numel() : 0;
+  if (first.has_value()) {
+    const int64_t* f = first->data_ptr<int64_t>();
+    for (int64_t g = 0; g < first->numel(); ++g) {
+      TORCH_CHECK_INDEX(f[g] >= 0 && f[g] < n, "first[", g, "] = ", f[g], " is not an index ",
+                        "of counts (", n, " elements)");
+    }
+  }
+  cpu::update_hyper(kind, hyper.data_ptr<double>(), hyper.size(0),
+                    base.has_value() ? base->data_ptr<double>() : nullptr,
+                    counts.has_value() ? counts->data_ptr<float>() : nullptr, n,
+                    first.has_value() ? first->data_ptr<int64_t>() : nullptr);
+}
+
+void update_counts_cpu(at::TensorList status, const c10::optional<Tensor>& counts,
+                       const c10::optional<Tensor>& ring, const c10::optional<Tensor>& slot,
+                       c10::string_view optimizer) {
+  const optim::Kind kind = parse_optimizer(optimizer);
+  const std::vector<Tensor> records = status.vec();
+  check_update_counts(records, counts, ring, slot);
+  std::vector<const double*> ptrs;
+  for (const Tensor& r : records) ptrs.push_back(r.data_ptr<double>());
+  cpu::update_counts(kind, ptrs.data(), static_cast<int>(ptrs.size()),
+                     counts.has_value() ? counts->data_ptr<float>() : nullptr,
+                     counts.has_value() ? counts->numel() : 0,
+                     ring.has_value() ? ring->data_ptr<double>() : nullptr,
+                     ring.has_value() ? ring->size(0) : 0,
+                     slot.has_value() ? slot->data_ptr<int64_t>() : nullptr);
+}
+
+// ---------------------------------------------------------------------------------------------
 // CUDA
 
 #ifdef DPCUDA_WITH_CUDA
@@ -209,14 +348,65 @@ void optim_update_cuda(at::TensorList params, at::TensorList grads, at::TensorLi
     }
   });
 }
+
+void update_hyper_cuda(const Tensor& hyper, const c10::optional<Tensor>& base,
+                       const c10::optional<Tensor>& counts, const c10::optional<Tensor>& first,
+                       c10::string_view optimizer) {
+  const optim::Kind kind = parse_optimizer(optimizer);
+  check_update_hyper(hyper, base, counts, first, kind);
+  const c10::cuda::CUDAGuard guard(hyper.device());
+  check_kernel_image(hyper.device().index());
+  // (first's values are not read here: an index outside counts makes the kernel write a NaN
+  // step, so the update writes NaN)
+  check_cuda(cuda::update_hyper(kind, hyper.data_ptr<double>(), hyper.size(0),
+                                base.has_value() ? base->data_ptr<double>() : nullptr,
+                                counts.has_value() ? counts->data_ptr<float>() : nullptr,
+                                counts.has_value() ? counts->numel() : 0,
+                                first.has_value() ? first->data_ptr<int64_t>() : nullptr,
+                                at::cuda::getCurrentCUDAStream()),
+             "update_hyper");
+}
+
+void update_counts_cuda(at::TensorList status, const c10::optional<Tensor>& counts,
+                        const c10::optional<Tensor>& ring, const c10::optional<Tensor>& slot,
+                        c10::string_view optimizer) {
+  const optim::Kind kind = parse_optimizer(optimizer);
+  const std::vector<Tensor> records = status.vec();
+  check_update_counts(records, counts, ring, slot);
+  TORCH_CHECK_VALUE(static_cast<int64_t>(records.size()) <= cuda::kMaxReplicas, "status holds ",
+                    records.size(), " records; a CUDA device takes at most ", cuda::kMaxReplicas,
+                    " (one per replica)");
+  const Tensor& ref = !records.empty() ? records[0] : counts.has_value() ? *counts : *ring;
+  if (records.empty() && !counts.has_value()) return;  // (nothing to write)
+  const c10::cuda::CUDAGuard guard(ref.device());
+  check_kernel_image(ref.device().index());
+  cuda::CountRecords r{};
+  r.n = static_cast<int>(records.size());
+  for (size_t i = 0; i < records.size(); ++i) r.ptr[i] = records[i].data_ptr<double>();
+  check_cuda(cuda::update_counts(kind, r, counts.has_value() ? counts->data_ptr<float>() : nullptr,
+                                 counts.has_value() ? counts->numel() : 0,
+                                 ring.has_value() ? ring->data_ptr<double>() : nullptr,
+                                 ring.has_value() ? ring->size(0) : 0,
+                                 slot.has_value() ? slot->data_ptr<int64_t>() : nullptr,
+                                 at::cuda::getCurrentCUDAStream()),
+             "update_counts");
+}
 #endif  // DPCUDA_WITH_CUDA
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(dpcuda, CPU, m) { m.impl("optim_update_", &optim_update_cpu); }
+TORCH_LIBRARY_IMPL(dpcuda, CPU, m) {
+  m.impl("optim_update_", &optim_update_cpu);
+  m.impl("update_hyper_", &update_hyper_cpu);
+  m.impl("update_counts_", &update_counts_cpu);
+}
 
 #ifdef DPCUDA_WITH_CUDA
-TORCH_LIBRARY_IMPL(dpcuda, CUDA, m) { m.impl("optim_update_", &optim_update_cuda); }
+TORCH_LIBRARY_IMPL(dpcuda, CUDA, m) {
+  m.impl("optim_update_", &optim_update_cuda);
+  m.impl("update_hyper_", &update_hyper_cuda);
+  m.impl("update_counts_", &update_counts_cuda);
+}
 #endif
 
 }  // namespace dpcuda

@@ -123,7 +123,7 @@ class _Plan:
         self.firsts = [min((i for i, x in enumerate(group_of) if x == g), default=-1)
                        for g in range(G)]
         self.first_index = torch.tensor([max(f, 0) for f in self.firsts], device=r0.device)
-        self.started = torch.zeros(G, dtype=torch.float64, device=r0.device)
+        self.started = torch.zeros(G, dtype=torch.float32, device=r0.device)
         align = 16 // r0.flat_param.element_size()
         bounds = [shard_range(n, R, k, align) for k in range(R)]
         shards = [[self.flat[k][b:e] for b, e in bounds] for k in keys]
@@ -169,7 +169,7 @@ class _Plan:
             if not adam and self.keys:
                 self.started.copy_(torch.tensor(
                     [f >= 0 and "momentum_buffer" in opt.state[self.params[f]]
-                     for f in self.firsts], dtype=torch.float64))
+                     for f in self.firsts], dtype=torch.float32))
         self.bound = True
         self.is_uniform = self.uniform(opt)
         self.see_state(opt)
@@ -409,25 +409,23 @@ class FusedUpdate:
                 target.copy_(plan.hyper_host, non_blocking=True)
 
     def device_update(self, opt, replicas, algorithm, records=(), scaled_by=0.0,
-                      loss_out=None, graphed=False):
+                      loss_out=None, graphed=False, ring=None):
         """The update's device work, with no host read: the step slot (Adam) or the first-step
         flag (SGD) from the device's counts, the reduce-update, the counts advanced where the
-        records let the update apply. Returns the norm tensor it writes (max_grad_norm; else
-        None). graphed: the host's values taken from hyper_base (write_hyper(graphed=True))."""
+        records let the update apply (and, given a graphed step's ring, the records into it):
+        three launches on a GPU. Returns the norm tensor it writes (max_grad_norm; else None).
+        graphed: the host's values taken from hyper_base (write_hyper(graphed=True))."""
         plan = self._plan
         R = len(replicas)
-        adam = opt._op == "adam"
+        op = opt._op
+        # Adam's step counts, or whether each group's SGD momentum has begun (none without it)
+        counts = plan.steps if op == "adam" else plan.started if plan.keys else None
         with torch.no_grad():
-            if graphed:
-                plan.hyper.copy_(plan.hyper_base)
-            if adam:
-                step = plan.hyper[:, _STEP]
-                step.copy_(plan.steps.index_select(0, plan.first_index)).add_(1)
-            elif plan.keys:
-                plan.hyper[:, _FLAGS].add_(plan.started.neg().add_(1).mul_(_FIRST))
+            if graphed or counts is not None:
+                torch.ops.dpcuda.update_hyper_(plan.hyper, plan.hyper_base if graphed else None,
+                                               counts, plan.first_index if op == "adam" else
+                                               None, op)
             hyper = [plan.hyper[g] for g in range(len(opt.param_groups)) for _ in range(R)]
-            # Whether the update applies (counted on the device from the records).
-            ok = torch.stack(list(records))[:, 1:3].eq(0).all() if records else None
             clip = opt.max_grad_norm
             norm = torch.empty(1, dtype=plan.buffers[0][0].dtype, device=plan.device) \
                 if clip is not None else None
@@ -435,21 +433,19 @@ class FusedUpdate:
             # them at the next forward, whose sync copies replica 0's weights to every replica
             # whatever happened in between (replicas.py), so writing them here too would move
             # the weights twice. max_grad_norm: the clipping inside the reduction.
+            records = list(records)
             torch.ops.dpcuda.reduce_update_(*plan.buffers, *plan.lists, hyper, plan.segments,
-                                            opt._op, False, algorithm, False, clip, norm,
-                                            list(records) if records else None, scaled_by,
-                                            loss_out)
+                                            op, False, algorithm, False, clip, norm,
+                                            records or None, scaled_by, loss_out)
             self.issued = True
             if norm is not None:
                 opt.grad_norm = norm.reshape(())
-            # Adam's step counts (a skipped update counts none), whether SGD's momentum began.
-            if adam:
-                plan.steps.add_(1 if ok is None else ok)
-            elif plan.keys:
-                if ok is None:
-                    plan.started.fill_(1.0)
-                else:
-                    torch.maximum(plan.started, ok.to(plan.started.dtype), out=plan.started)
+            # The counts advanced where the update applied (the records say so on the device;
+            # a skipped update counts no step and begins no momentum), and the ring's slot.
+            if counts is not None or ring is not None:
+                torch.ops.dpcuda.update_counts_(
+                    records, counts, None if ring is None else ring.records,
+                    None if ring is None else ring.counter, op)
         return norm
 
     def finish(self, opt):

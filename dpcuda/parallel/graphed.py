@@ -119,9 +119,9 @@ class _Ring:
         self.slot = 0     # the host's copy of counter
 
     def write(self, records):
-        """In the graph: this step's records into slot `counter`."""
-        self.records.index_copy_(0, self.counter, torch.stack(list(records)).unsqueeze(0))
-        self.counter.add_(1).remainder_(RING)
+        """In the graph: this step's records into slot `counter`, and counter advanced (one
+        launch; a fused update writes them with its own counts instead: device_update)."""
+        torch.ops.dpcuda.update_counts_(list(records), None, self.records, self.counter, "sgd")
 
     def flush(self, pending):
         """The window's records to pinned host memory behind an event, one PendingWindow."""

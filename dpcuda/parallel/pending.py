@@ -78,15 +78,16 @@ class PendingSteps:
             # A graphed step's capture (graphed.py): the loss and the records into the static
             # loss and the device ring; the host's part of the step is done at each replay.
             if opt is not None:
+                # (the records into the ring by the update's own bookkeeping launch)
                 ring.norm = self._fused_update.device_update(
                     opt, self._replicas, self.algorithm, records, float(global_den), ring.loss,
-                    graphed=True)
+                    graphed=True, ring=ring.ring)
             else:
                 self._reduce_p2p(records, float(global_den), ring.loss)
-            if kept is not None:
-                for dst, src in kept:
-                    dst.copy_(src)
-            ring.write(records)
+                if kept is not None:
+                    for dst, src in kept:
+                        dst.copy_(src)
+                ring.write(records)
             return ring.loss
         # Everything that can fail is made before the update is queued (a step that raises
         # leaves the weights): the loss, the records' host memory (pinned, behind an event,
