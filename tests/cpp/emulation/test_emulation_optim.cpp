@@ -5,6 +5,10 @@
 // (csrc/cpu/optim.h) on the same values (the half types: the CPU's float loop on widened
 // values, each stored value rounded once), and match a float64 evaluation of torch's formulas
 // within the type's tolerance. (NaN counts as NaN whatever its sign and payload.)
+// And the fused update's bookkeeping kernels (counts.h: update_hyper, update_counts) against
+// their CPU twin, bit for bit: launched directly on random rows, counts, records (flags 0, 1 or
+// NaN) and ring slots (out of range too), and captured once as a graph replayed 40 times on
+// fresh records, its ring wrapping and its counts advancing as 40 direct launches would.
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -13,6 +17,7 @@
 #include <vector>
 
 #include "cpu/optim.h"
+#include "kernels/optim/counts.h"
 #include "emu_test.h"
 #include "kernels/common.cuh"
 #include "kernels/optim/optim.h"
@@ -231,6 +236,240 @@ void test_table_limit() {
         cudaErrorInvalidValue);
 }
 
+
+// One case of the bookkeeping kernels: rows, counts, records and a ring on the host.
+struct CountsCase {
+  optim::Kind kind;
+  int64_t groups, n;
+  int replicas;
+  int64_t slots;
+  bool base, counts, ring;
+};
+
+struct CountsState {
+  std::vector<double> hyper, base, ring;
+  std::vector<float> counts;
+  std::vector<int64_t> first, slot;
+  std::vector<std::vector<double>> records;
+};
+
+std::vector<double> random_records(std::mt19937_64& rng, int replicas) {
+  std::uniform_int_distribution<int> pick(0, 7);
+  const double flags[] = {0.0, 0.0, 0.0, 0.0, 0.0, 1.0, 2.0, std::nan("")};
+  std::vector<double> out;
+  for (int r = 0; r < replicas; ++r) {
+    out.push_back(std::uniform_real_distribution<double>(-3.0, 3.0)(rng));
+    out.push_back(flags[pick(rng)]);
+    out.push_back(flags[pick(rng)]);
+    out.push_back(static_cast<double>(pick(rng) * 40));
+  }
+  return out;
+}
+
+CountsState random_state(const CountsCase& c, std::mt19937_64& rng) {
+  CountsState s;
+  std::uniform_real_distribution<double> u(-2.0, 2.0);
+  std::uniform_int_distribution<int> whole(0, 500);
+  s.hyper.resize(c.groups * optim::kHyper);
+  s.base.resize(c.groups * optim::kHyper);
+  for (double& v : s.hyper) v = u(rng);
+  for (double& v : s.base) v = u(rng);
+  for (int64_t g = 0; g < c.groups; ++g) {
+    s.hyper[g * optim::kHyper + optim::kFlags] = whole(rng) % 64;
+    s.base[g * optim::kHyper + optim::kFlags] = whole(rng) % 64;
+  }
+  const int64_t n = c.kind == optim::Kind::kAdam ? c.n : c.groups;
+  for (int64_t i = 0; i < n; ++i) {
+    s.counts.push_back(c.kind == optim::Kind::kAdam ? static_cast<float>(whole(rng))
+                                                    : static_cast<float>(whole(rng) % 2));
+  }
+  for (int64_t g = 0; g < c.groups; ++g) s.first.push_back(whole(rng) % c.n);
+  s.slot = {static_cast<int64_t>(whole(rng)) - 250};
+  s.ring.resize(c.slots * c.replicas * optim::kStatusRecord);
+  for (double& v : s.ring) v = u(rng);
+  const std::vector<double> flat = random_records(rng, c.replicas);
+  for (int r = 0; r < c.replicas; ++r) {
+    s.records.emplace_back(flat.begin() + r * optim::kStatusRecord,
+                           flat.begin() + (r + 1) * optim::kStatusRecord);
+  }
+  return s;
+}
+
+// The CPU twin's step on s.
+void cpu_counts_step(const CountsCase& c, CountsState& s) {
+  const int64_t n = c.counts ? static_cast<int64_t>(s.counts.size()) : 0;
+  dpcuda::cpu::update_hyper(c.kind, s.hyper.data(), c.groups, c.base ? s.base.data() : nullptr,
+                            c.counts ? s.counts.data() : nullptr, n, s.first.data());
+  std::vector<const double*> ptrs;
+  for (const auto& r : s.records) ptrs.push_back(r.data());
+  dpcuda::cpu::update_counts(c.kind, ptrs.data(), c.replicas,
+                             c.counts ? s.counts.data() : nullptr, n,
+                             c.ring ? s.ring.data() : nullptr, c.slots, s.slot.data());
+}
+
+template <typename T>
+bool same_vector(const std::vector<T>& a, const std::vector<T>& b) {
+  if (a.size() != b.size()) return false;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (!same_bits(a[i], b[i])) return false;
+  }
+  return true;
+}
+
+// The same state on the device, and the two launches on `stream`.
+struct DeviceCounts {
+  const CountsCase& c;
+  DeviceBuffer<double> hyper, base, ring;
+  DeviceBuffer<float> counts;
+  DeviceBuffer<int64_t> first, slot;
+  std::vector<std::unique_ptr<DeviceBuffer<double>>> records;
+  dpcuda::cuda::CountRecords table{};
+
+  DeviceCounts(const CountsCase& cs, const CountsState& s)
+      : c(cs), hyper(s.hyper.size()), base(s.base.size()), ring(s.ring.size()),
+        counts(s.counts.size()), first(s.first.size()), slot(1) {
+    hyper.upload(s.hyper);
+    base.upload(s.base);
+    ring.upload(s.ring);
+    counts.upload(s.counts);
+    first.upload(s.first);
+    slot.upload(s.slot);
+    for (const auto& r : s.records) {
+      records.push_back(std::make_unique<DeviceBuffer<double>>(r.size()));
+      records.back()->upload(r);
+      table.ptr[table.n++] = records.back()->ptr;
+    }
+  }
+
+  cudaError_t run(cudaStream_t stream) {
+    const int64_t n = c.counts ? static_cast<int64_t>(counts.n) : 0;
+    cudaError_t e = dpcuda::cuda::update_hyper(c.kind, hyper.ptr, c.groups,
+                                               c.base ? base.ptr : nullptr,
+                                               c.counts ? counts.ptr : nullptr, n, first.ptr,
+                                               stream);
+    if (e != cudaSuccess) return e;
+    return dpcuda::cuda::update_counts(c.kind, table, c.counts ? counts.ptr : nullptr, n,
+                                       c.ring ? ring.ptr : nullptr, c.slots, slot.ptr, stream);
+  }
+
+  bool matches(const CountsState& s) const {
+    return same_vector(hyper.download(), s.hyper) && same_vector(counts.download(), s.counts) &&
+           same_vector(ring.download(), s.ring) && slot.download() == s.slot;
+  }
+};
+
+std::vector<CountsCase> counts_cases() {
+  std::vector<CountsCase> cases;
+  for (optim::Kind kind : {optim::Kind::kAdam, optim::Kind::kSgd}) {
+    for (int64_t n : {1, 3, 300}) {           // (300: more counts than the block's threads)
+      for (int replicas : {1, 2, 5, 16}) {
+        for (int mode = 0; mode < 4; ++mode) {
+          const bool counts = kind == optim::Kind::kAdam || mode != 3;
+          cases.push_back({kind, kind == optim::Kind::kAdam ? 3 : n % 7 + 1, n, replicas,
+                           mode == 2 ? 1 : 5, mode != 1, counts, mode != 0});
+        }
+      }
+    }
+  }
+  return cases;
+}
+
+void test_counts_direct() {
+  dpcuda::emu::reset(emu_test::config(1, 11));
+  std::mt19937_64 rng(77);
+  for (const CountsCase& c : counts_cases()) {
+    for (int trial = 0; trial < 3; ++trial) {
+      CountsState s = random_state(c, rng);
+      DeviceCounts d(c, s);
+      CUDA_OK(d.run(nullptr));
+      CUDA_OK(cudaDeviceSynchronize());
+      cpu_counts_step(c, s);
+      if (!d.matches(s)) {
+        std::printf("update_hyper/update_counts kind=%d groups=%lld n=%lld replicas=%d "
+                    "slots=%lld base=%d counts=%d ring=%d: differ from the CPU twin\n",
+                    static_cast<int>(c.kind), static_cast<long long>(c.groups),
+                    static_cast<long long>(c.n), c.replicas, static_cast<long long>(c.slots),
+                    c.base, c.counts, c.ring);
+        dpcuda_test::fail();
+      }
+    }
+  }
+  emu_test::expect_no_reports("counts");
+}
+
+void test_counts_captured() {
+  constexpr int kReplays = 40;
+  std::mt19937_64 rng(78);
+  for (const CountsCase& c : counts_cases()) {
+    if (!c.ring || !c.base) continue;  // (a graphed step's: the graph's rows and its ring)
+    dpcuda::emu::reset(emu_test::config(1, 12));
+    cudaStream_t stream;
+    CUDA_OK(cudaStreamCreate(&stream));
+    CountsState s = random_state(c, rng);
+    DeviceCounts d(c, s);
+    CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+    CUDA_OK(d.run(stream));
+    cudaGraph_t graph = nullptr;
+    CUDA_OK(cudaStreamEndCapture(stream, &graph));
+    cudaGraphExec_t exec = nullptr;
+    CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+    CHECK(d.matches(s));  // (a capture runs nothing)
+    bool same = true;
+    for (int k = 0; k < kReplays && same; ++k) {
+      // this step's records, queued on the stream before the replay (as a step's status)
+      const std::vector<double> flat = random_records(rng, c.replicas);
+      for (int r = 0; r < c.replicas; ++r) {
+        s.records[r].assign(flat.begin() + r * optim::kStatusRecord,
+                            flat.begin() + (r + 1) * optim::kStatusRecord);
+        CUDA_OK(cudaMemcpyAsync(d.records[r]->ptr, s.records[r].data(),
+                                optim::kStatusRecord * sizeof(double), cudaMemcpyHostToDevice,
+                                stream));
+      }
+      CUDA_OK(cudaGraphLaunch(exec, stream));
+      CUDA_OK(cudaStreamSynchronize(stream));
+      cpu_counts_step(c, s);
+      same = d.matches(s);
+    }
+    if (!same) {
+      std::printf("update_hyper/update_counts captured, kind=%d n=%lld replicas=%d slots=%lld: "
+                  "a replay differs from the CPU twin's step\n", static_cast<int>(c.kind),
+                  static_cast<long long>(c.n), c.replicas, static_cast<long long>(c.slots));
+      dpcuda_test::fail();
+    }
+    CUDA_OK(cudaGraphExecDestroy(exec));
+    CUDA_OK(cudaGraphDestroy(graph));
+    CUDA_OK(cudaStreamDestroy(stream));
+    emu_test::expect_no_reports("counts captured");
+  }
+}
+
+void test_counts_limits() {
+  dpcuda::emu::reset(emu_test::config(1, 13));
+  dpcuda::cuda::CountRecords many{};
+  many.n = dpcuda::cuda::kMaxReplicas + 1;
+  DeviceBuffer<float> counts(4);
+  CHECK(dpcuda::cuda::update_counts(optim::Kind::kAdam, many, counts.ptr, 4, nullptr, 0,
+                                    nullptr, nullptr) == cudaErrorInvalidValue);
+  dpcuda::cuda::CountRecords one{};
+  one.n = 1;
+  DeviceBuffer<double> ring(4), record(4);
+  one.ptr[0] = record.ptr;
+  CHECK(dpcuda::cuda::update_counts(optim::Kind::kAdam, one, counts.ptr, 4, ring.ptr, 1,
+                                    nullptr, nullptr) == cudaErrorInvalidValue);  // no slot
+  DeviceBuffer<double> hyper(optim::kHyper);
+  CHECK(dpcuda::cuda::update_hyper(optim::Kind::kAdam, hyper.ptr, 1, nullptr, nullptr, 0,
+                                   nullptr, nullptr) == cudaErrorInvalidValue);  // no counts
+  // an index of first outside counts: a NaN step, never another count's
+  DeviceBuffer<int64_t> first(1);
+  first.upload({4});
+  counts.upload({1.0f, 2.0f, 3.0f, 4.0f});
+  CUDA_OK(dpcuda::cuda::update_hyper(optim::Kind::kAdam, hyper.ptr, 1, nullptr, counts.ptr, 4,
+                                     first.ptr, nullptr));
+  CUDA_OK(cudaDeviceSynchronize());
+  CHECK(std::isnan(hyper.download()[optim::kStep]));
+  emu_test::expect_no_reports("counts limits");
+}
+
 }  // namespace
 
 int main() {
@@ -245,5 +484,8 @@ int main() {
     test_dtype<__nv_bfloat16>(4);
     emu_test::expect_no_reports("optim");
   }
+  test_counts_direct();
+  test_counts_captured();
+  test_counts_limits();
   return emu_test::finish("test_emulation_optim");
 }
