@@ -53,9 +53,11 @@ def train(mode, opt_name, replicas=2, steps=40, fused=True, data=None, loss_fn=N
     model = make(fused)
     kw = {"graphs": True} if mode == "graphed" else {"blocking": mode == "blocking"}
     dp = DataParallel(model, ["cpu"] * replicas, lr=0.05, momentum=0.9, **kw)
-    cfg = {"SGD": dict(lr=0.05, momentum=0.9, dampening=0.1),
+    # ("SGD0": no momentum, no state: the graph reads the host's rows of hyperparameters)
+    cfg = {"SGD": dict(lr=0.05, momentum=0.9, dampening=0.1), "SGD0": dict(lr=0.05),
            "AdamW": dict(lr=0.01, max_grad_norm=0.5), None: None}[opt_name]
-    opt = getattr(dpcuda.optim, opt_name)(model.parameters(), **cfg) if opt_name else None
+    opt = getattr(dpcuda.optim, opt_name.rstrip("0"))(model.parameters(), **cfg) \
+        if opt_name else None
     sched = torch.optim.lr_scheduler.StepLR(opt, 5, 0.5) if opt else None
     loss_fn = loss_fn or (SoftmaxCrossEntropyLoss() if fused else torch.nn.CrossEntropyLoss())
     data = data or batches(steps, nan_steps=(1, 9, 30), ignore_steps=(20,))
@@ -77,7 +79,7 @@ def same(a, b):
     return all((x == y) or (x != x and y != y) for x, y in zip(a, b))
 
 
-@pytest.mark.parametrize("opt_name", [None, "SGD", "AdamW"])
+@pytest.mark.parametrize("opt_name", [None, "SGD", "SGD0", "AdamW"])
 @pytest.mark.parametrize("replicas", [1, 3])
 @pytest.mark.parametrize("fused", [True, False])
 def test_graphed_training_is_the_nonblocking_training_bit_for_bit(closure, opt_name, replicas,

@@ -413,7 +413,7 @@ class FusedUpdate:
         """The update's device work, with no host read: the step slot (Adam) or the first-step
         flag (SGD) from the device's counts, the reduce-update, the counts advanced where the
         records let the update apply (and, given a graphed step's ring, the records into it):
-        three launches on a GPU. Returns the norm tensor it writes (max_grad_norm; else None).
+        three launches on a GPU (two for SGD without momentum). Returns the norm tensor it writes (max_grad_norm; else None).
         graphed: the host's values taken from hyper_base (write_hyper(graphed=True))."""
         plan = self._plan
         R = len(replicas)
@@ -421,11 +421,14 @@ class FusedUpdate:
         # Adam's step counts, or whether each group's SGD momentum has begun (none without it)
         counts = plan.steps if op == "adam" else plan.started if plan.keys else None
         with torch.no_grad():
-            if graphed or counts is not None:
-                torch.ops.dpcuda.update_hyper_(plan.hyper, plan.hyper_base if graphed else None,
+            rows = plan.hyper
+            if counts is not None:
+                torch.ops.dpcuda.update_hyper_(rows, plan.hyper_base if graphed else None,
                                                counts, plan.first_index if op == "adam" else
                                                None, op)
-            hyper = [plan.hyper[g] for g in range(len(opt.param_groups)) for _ in range(R)]
+            elif graphed:
+                rows = plan.hyper_base  # (nothing to complete on the device: the host's rows)
+            hyper = [rows[g] for g in range(len(opt.param_groups)) for _ in range(R)]
             clip = opt.max_grad_norm
             norm = torch.empty(1, dtype=plan.buffers[0][0].dtype, device=plan.device) \
                 if clip is not None else None
