@@ -421,6 +421,8 @@ TABLES = {
         "host-cpu-2026-12-03.json", "host-cpu-2026-12-03-before.json"),
     "host-cpu-2026-12-04.json + host-cpu-2026-12-04-before.json": lambda: host(
         "host-cpu-2026-12-04.json", "host-cpu-2026-12-04-before.json"),
+    "host-cpu-2026-12-04b.json + host-cpu-2026-12-04b-before.json": lambda: host(
+        "host-cpu-2026-12-04b.json", "host-cpu-2026-12-04b-before.json"),
     "launches-h100-2026-11-27.json": launches_graphed,
     "launches-h100-2026-11-27b.json": lambda: launches_graphed("launches-h100-2026-11-27b.json"),
     "step-cpu-2026-11-22.json": step_cpu,
