@@ -9,7 +9,8 @@
 #   check     tests/test_cuda_step.py, and benchmarks/count_launches.py (kernels, syncs per step)
 #   sanitize  compute-sanitizer memcheck, racecheck and synccheck over the CUDA tests
 #   graphs    the graphed step first (issue #25): its CUDA tests (graphed against eager, 1000
-#             replays with a changing lr; steps from two streams)
+#             replays with a changing lr; steps from two streams; the update's bookkeeping
+#             kernels against the torch ops they replace)
 #   launches  benchmarks/count_launches.py alone
 #   graphsan  memcheck, racecheck and synccheck over the graph replays (SAN_TOOLS narrows it;
 #             the bit-for-bit test over GRAPHED_STEPS=14 steps: racecheck did not finish 1000)
@@ -65,7 +66,7 @@ sanitize)  # compute-sanitizer: memcheck and racecheck over the CUDA step tests,
   done
   log "synccheck"; timeout ${SAN_TIMEOUT:-130} compute-sanitizer --tool synccheck --error-exitcode 9 $PY -m pytest -q -p no:cacheprovider -x -k "cuda and not 1048576" tests/test_cross_entropy.py tests/test_parallel.py 2>&1 | tail -4; echo "synccheck rc=${PIPESTATUS[0]}" ;;
 graphs)  # DataParallel(graphs=True): what the CPU could not check: its CUDA tests
-  log "graphed tests"; timeout ${GRAPH_TIMEOUT:-300} $PY -m pytest -v -p no:cacheprovider -rfE -k "graphed or two_streams or nonblocking_optimizer" tests/test_cuda_step.py >"$OUT/graphs.log" 2>&1
+  log "graphed tests"; timeout ${GRAPH_TIMEOUT:-300} $PY -m pytest -v -p no:cacheprovider -rfE -k "graphed or two_streams or nonblocking_optimizer or (bookkeeping and cuda)" tests/test_cuda_step.py tests/test_optim.py >"$OUT/graphs.log" 2>&1
   log "graphed tests rc=$?"; grep -E "(FAILED|ERROR) " "$OUT/graphs.log" | head -20; tail -3 "$OUT/graphs.log" ;;
 launches)  # kernels, graph launches and syncs per step
   log "count_launches"; timeout ${LAUNCH_TIMEOUT:-120} $PY benchmarks/count_launches.py --json "$OUT/res/launches.json" 2>&1 | grep -v Warn | tail -14 ;;
