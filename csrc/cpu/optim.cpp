@@ -91,8 +91,9 @@ void update_counts(optim::Kind kind, const double* const* records, int replicas,
   if (ring == nullptr) return;
   const int64_t s = optim::ring_slot(*slot, slots);
   double* row = ring + s * replicas * optim::kStatusRecord;
+  constexpr int kRecord = optim::kStatusRecord;
   for (int r = 0; r < replicas; ++r) {
-    for (int k = 0; k < optim::kStatusRecord; ++k) row[r * optim::kStatusRecord + k] = records[r][k];
+    for (int k = 0; k < kRecord; ++k) row[r * kRecord + k] = records[r][k];
   }
   *slot = (s + 1) % slots;
 }

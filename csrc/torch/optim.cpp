@@ -1,9 +1,9 @@
 // ATen adapter of dpcuda's optimizer update (dpcuda::optim_update_) and of the fused update's
 // bookkeeping on the device (dpcuda::update_hyper_, dpcuda::update_counts_: csrc/kernels/optim/
-// counts.h): argument checks, dtype dispatch and the pointers. The element formulas are csrc/kernels/optim/update.h, shared by the
-// CPU loops (csrc/cpu/optim.h, threads over pieces of every tensor) and the CUDA kernel
-// (csrc/kernels/optim: one launch per kOptimMaxTensors tensors, on the current stream), so both
-// give the same bits. The hyperparameters are a float64 tensor of optim::kHyper values on the
+// counts.h): argument checks, dtype dispatch and the pointers. The element formulas are
+// csrc/kernels/optim/update.h, shared by the CPU loops (csrc/cpu/optim.h, threads over pieces of
+// every tensor) and the CUDA kernel (csrc/kernels/optim: one launch per kOptimMaxTensors
+// tensors, on the current stream), so both give the same bits. The hyperparameters are a float64 tensor of optim::kHyper values on the
 // tensors' device, which the kernels read: dpcuda/optim.py writes it before each update.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -376,8 +376,8 @@ void update_counts_cuda(at::TensorList status, const c10::optional<Tensor>& coun
   TORCH_CHECK_VALUE(static_cast<int64_t>(records.size()) <= cuda::kMaxReplicas, "status holds ",
                     records.size(), " records; a CUDA device takes at most ", cuda::kMaxReplicas,
                     " (one per replica)");
-  const Tensor& ref = !records.empty() ? records[0] : counts.has_value() ? *counts : *ring;
-  if (records.empty() && !counts.has_value()) return;  // (nothing to write)
+  if (records.empty() && !counts.has_value()) return;  // (nothing to write: no ring either)
+  const Tensor& ref = !records.empty() ? records[0] : *counts;
   const c10::cuda::CUDAGuard guard(ref.device());
   check_kernel_image(ref.device().index());
   cuda::CountRecords r{};

@@ -24,7 +24,7 @@ import torch
 from torch.optim.optimizer import _global_optimizer_pre_hooks  # (a dict torch fills in place)
 
 from .. import _C
-from ..optim import _FIRST, _FLAGS, _HYPER, _STEP, _FusedOptimizer
+from ..optim import _HYPER, _FusedOptimizer
 from .unchanged import ATTR_IS, ITEM_IS, KEYS, items_of
 
 
@@ -413,8 +413,9 @@ class FusedUpdate:
         """The update's device work, with no host read: the step slot (Adam) or the first-step
         flag (SGD) from the device's counts, the reduce-update, the counts advanced where the
         records let the update apply (and, given a graphed step's ring, the records into it):
-        three launches on a GPU (two for SGD without momentum). Returns the norm tensor it writes (max_grad_norm; else None).
-        graphed: the host's values taken from hyper_base (write_hyper(graphed=True))."""
+        three launches on a GPU (two for SGD without momentum). Returns the norm tensor it
+        writes (max_grad_norm; else None). graphed: the host's values taken from hyper_base
+        (write_hyper(graphed=True))."""
         plan = self._plan
         R = len(replicas)
         op = opt._op
