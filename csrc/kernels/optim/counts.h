@@ -2,8 +2,9 @@
 // fused_update.py, graphed.py), so that a non-blocking step reads no value on the host, each
 // part one small launch: a graphed step's graph holds two nodes for it where it held eight to
 // eleven (a copy, an index_select, adds, a stack, a comparison, an `all`, an index_copy_, a
-// remainder). Torch-free: the adapter (csrc/torch/optim.cpp) checks the tensors; the CPU twin
-// (csrc/cpu/optim.h) applies the same formulas below, so both give the same bits.
+// remainder). This header holds the formulas, shared by the CUDA kernels (declared in optim.h)
+// and their CPU twin (csrc/cpu/optim.h), so both give the same bits; torch-free and CUDA-free,
+// as update.h. The adapter (csrc/torch/optim.cpp) checks the tensors.
 //
 // counts: Adam's step counts, one per parameter (float32, as torch keeps state["step"]), or
 // SGD's momentum-begun flags, one per parameter group (float32 0 or 1).
