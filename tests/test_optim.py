@@ -969,8 +969,13 @@ def test_the_bookkeeping_ops_name_their_bad_arguments():
     with pytest.raises(TypeError, match="slot must be int64"):
         op(rec, steps, ring, slot.double(), "adam")
     record = torch.zeros(4, dtype=torch.float64)
-    with pytest.raises(ValueError, match=r"status\[0\] and counts\[0\] share memory"):
-        op([record], record.view(torch.float32), None, None, "adam")
+    with pytest.raises(ValueError, match=r"counts and status\[1\] share memory"):
+        op([rec[0], record], record.view(torch.float32), None, None, "adam")
+    with pytest.raises(ValueError, match="counts is empty"):
+        torch.ops.dpcuda.update_hyper_(h, None, torch.zeros(0), first, "adam")
+    counted = torch.zeros(3)
+    op([rec[0], rec[0]], counted, None, None, "adam")  # (a record read twice: only read)
+    assert counted.tolist() == [1.0] * 3
     with pytest.raises(ValueError, match=r"slot\[0\] and ring\[0\] share memory"):
         op(rec, steps, ring, ring.view(torch.long)[0, 0, :1], "adam")
     assert steps.tolist() == [0.0] * 3 and torch.equal(ring, torch.zeros(4, 2, 4,
@@ -990,3 +995,47 @@ def test_the_bookkeeping_ops_trace_and_run_on_meta():
     torch.ops.dpcuda.update_hyper_(meta[0], None, meta[1], meta[2], "adam")
     with pytest.raises(ValueError, match="counts is on cpu but hyper is on meta"):
         torch.ops.dpcuda.update_hyper_(meta[0], None, steps, meta[2], "adam")
+
+
+@pytest.mark.parametrize("mode", ["blocking", "nonblocking", "graphed"])
+def test_the_fused_update_keeps_torchs_state_and_versions(mode, monkeypatch):
+    # SGD without momentum keeps no state (torch.optim makes no entry: a state_dict of {}),
+    # and its entries appear once momentum is set; Adam's step counts, views of the plan's
+    # device tensor, advance their version at every update as torch's `step += 1` does.
+    from dpcuda.nn import FusedMLP, SoftmaxCrossEntropyLoss
+    if mode == "graphed":
+        monkeypatch.setattr(DataParallel, "_graph_backend", "closure")
+    kw = {"graphs": True} if mode == "graphed" else {"blocking": mode == "blocking"}
+    torch.manual_seed(0)
+    x, y = torch.randn(6, 4), torch.randint(0, 3, (6,))
+    model, ref = FusedMLP([4, 5, 3]), FusedMLP([4, 5, 3])
+    ref.load_state_dict(model.state_dict())
+    dp = DataParallel(model, ["cpu"] * 2, **kw)
+    opt = dpcuda.optim.SGD(model.parameters(), lr=0.1)
+    torch_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for step in range(8):
+        if step == 6:
+            opt.param_groups[0]["momentum"] = torch_opt.param_groups[0]["momentum"] = 0.9
+        dp.step(x, y, SoftmaxCrossEntropyLoss(), optimizer=opt)
+        torch_opt.zero_grad()
+        torch.nn.functional.cross_entropy(ref(x), y).backward()
+        torch_opt.step()
+        if step < 6:
+            assert opt.state_dict()["state"] == torch_opt.state_dict()["state"] == {}
+    dp.synchronize()
+    assert opt.state_dict()["state"].keys() == torch_opt.state_dict()["state"].keys()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q)
+    torch.manual_seed(0)
+    model = FusedMLP([4, 5, 3])
+    dp = DataParallel(model, ["cpu"] * 2, **kw)
+    opt = dpcuda.optim.AdamW(model.parameters(), lr=0.01)
+    dp.step(x, y, SoftmaxCrossEntropyLoss(), optimizer=opt)
+    steps = [opt.state[p]["step"] for p in model.parameters()]
+    versions = [s._version for s in steps]
+    for _ in range(5):
+        dp.step(x, y, SoftmaxCrossEntropyLoss(), optimizer=opt)
+    dp.synchronize()
+    assert all(s._version > v for s, v in zip(steps, versions))
+    assert all(opt.state[p]["step"] is s and float(s) == 6 for p, s in zip(model.parameters(),
+                                                                          steps))

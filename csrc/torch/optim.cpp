@@ -3,8 +3,9 @@
 // counts.h): argument checks, dtype dispatch and the pointers. The element formulas are
 // csrc/kernels/optim/update.h, shared by the CPU loops (csrc/cpu/optim.h, threads over pieces of
 // every tensor) and the CUDA kernel (csrc/kernels/optim: one launch per kOptimMaxTensors
-// tensors, on the current stream), so both give the same bits. The hyperparameters are a float64 tensor of optim::kHyper values on the
-// tensors' device, which the kernels read: dpcuda/optim.py writes it before each update.
+// tensors, on the current stream), so both give the same bits. The hyperparameters are a
+// float64 tensor of optim::kHyper values on the tensors' device, which the kernels read:
+// dpcuda/optim.py writes it before each update.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/grad_mode.h>
@@ -212,6 +213,8 @@ void check_update_hyper(const Tensor& hyper, const c10::optional<Tensor>& base,
   if (kind == optim::Kind::kAdam) {
     TORCH_CHECK_VALUE(counts.has_value() && first.has_value(), "optimizer 'adam' needs counts ",
                       "(each parameter's step count) and first (a parameter per group)");
+    TORCH_CHECK_VALUE(counts->numel() > 0 || groups == 0, "counts is empty: optimizer 'adam' ",
+                      "reads each group's step count there");
     TORCH_CHECK_TYPE(first->scalar_type() == at::kLong, "first must be int64, got ",
                      first->scalar_type());
     TORCH_CHECK_VALUE(first->dim() == 1 && first->numel() == groups && first->is_contiguous(),
@@ -227,7 +230,9 @@ void check_update_hyper(const Tensor& hyper, const c10::optional<Tensor>& base,
   }
 }
 
-// The records and the ring of update_counts_, checked; the device they share.
+using NamedWritten = std::vector<std::pair<const char*, const std::vector<Tensor>*>>;
+
+// The records and the ring of update_counts_, checked.
 void check_update_counts(const std::vector<Tensor>& status, const c10::optional<Tensor>& counts,
                          const c10::optional<Tensor>& ring, const c10::optional<Tensor>& slot) {
   TORCH_CHECK_VALUE(ring.has_value() == slot.has_value(), "ring and slot go together: got ",
@@ -266,9 +271,18 @@ void check_update_counts(const std::vector<Tensor>& status, const c10::optional<
     ring_list.push_back(*ring);
     slot_list.push_back(*slot);
   }
-  // What the call writes is its own: it shares memory with no other tensor of the call.
-  check_disjoint({{"counts", &counts_list}, {"ring", &ring_list}, {"slot", &slot_list},
-                  {"status", &status}});
+  // What the call writes is its own: it shares memory with no other tensor of the call (the
+  // records, only read, may share theirs).
+  check_disjoint({{"counts", &counts_list}, {"ring", &ring_list}, {"slot", &slot_list}});
+  for (const auto& [name, list] : NamedWritten{{"counts", &counts_list}, {"ring", &ring_list},
+                                               {"slot", &slot_list}}) {
+    for (const Tensor& w : *list) {
+      for (size_t i = 0; i < status.size(); ++i) {
+        TORCH_CHECK_VALUE(!overlap(w, status[i]), name, " and status[", i, "] share memory; ",
+                          "what the call writes must be its own");
+      }
+    }
+  }
 }
 
 void update_hyper_cpu(const Tensor& hyper, const c10::optional<Tensor>& base,

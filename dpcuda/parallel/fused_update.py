@@ -106,6 +106,9 @@ class _Plan:
                           zip(r0.spans, params)] for k in keys}
         self.steps = torch.zeros(len(params), dtype=torch.float32, device=r0.device)
         self.step_views = list(self.steps.unbind())
+        # What an update changes in place, whose versions finish() advances as torch.optim's
+        # in-place ops do: the weights, and Adam's step counts (the views share one counter).
+        self.versioned = params + ([self.steps] if opt._op == "adam" else [])
         G = len(opt.param_groups)
         # Each group's hyperparameter array (reduce_update_ reads row g), its first member (whose
         # step count stands for the group's), and whether SGD's momentum has begun in it.
@@ -144,7 +147,8 @@ class _Plan:
         after anything else changes the state)."""
         adam = opt._op == "adam"
         with torch.no_grad():
-            for i, p in enumerate(self.params):
+            # (SGD without momentum has no state: no entry is made, as torch.optim makes none)
+            for i, p in enumerate(self.params if adam or self.keys else ()):
                 state = opt.state[p]
                 for k in self.keys:
                     view = self.views[k][i]
@@ -219,12 +223,15 @@ class _Plan:
         if opt._op == "adam":
             steps = self.steps.tolist()
             return all(len({steps[i] for i in m}) <= 1 for m in self.members)
-        return all(len({"momentum_buffer" in opt.state[self.params[i]] for i in m}) <= 1
+        state = opt.state
+        return all(len({"momentum_buffer" in state.get(self.params[i], ()) for i in m}) <= 1
                    for m in self.members)
 
     def current(self, opt):
         """Whether the optimizer's state entries are still the plan's views (a load_state_dict
         or a user's assignment replaces them)."""
+        if not self.keys and opt._op != "adam":
+            return True  # (SGD without momentum: no state the plan holds)
         states = list(map(opt.state.get, self.params))
         if None in states:
             return False
@@ -361,7 +368,7 @@ class FusedUpdate:
         adam = opt._op == "adam"
         state = opt.state
         # SGD: the groups whose momentum buffers this update makes
-        self._first = [] if adam else [
+        self._first = [] if adam or not plan.keys else [
             index for index, m in enumerate(plan.members)
             if m and "momentum_buffer" not in state[plan.params[m[0]]]]
         if graphed:
@@ -454,11 +461,12 @@ class FusedUpdate:
 
     def finish(self, opt):
         """What opt.step() leaves on the host once an update is issued: the weights' versions
-        (autograd sees them changed, as after torch.optim's in-place update), SGD's momentum
+        and Adam's step counts' (autograd sees them changed, as after torch.optim's in-place
+        update), SGD's momentum
         buffers made at its first step (a zero buffer where the device skipped it, which the
         next update starts afresh, as the device's flag says)."""
         plan = self._plan
-        torch.autograd.graph.increment_version(plan.params)
+        torch.autograd.graph.increment_version(plan.versioned)
         if opt._op == "sgd" and plan.keys and self._first:
             for index in self._first:
                 for i in plan.members[index]:
