@@ -175,6 +175,13 @@ void optim_update_cpu(at::TensorList params, at::TensorList grads, at::TensorLis
 
 constexpr int64_t kStatus = optim::kStatusRecord;
 
+template <typename T>
+T* data_or_null(const c10::optional<Tensor>& t) {
+  return t.has_value() ? t->data_ptr<T>() : nullptr;
+}
+
+int64_t numel_or_zero(const c10::optional<Tensor>& t) { return t.has_value() ? t->numel() : 0; }
+
 void check_on(const Tensor& t, const char* name, const Tensor& ref, const char* ref_name) {
   TORCH_CHECK_VALUE(t.device() == ref.device(), name, " is on ", t.device(), " but ", ref_name,
                     " is on ", ref.device());
@@ -290,7 +297,7 @@ void update_hyper_cpu(const Tensor& hyper, const c10::optional<Tensor>& base,
                       c10::string_view optimizer) {
   const optim::Kind kind = parse_optimizer(optimizer);
   check_update_hyper(hyper, base, counts, first, kind);
-  const int64_t n = counts.has_value() ? counts->numel() : 0;
+  const int64_t n = numel_or_zero(counts);
   if (first.has_value()) {
     const int64_t* f = first->data_ptr<int64_t>();
     for (int64_t g = 0; g < first->numel(); ++g) {
@@ -298,10 +305,8 @@ void update_hyper_cpu(const Tensor& hyper, const c10::optional<Tensor>& base,
                         "of counts (", n, " elements)");
     }
   }
-  cpu::update_hyper(kind, hyper.data_ptr<double>(), hyper.size(0),
-                    base.has_value() ? base->data_ptr<double>() : nullptr,
-                    counts.has_value() ? counts->data_ptr<float>() : nullptr, n,
-                    first.has_value() ? first->data_ptr<int64_t>() : nullptr);
+  cpu::update_hyper(kind, hyper.data_ptr<double>(), hyper.size(0), data_or_null<double>(base),
+                    data_or_null<float>(counts), n, data_or_null<int64_t>(first));
 }
 
 void update_counts_cpu(at::TensorList status, const c10::optional<Tensor>& counts,
@@ -313,11 +318,9 @@ void update_counts_cpu(at::TensorList status, const c10::optional<Tensor>& count
   std::vector<const double*> ptrs;
   for (const Tensor& r : records) ptrs.push_back(r.data_ptr<double>());
   cpu::update_counts(kind, ptrs.data(), static_cast<int>(ptrs.size()),
-                     counts.has_value() ? counts->data_ptr<float>() : nullptr,
-                     counts.has_value() ? counts->numel() : 0,
-                     ring.has_value() ? ring->data_ptr<double>() : nullptr,
-                     ring.has_value() ? ring->size(0) : 0,
-                     slot.has_value() ? slot->data_ptr<int64_t>() : nullptr);
+                     data_or_null<float>(counts), numel_or_zero(counts),
+                     data_or_null<double>(ring), ring.has_value() ? ring->size(0) : 0,
+                     data_or_null<int64_t>(slot));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -373,10 +376,8 @@ void update_hyper_cuda(const Tensor& hyper, const c10::optional<Tensor>& base,
   // (first's values are not read here: an index outside counts makes the kernel write a NaN
   // step, so the update writes NaN)
   check_cuda(cuda::update_hyper(kind, hyper.data_ptr<double>(), hyper.size(0),
-                                base.has_value() ? base->data_ptr<double>() : nullptr,
-                                counts.has_value() ? counts->data_ptr<float>() : nullptr,
-                                counts.has_value() ? counts->numel() : 0,
-                                first.has_value() ? first->data_ptr<int64_t>() : nullptr,
+                                data_or_null<double>(base), data_or_null<float>(counts),
+                                numel_or_zero(counts), data_or_null<int64_t>(first),
                                 at::cuda::getCurrentCUDAStream()),
              "update_hyper");
 }
@@ -397,12 +398,9 @@ void update_counts_cuda(at::TensorList status, const c10::optional<Tensor>& coun
   cuda::CountRecords r{};
   r.n = static_cast<int>(records.size());
   for (size_t i = 0; i < records.size(); ++i) r.ptr[i] = records[i].data_ptr<double>();
-  check_cuda(cuda::update_counts(kind, r, counts.has_value() ? counts->data_ptr<float>() : nullptr,
-                                 counts.has_value() ? counts->numel() : 0,
-                                 ring.has_value() ? ring->data_ptr<double>() : nullptr,
-                                 ring.has_value() ? ring->size(0) : 0,
-                                 slot.has_value() ? slot->data_ptr<int64_t>() : nullptr,
-                                 at::cuda::getCurrentCUDAStream()),
+  check_cuda(cuda::update_counts(kind, r, data_or_null<float>(counts), numel_or_zero(counts),
+                                 data_or_null<double>(ring), ring.has_value() ? ring->size(0) : 0,
+                                 data_or_null<int64_t>(slot), at::cuda::getCurrentCUDAStream()),
              "update_counts");
 }
 #endif  // DPCUDA_WITH_CUDA
