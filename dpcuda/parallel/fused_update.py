@@ -462,9 +462,8 @@ class FusedUpdate:
     def finish(self, opt):
         """What opt.step() leaves on the host once an update is issued: the weights' versions
         and Adam's step counts' (autograd sees them changed, as after torch.optim's in-place
-        update), SGD's momentum
-        buffers made at its first step (a zero buffer where the device skipped it, which the
-        next update starts afresh, as the device's flag says)."""
+        update), SGD's momentum buffers made at its first step (a zero buffer where the device
+        skipped it, which the next update starts afresh, as the device's flag says)."""
         plan = self._plan
         torch.autograd.graph.increment_version(plan.versioned)
         if opt._op == "sgd" and plan.keys and self._first:
