@@ -748,12 +748,13 @@ def test_a_bad_label_in_a_replayed_window_is_named_and_its_update_skipped(closur
 @pytest.mark.parametrize("change", ["tensor lr in place", "betas list in place",
                                     "new momentum", "same lr, new object"])
 def test_hyperparameters_changed_between_replays_reach_them(closure, change):
-    # A replay rewrites the graph's hyperparameters only when they changed: a changed entry
-    # (a new object, or one changed in place: a tensor lr, a list of betas) must reach the
-    # next replay, bit for bit as the eager non-blocking step.
+    # A replay, and an eager fused update, rewrite the device's hyperparameters only when
+    # they changed: a changed entry (a new object, or one changed in place: a tensor lr, a
+    # list of betas) must reach the next update, bit for bit as the optimizer's own step()
+    # after a blocking reduction (a step pre-hook takes that path: no memo, no fused update).
     def run(mode):
         model = make()
-        kw = {"graphs": True} if mode == "graphed" else {"blocking": False}
+        kw = {"graphs": True} if mode == "graphed" else {"blocking": mode == "conventional"}
         dp = DataParallel(model, ["cpu"] * 2, **kw)
         if change == "new momentum":
             opt = dpcuda.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
@@ -763,6 +764,8 @@ def test_hyperparameters_changed_between_replays_reach_them(closure, change):
                 lr=torch.tensor(0.01) if change == "tensor lr in place" else 0.01)
             if change == "betas list in place":
                 opt.param_groups[0]["betas"] = [0.9, 0.99]  # (a list, set by the user)
+        if mode == "conventional":
+            opt.register_step_pre_hook(lambda *args: None)
         loss_fn = SoftmaxCrossEntropyLoss()
         losses = []
         for i, (x, y) in enumerate(batches(30)):
@@ -781,9 +784,11 @@ def test_hyperparameters_changed_between_replays_reach_them(closure, change):
         return model, [float(v) for v in losses], dp
 
     (ma, la, _), (mb, lb, dpb) = run("nonblocking"), run("graphed")
+    mc, lc, _ = run("conventional")
     assert dpb._graphed.graphs  # (replayed)
-    assert same(la, lb)
+    assert same(la, lb) and same(la, lc)
     assert all(torch.equal(p, q) for p, q in zip(ma.parameters(), mb.parameters()))
+    assert all(torch.equal(p, q) for p, q in zip(ma.parameters(), mc.parameters()))
 
 
 def test_a_batch_that_requires_grad_is_copied_without_autograd(closure):

@@ -275,3 +275,40 @@ def test_step_status_reads_the_loss_the_flag_and_any_nan_or_inf():
     with pytest.raises(ValueError, match="label_flag must be one int32"):
         torch.ops.dpcuda.step_status(torch.zeros(2), torch.tensor(1.0), torch.zeros(1), work,
                                      True)
+
+
+def test_the_backward_goes_through_torch_where_a_torch_function_mode_or_subclass_is_there():
+    # The step hands the logits' gradient straight to autograd's engine (no checks of a
+    # gradient it made itself), but a torch function mode or a tensor subclass must see the
+    # backward as in torch's own loop, and the step's results are the same either way.
+    from torch.overrides import TorchFunctionMode
+
+    class Seen(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            self.names.append(getattr(func, "__name__", str(func)))
+            return func(*args, **(kwargs or {}))
+
+    def run(mode):
+        torch.manual_seed(0)
+        model = FusedMLP([6, 5, 3])
+        dp = DataParallel(model, ["cpu"], lr=0.1, momentum=0.9)
+        loss_fn = SoftmaxCrossEntropyLoss()
+        losses = []
+        for _ in range(3):
+            x, y = torch.randn(8, 6), torch.randint(0, 3, (8,))
+            if mode is None:
+                losses.append(dp.step(x, y, loss_fn))
+            else:
+                with mode:
+                    losses.append(dp.step(x, y, loss_fn))
+        return losses, [p.detach().clone() for p in model.parameters()]
+
+    seen = Seen()
+    la, pa = run(None)
+    lb, pb = run(seen)
+    assert "backward" in seen.names
+    assert la == lb and all(torch.equal(p, q) for p, q in zip(pa, pb))

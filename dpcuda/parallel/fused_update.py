@@ -117,11 +117,16 @@ class _Plan:
         # copies from: a step allocates nothing for its hyperparameters.
         self.hyper_host = torch.zeros(G, _HYPER, dtype=torch.float64)
         self.hyper_rows = self.hyper_host.numpy()  # (its memory, as numpy)
-        # A graphed step's copy of the host's values, which its graph copies into hyper at each
-        # replay; the host writes it only when they change (a scheduler's step), so that a
-        # replay with the same values makes no host-to-device copy. written: its bytes.
+        # The host's values on the device, which every update copies into hyper first (a graphed
+        # step's graph at each replay); the host writes it only when they change (a scheduler's
+        # step), so that a step or a replay with the same values makes no host-to-device copy
+        # and, with the same objects in the groups, no host arithmetic. written: its bytes.
         self.hyper_base = torch.zeros_like(self.hyper)
         self.written = None
+        # reduce_update_'s hyperparameters, group by group, one row per replica: of hyper_base
+        # (the host's rows, where the device completes nothing) and of hyper
+        self.rows = [[rows[g] for g in range(G) for _ in range(R)]
+                     for rows in (self.hyper_base, self.hyper)]
         self.inputs = None  # write_hyper's memo: each group's entries at its last write
         self.firsts = [min((i for i, x in enumerate(group_of) if x == g), default=-1)
                        for g in range(G)]
@@ -357,13 +362,13 @@ class FusedUpdate:
                                     "with a momentum buffer or a step count, some without, "
                                     "or with other step counts)")
 
-    def write_hyper(self, opt, graphed=False):
+    def write_hyper(self, opt):
         """Each group's hyperparameters (as the optimizer holds them now: a scheduler's lr)
-        into the plan's device array; Adam's step and SGD's first-step flag are completed
-        there by device_update. graphed: into the graph's copy (hyper_base), and only when
-        they changed since it was last written: the same objects in every group's entries as
-        at the last write skip even the host's arithmetic (plan.inputs; kept only where the
-        entries are immutable values, whose objects cannot change in place)."""
+        into the plan's device copy of them (hyper_base), which device_update completes into
+        hyper (Adam's step, SGD's first-step flag), only when they changed since it was last
+        written: the same objects in every group's entries as at the last write skip even the
+        host's arithmetic (plan.inputs; kept only where the entries are immutable values, whose
+        objects cannot change in place), and the same bits skip the copy."""
         plan = self._plan
         adam = opt._op == "adam"
         state = opt.state
@@ -371,12 +376,10 @@ class FusedUpdate:
         self._first = [] if adam or not plan.keys else [
             index for index, m in enumerate(plan.members)
             if m and "momentum_buffer" not in state[plan.params[m[0]]]]
-        if graphed:
-            inputs = [tuple(group.values()) for group in opt.param_groups]
-            last = plan.inputs
-            if last is not None and len(inputs) == len(last) and \
-                    all(map(_same_objects, inputs, last)):
-                return
+        inputs = [tuple(group.values()) for group in opt.param_groups]
+        last = plan.inputs
+        if last is not None and len(inputs) == len(last) and all(map(_same_objects, inputs, last)):
+            return
         groups = opt.param_groups
         if len(groups) != len(plan.members):
             raise _changed_in_step(opt, "another number of parameter groups")
@@ -392,16 +395,13 @@ class FusedUpdate:
                                             "momentum 0 or not, Adam's amsgrad)")
             rows.append(opt._values(group, 0.0 if adam else False))
         plan.hyper_rows[:] = rows
-        if graphed:
-            # (compared by their bits: -0.0 is not 0.0 here, and a NaN equals itself)
-            written = plan.hyper_rows.tobytes()
-            if written != plan.written:
-                plan.written = plan.inputs = None  # (until the copy below is queued)
-                self._copy_hyper(plan.hyper_base)
-                plan.written = written
-            plan.inputs = inputs if all(map(_immutable_values, opt.param_groups)) else None
-            return
-        self._copy_hyper(plan.hyper)
+        # (compared by their bits: -0.0 is not 0.0 here, and a NaN equals itself)
+        written = plan.hyper_rows.tobytes()
+        if written != plan.written:
+            plan.written = plan.inputs = None  # (until the copy below is queued)
+            self._copy_hyper(plan.hyper_base)
+            plan.written = written
+        plan.inputs = inputs if all(map(_immutable_values, opt.param_groups)) else None
 
     def _copy_hyper(self, target):
         plan = self._plan
@@ -416,27 +416,25 @@ class FusedUpdate:
                 target.copy_(plan.hyper_host, non_blocking=True)
 
     def device_update(self, opt, replicas, algorithm, records=(), scaled_by=0.0,
-                      loss_out=None, graphed=False, ring=None):
+                      loss_out=None, ring=None):
         """The update's device work, with no host read: the step slot (Adam) or the first-step
         flag (SGD) from the device's counts, the reduce-update, the counts advanced where the
         records let the update apply (and, given a graphed step's ring, the records into it):
         three launches on a GPU (two for SGD without momentum). Returns the norm tensor it
-        writes (max_grad_norm; else None). graphed: the host's values taken from hyper_base
-        (write_hyper(graphed=True))."""
+        writes (max_grad_norm; else None). The host's values are hyper_base's (write_hyper)."""
         plan = self._plan
-        R = len(replicas)
         op = opt._op
         # Adam's step counts, or whether each group's SGD momentum has begun (none without it)
         counts = plan.steps if op == "adam" else plan.started if plan.keys else None
         with torch.no_grad():
             rows = plan.hyper
             if counts is not None:
-                torch.ops.dpcuda.update_hyper_(rows, plan.hyper_base if graphed else None,
+                torch.ops.dpcuda.update_hyper_(rows, plan.hyper_base,
                                                counts, plan.first_index if op == "adam" else
                                                None, op)
-            elif graphed:
+            else:
                 rows = plan.hyper_base  # (nothing to complete on the device: the host's rows)
-            hyper = [rows[g] for g in range(len(opt.param_groups)) for _ in range(R)]
+            hyper = plan.rows[rows is plan.hyper]
             clip = opt.max_grad_norm
             norm = torch.empty(1, dtype=plan.buffers[0][0].dtype, device=plan.device) \
                 if clip is not None else None

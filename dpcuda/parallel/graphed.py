@@ -366,7 +366,7 @@ class GraphedSteps:
             if not dp._fused_update.ready(optimizer, dp._replicas, set(), dp._set.generation):
                 dp._optimizer = None
                 return None
-            dp._fused_update.write_hyper(optimizer, graphed=True)
+            dp._fused_update.write_hyper(optimizer)
 
         grad_enabled = torch.is_grad_enabled()  # (a replay runs inside opt.step's no_grad)
         # What the body's sync would make (momentum buffers switched on since the warm-up, a
@@ -428,7 +428,7 @@ class GraphedSteps:
             # (inside opt.step(): after what a subclass's step or a wrapper of it changes)
             if optimizer is not None:
                 dp._fused_update.recheck(optimizer)
-                dp._fused_update.write_hyper(optimizer, graphed=True)
+                dp._fused_update.write_hyper(optimizer)
             graph.graph.replay()
             replayed.append(True)
             if optimizer is not None:

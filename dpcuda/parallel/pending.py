@@ -81,7 +81,7 @@ class PendingSteps:
                 # (the records into the ring by the update's own bookkeeping launch)
                 ring.norm = self._fused_update.device_update(
                     opt, self._replicas, self.algorithm, records, float(global_den), ring.loss,
-                    graphed=True, ring=ring.ring)
+                    ring=ring.ring)
             else:
                 self._reduce_p2p(records, float(global_den), ring.loss)
                 if kept is not None:

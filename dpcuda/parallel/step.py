@@ -10,6 +10,7 @@ loss is computed on the gathered output, as in the conventional loop, and the up
 the reduction.
 """
 
+import logging
 import math
 import operator
 import time
@@ -39,6 +40,28 @@ def _plain(loss_fn, cls):
         return False
     d = loss_fn.__dict__
     return not any(name in d for name in _CALL_ATTRIBUTES)
+
+
+def _backward(out, grad):
+    """out.backward(grad) for the logits and their gradient from loss_grad (the same shape,
+    dtype and device, made by dpcuda): where neither is a subclass, no torch function mode is
+    on and no functorch transform is active, straight into autograd's engine, without the
+    checks torch.autograd.backward makes of a gradient it did not make (a few microseconds of
+    a small step's host time); otherwise (or with autograd's debug logging on) torch's own
+    call."""
+    if type(out) is torch.Tensor and type(grad) is torch.Tensor and \
+            not _has_torch_function((out, grad)) and \
+            not torch._C._are_functorch_transforms_active() and \
+            not _GRAPH_LOG.isEnabledFor(logging.DEBUG):
+        _ENGINE.run_backward((out,), (grad,), False, False, (), allow_unreachable=True,
+                             accumulate_grad=True)
+    else:
+        out.backward(grad)
+
+
+_ENGINE = torch.autograd.Variable._execution_engine
+_has_torch_function = torch._C._has_torch_function
+_GRAPH_LOG = torch.autograd.graph.log
 
 
 def summed_loss(loss_fn, targets):
@@ -402,7 +425,7 @@ class StepMixin(LabelChecks, PendingSteps, UpdateMixin):
                 if grad is None:
                     loss.backward()
                 elif out.requires_grad:
-                    out.backward(grad)
+                    _backward(out, grad)
                 else:  # as loss.backward() in torch (no_grad, or nothing to train)
                     raise RuntimeError("element 0 of tensors does not require grad and does "
                                        "not have a grad_fn")
