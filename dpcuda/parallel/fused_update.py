@@ -125,8 +125,8 @@ class _Plan:
         self.written = None
         # reduce_update_'s hyperparameters, group by group, one row per replica: of hyper_base
         # (the host's rows, where the device completes nothing) and of hyper
-        self.rows = [[rows[g] for g in range(G) for _ in range(R)]
-                     for rows in (self.hyper_base, self.hyper)]
+        self.base_rows, self.completed_rows = (
+            [rows[g] for g in range(G) for _ in range(R)] for rows in (self.hyper_base, self.hyper))
         self.inputs = None  # write_hyper's memo: each group's entries at its last write
         self.firsts = [min((i for i, x in enumerate(group_of) if x == g), default=-1)
                        for g in range(G)]
@@ -328,7 +328,7 @@ class FusedUpdate:
             # (inside opt.step(): after what a subclass's step or a wrapper of it changes)
             self.recheck(opt)
             self.write_hyper(opt)
-            self.device_update(opt, replicas, algorithm, records, scaled_by, loss_out)
+            self.device_update(opt, algorithm, records, scaled_by, loss_out)
             self.finish(opt)
         # Through opt.step(), so that what wraps it runs as for any step: its post-hooks, the
         # learning-rate schedulers' bookkeeping, the profiler's record.
@@ -415,8 +415,8 @@ class FusedUpdate:
                 # the device array.
                 target.copy_(plan.hyper_host, non_blocking=True)
 
-    def device_update(self, opt, replicas, algorithm, records=(), scaled_by=0.0,
-                      loss_out=None, ring=None):
+    def device_update(self, opt, algorithm, records=(), scaled_by=0.0, loss_out=None,
+                      ring=None):
         """The update's device work, with no host read: the step slot (Adam) or the first-step
         flag (SGD) from the device's counts, the reduce-update, the counts advanced where the
         records let the update apply (and, given a graphed step's ring, the records into it):
@@ -427,14 +427,12 @@ class FusedUpdate:
         # Adam's step counts, or whether each group's SGD momentum has begun (none without it)
         counts = plan.steps if op == "adam" else plan.started if plan.keys else None
         with torch.no_grad():
-            rows = plan.hyper
             if counts is not None:
-                torch.ops.dpcuda.update_hyper_(rows, plan.hyper_base,
-                                               counts, plan.first_index if op == "adam" else
-                                               None, op)
+                torch.ops.dpcuda.update_hyper_(plan.hyper, plan.hyper_base, counts,
+                                               plan.first_index if op == "adam" else None, op)
+                hyper = plan.completed_rows
             else:
-                rows = plan.hyper_base  # (nothing to complete on the device: the host's rows)
-            hyper = plan.rows[rows is plan.hyper]
+                hyper = plan.base_rows  # (nothing to complete on the device: the host's rows)
             clip = opt.max_grad_norm
             norm = torch.empty(1, dtype=plan.buffers[0][0].dtype, device=plan.device) \
                 if clip is not None else None

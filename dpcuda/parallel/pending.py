@@ -80,8 +80,7 @@ class PendingSteps:
             if opt is not None:
                 # (the records into the ring by the update's own bookkeeping launch)
                 ring.norm = self._fused_update.device_update(
-                    opt, self._replicas, self.algorithm, records, float(global_den), ring.loss,
-                    ring=ring.ring)
+                    opt, self.algorithm, records, float(global_den), ring.loss, ring=ring.ring)
             else:
                 self._reduce_p2p(records, float(global_den), ring.loss)
                 if kept is not None:
